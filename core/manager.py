@@ -1,0 +1,356 @@
+"""The typed plugin-manager facade. Engines call these methods, never ``pm.hook`` directly."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import pluggy
+from kvpush.core import hookspecs
+from kvpush.core.errors import ConfigError, HandshakeError, PluginError
+from kvpush.core.markers import PROJECT_NAME
+from kvpush.core.types import (
+    AgentMetadata,
+    HandshakeMode,
+    LayoutProvider,
+    Notification,
+    ParallelConfig,
+    PushJob,
+    ReadSpec,
+    RegionAlignment,
+    RequestMetadata,
+    Role,
+    TransportProvider,
+)
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = PROJECT_NAME
+DISABLE_ENV = "KVPUSH_DISABLE_PLUGINS"
+LOAD_ENV = "KVPUSH_LOAD_PLUGINS"
+
+BUILTIN_PLUGINS: dict[str, str] = {
+    "defaults": "kvpush.plugins.defaults",
+    "tp_mapping": "kvpush.plugins.tp_mapping",
+    "pp_slicing": "kvpush.plugins.pp_slicing",
+    "mla_replication": "kvpush.plugins.mla_replication",
+    "nixl": "kvpush.transports.nixl",
+    "uniform": "kvpush.layouts.uniform",
+}
+"""Short name → module of every built-in plugin, registered like any third-party plugin."""
+
+STRATEGIES = ("direct", "packed")
+
+
+@attrs.frozen(kw_only=True)
+class PluginInfo:
+    """One registered plugin, as ``kvpush plugins`` reports it."""
+
+    name: str
+    distribution: str
+    version: str
+    hooks: tuple[str, ...]
+
+
+def _split_env(value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+class KvpushPluginManager:
+    """A pluggy manager with one typed method per kvpush hook."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self._dists: dict[str, tuple[str, str]] = {}
+
+    # ---------------------------------------------------------------- registration
+
+    def register(self, plugin: object, name: str, distribution: tuple[str, str] | None = None) -> None:
+        """Register ``plugin`` (a module or object with hookimpls) under ``name``."""
+        try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as err:
+            dist, version = distribution or ("kvpush", _kvpush_version())
+            raise PluginError(
+                f"plugin {name!r} (distribution {dist} {version}) is invalid: {err}. "
+                f"Fix its hookimpls to match the specs in kvpush.core.hookspecs."
+            ) from err
+        except ValueError as err:
+            raise PluginError(f"plugin {name!r} could not be registered: {err}") from err
+        self._dists[name] = distribution or ("kvpush", _kvpush_version())
+
+    def check_pending(self) -> None:
+        """Fail on any hookimpl whose name matches no spec (usually a typo)."""
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as err:
+            name = self.pm.get_name(err.plugin) or repr(err.plugin)
+            dist, version = self._dists.get(name, ("unknown", "?"))
+            known = ", ".join(sorted(hookspecs.__all__))
+            raise PluginError(
+                f"plugin {name!r} (distribution {dist} {version}): {err}. kvpush hooks are: "
+                f"{known}. Rename the function or remove its @hookimpl."
+            ) from err
+
+    def load_entrypoints(self, allow: Sequence[str] | None, blocked: Sequence[str]) -> int:
+        """Load plugins from the ``kvpush`` entry-point group; return how many were loaded."""
+        loaded = 0
+        seen_allowed: set[str] = set()
+        for dist in importlib.metadata.distributions():
+            for ep in dist.entry_points:
+                if ep.group != ENTRY_POINT_GROUP:
+                    continue
+                dist_name = dist.metadata["Name"] or "unknown"
+                if ep.name in blocked or dist_name in blocked:
+                    logger.info("kvpush plugin %s (%s) disabled by %s", ep.name, dist_name, DISABLE_ENV)
+                    continue
+                if allow is not None and ep.name not in allow and dist_name not in allow:
+                    continue
+                seen_allowed.update({ep.name, dist_name})
+                if self.pm.get_plugin(ep.name) is not None:
+                    continue
+                try:
+                    plugin = ep.load()
+                except Exception as err:
+                    raise PluginError(
+                        f"plugin {ep.name!r} from distribution {dist_name} {dist.version} failed "
+                        f"to import ({ep.value}): {type(err).__name__}: {err}. Reinstall or fix "
+                        f"it, or skip it with {DISABLE_ENV}={ep.name}."
+                    ) from err
+                self.register(plugin, ep.name, (dist_name, dist.version))
+                loaded += 1
+        for name in allow or ():
+            if name not in seen_allowed and name not in BUILTIN_PLUGINS:
+                raise PluginError(
+                    f"{LOAD_ENV} names {name!r}, but no installed distribution offers a "
+                    f"{ENTRY_POINT_GROUP!r} entry point by that name; install it or remove it."
+                )
+        return loaded
+
+    # ---------------------------------------------------------------- introspection
+
+    def list_plugins(self) -> list[PluginInfo]:
+        infos = []
+        for name, plugin in self.pm.list_name_plugin():
+            if plugin is None:
+                continue
+            dist, version = self._dists.get(name, ("unknown", "?"))
+            hooks = sorted(
+                caller.name
+                for caller in self.pm.get_hookcallers(plugin) or ()
+            )
+            infos.append(PluginInfo(name=name, distribution=dist, version=version, hooks=tuple(hooks)))
+        return sorted(infos, key=lambda info: info.name)
+
+    def _results_with_source(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call each implementation of a hook separately, keeping which plugin answered."""
+        caller = getattr(self.pm.hook, hook_name)
+        out = []
+        for impl in reversed(caller.get_hookimpls()):  # pluggy's own LIFO call order
+            args = {name: kwargs[name] for name in impl.argnames}
+            result = impl.function(**args)
+            if result is not None:
+                out.append((impl.plugin_name, result))
+        return out
+
+    def _providers(self, hook_name: str, kind: str) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        owner: dict[str, str] = {}
+        for plugin_name, results in self._results_with_source(hook_name):
+            for provider in results:
+                if provider.name in found:
+                    raise PluginError(
+                        f"two plugins offer a {kind} named {provider.name!r}: "
+                        f"{owner[provider.name]!r} and {plugin_name!r}. Disable one with "
+                        f"{DISABLE_ENV}, and report the clash to the plugin authors."
+                    )
+                found[provider.name] = provider
+                owner[provider.name] = plugin_name
+        return found
+
+    # ---------------------------------------------------------------- transports and layouts
+
+    def transports(self) -> dict[str, TransportProvider]:
+        return self._providers("kvpush_transports", "transport")
+
+    def layouts(self) -> dict[str, LayoutProvider]:
+        return self._providers("kvpush_layouts", "layout")
+
+    def transport(self, name: str) -> TransportProvider:
+        providers = self.transports()
+        if name not in providers:
+            raise ConfigError(
+                f"no transport named {name!r}; available: {sorted(providers)}. "
+                f"Install the plugin that provides it."
+            )
+        return providers[name]
+
+    def layout(self, name: str) -> LayoutProvider:
+        providers = self.layouts()
+        if name not in providers:
+            raise ConfigError(
+                f"no layout named {name!r}; available: {sorted(providers)}. "
+                f"Install the plugin that provides it."
+            )
+        return providers[name]
+
+    # ---------------------------------------------------------------- handshake
+
+    def metadata_extensions(self, local: AgentMetadata) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        owner: dict[str, str] = {}
+        for plugin_name, extra in self._results_with_source("kvpush_metadata_extensions", local=local):
+            for key, value in dict(extra).items():
+                if key in merged:
+                    raise PluginError(
+                        f"plugins {owner[key]!r} and {plugin_name!r} both publish metadata "
+                        f"field {key!r}; one of them must rename it"
+                    )
+                merged[key] = value
+                owner[key] = plugin_name
+        return merged
+
+    def handshake_mode(self, role: Role, peer_role: Role) -> HandshakeMode:
+        for _, mode in self._results_with_source("kvpush_handshake_mode", role=role, peer_role=peer_role):
+            return mode
+        raise PluginError(
+            f"no plugin chose a handshake mode for {role.value} → {peer_role.value}; is the "
+            f"'defaults' plugin disabled?"
+        )
+
+    def validate_peer(self, local: AgentMetadata, peer: AgentMetadata, mode: HandshakeMode) -> list[str]:
+        problems: list[str] = []
+        for result in self.pm.hook.kvpush_validate_peer(local=local, peer=peer, mode=mode):
+            problems.extend(result)
+        return problems
+
+    def check_peer(self, local: AgentMetadata, peer: AgentMetadata, mode: HandshakeMode) -> None:
+        """Raise one ``HandshakeError`` listing every problem the validators found."""
+        problems = self.validate_peer(local, peer, mode)
+        if problems:
+            raise HandshakeError(
+                f"engine {peer.engine_id!r} rank {peer.rank} is not compatible with "
+                f"{local.engine_id!r} rank {local.rank}:\n  - " + "\n  - ".join(problems)
+            )
+
+    # ---------------------------------------------------------------- region mapping
+
+    def align_regions(self, local: AgentMetadata, peer: AgentMetadata) -> RegionAlignment:
+        claims = self._results_with_source("kvpush_align_regions", local=local, peer=peer)
+        if len(claims) > 1:
+            names = " and ".join(repr(name) for name, _ in claims)
+            raise PluginError(
+                f"plugins {names} both claim the region alignment of {local.engine_id!r} "
+                f"{local.rank} with {peer.engine_id!r} {peer.rank}; disable one of them"
+            )
+        if claims:
+            plugin_name, alignment = claims[0]
+            alignment = attrs.evolve(alignment, source=plugin_name)
+        else:
+            if len(local.regions) != len(peer.regions):
+                raise HandshakeError(
+                    f"{local.engine_id!r} {local.rank} has {len(local.regions)} KV regions but "
+                    f"{peer.engine_id!r} {peer.rank} advertises {len(peer.regions)}, and no "
+                    f"alignment plugin (PP slicing, HMA) explains the difference; check that both "
+                    f"sides run the same model and layout"
+                )
+            alignment = RegionAlignment(remote_indices=range(len(local.regions)))
+        _check_alignment(local, peer, alignment)
+        return alignment
+
+    # ---------------------------------------------------------------- read specs
+
+    def build_read_specs(self, job: PushJob) -> list[ReadSpec]:
+        specs = self.pm.hook.kvpush_build_read_specs(job=job)
+        if specs is None:
+            raise PluginError("no plugin built read specs; is the 'tp_mapping' plugin disabled?")
+        specs = list(specs)
+        if not specs:
+            raise PluginError(
+                f"the read-spec plugins produced no destination for a request of "
+                f"{job.local.engine_id!r} {job.local.rank} (decode TP {job.decode_tp_size}); "
+                f"the request could never complete"
+            )
+        return specs
+
+    def transfer_strategy(self, job: PushJob, spec: ReadSpec, num_descriptors: int) -> str:
+        name = self.pm.hook.kvpush_transfer_strategy(job=job, spec=spec, num_descriptors=num_descriptors)
+        if name is None:
+            return "direct"
+        if name not in STRATEGIES:
+            raise PluginError(f"a plugin chose unknown transfer strategy {name!r}; use one of {STRATEGIES}")
+        return name
+
+    # ---------------------------------------------------------------- completion
+
+    def expected_notifications(self, request: RequestMetadata, decode: ParallelConfig) -> int:
+        count = self.pm.hook.kvpush_expected_notifications(request=request, decode=decode)
+        if not isinstance(count, int) or count <= 0:
+            raise PluginError(
+                f"expected-notification plugins returned {count!r} for request "
+                f"{request.request_id!r}; a positive int is needed"
+            )
+        return count
+
+    def decode_notification(self, message: bytes) -> Notification | None:
+        return self.pm.hook.kvpush_decode_notification(message=message)
+
+
+def _check_alignment(local: AgentMetadata, peer: AgentMetadata, alignment: RegionAlignment) -> None:
+    if len(alignment.remote_indices) != len(local.regions):
+        raise HandshakeError(
+            f"alignment from {alignment.source!r} pairs {len(alignment.remote_indices)} regions, "
+            f"but {local.engine_id!r} {local.rank} has {len(local.regions)}"
+        )
+    for index in alignment.remote_indices:
+        if not 0 <= index < len(peer.regions):
+            raise HandshakeError(
+                f"alignment from {alignment.source!r} names peer region {index}, but "
+                f"{peer.engine_id!r} {peer.rank} has only {len(peer.regions)}"
+            )
+
+
+def _kvpush_version() -> str:
+    try:
+        return importlib.metadata.version("kvpush")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def get_plugin_manager(
+    *,
+    load_entrypoints: bool = True,
+    plugins: Iterable[tuple[str, object]] = (),
+    env: Mapping[str, str] | None = None,
+) -> KvpushPluginManager:
+    """Build a ready manager.
+
+    In order: add the specs; register the built-in plugins (minus those named in
+    ``KVPUSH_DISABLE_PLUGINS``); register ``plugins`` (name, object) pairs given by the caller;
+    load the ``kvpush`` entry-point group (only those named in ``KVPUSH_LOAD_PLUGINS`` if it is
+    set; an empty value loads none); then ``check_pending()``.
+    """
+    env = os.environ if env is None else env
+    blocked = _split_env(env.get(DISABLE_ENV)) or []
+    allow = _split_env(env.get(LOAD_ENV))
+    manager = KvpushPluginManager()
+    for name in blocked:
+        manager.pm.set_blocked(name)
+    for name, module_name in BUILTIN_PLUGINS.items():
+        if name in blocked:
+            continue
+        manager.register(importlib.import_module(module_name), name)
+    for name, plugin in plugins:
+        manager.register(plugin, name, ("local", "-"))
+    if load_entrypoints:
+        manager.load_entrypoints(allow, blocked)
+    manager.check_pending()
+    return manager

@@ -1,0 +1,264 @@
+"""Handshakes with peer engines: fetch, validate and align off the writer thread; load on it.
+
+A handshake has two halves. The *fetch* half (side-channel round trips, decoding, validation,
+region alignment) runs on a small executor so it never blocks the writer. The *load* half
+(``transport.load_peer``) touches the transport and therefore runs on the writer thread, as a
+queued command. Concurrent handshakes to one engine share one future.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import attrs
+from kvpush.core import wire
+from kvpush.core.errors import HandshakeError, KvpushError
+from kvpush.core.manager import KvpushPluginManager
+from kvpush.core.planning import region_descriptors
+from kvpush.core.sidechannel import fetch_metadata
+from kvpush.core.transport import Transport
+from kvpush.core.types import (
+    AgentMetadata,
+    HandshakeMode,
+    KVRegion,
+    RankKey,
+    RegionAlignment,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False)
+class PeerRank:
+    """One loaded rank of a peer engine."""
+
+    meta: AgentMetadata
+    agent: str = ""
+    alignment: RegionAlignment | None = None
+    remote_lists: dict[tuple[int, int], int] = attrs.field(factory=dict)
+    """Prepared remote descriptor lists by block part (full handshakes only)."""
+
+    @property
+    def aligned_regions(self) -> list[KVRegion]:
+        assert self.alignment is not None
+        return [self.meta.regions[i] for i in self.alignment.remote_indices]
+
+
+@attrs.define(eq=False)
+class PeerEngine:
+    """What a rank knows about one peer engine."""
+
+    engine_id: str
+    host: str
+    port: int
+    mode: HandshakeMode
+    ranks: dict[RankKey, PeerRank] = attrs.field(factory=dict)
+    handshake_ms: float = 0.0
+    last_active: float = attrs.field(factory=time.monotonic)
+
+    @property
+    def tp_size(self) -> int:
+        return next(iter(self.ranks.values())).meta.parallel.tp_size
+
+    @property
+    def pp_size(self) -> int:
+        return next(iter(self.ranks.values())).meta.parallel.pp_size
+
+
+def check_geometry(local: AgentMetadata, peer: AgentMetadata, alignment: RegionAlignment) -> list[str]:
+    """Per aligned pair: same component and replication, and equal bytes per head per block."""
+    problems = []
+    for i, j in enumerate(alignment.remote_indices):
+        mine, theirs = local.regions[i], peer.regions[j]
+        if mine.component != theirs.component or mine.replicate != theirs.replicate:
+            problems.append(
+                f"region {i} ({mine.layer_names}, {mine.component}) pairs with peer region {j} "
+                f"({theirs.layer_names}, {theirs.component}); component/replication differ"
+            )
+            continue
+        if mine.block_len * theirs.num_heads != theirs.block_len * mine.num_heads:
+            problems.append(
+                f"block length mismatch on {mine.layer_names} {mine.component}: local "
+                f"{mine.block_len} B for {mine.num_heads} head(s), peer {theirs.block_len} B for "
+                f"{theirs.num_heads} head(s); block size, head size and dtype must match"
+            )
+    return problems
+
+
+class PeerRegistry:
+    """Handshakes and loaded peers of one rank. Loaded state is touched on the writer only."""
+
+    def __init__(
+        self,
+        *,
+        pm: KvpushPluginManager,
+        local: AgentMetadata,
+        transport: Transport,
+        run_on_writer: Callable[[Callable[[], None]], None],
+        timeout_s: float,
+    ) -> None:
+        self._pm = pm
+        self._local = local
+        self._transport = transport
+        self._run_on_writer = run_on_writer
+        self._timeout_s = timeout_s
+        self._expected_hash = wire.compatibility_hash(local.model, local.layout, local.transport)
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-handshake")
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, tuple[RankKey, ...]], Future[PeerEngine]] = {}
+        self.engines: dict[str, PeerEngine] = {}
+        self.handshake_ms: dict[str, list[float]] = {m.value: [] for m in HandshakeMode}
+
+    def connected(self, engine_id: str, ranks: Iterable[RankKey]) -> PeerEngine | None:
+        engine = self.engines.get(engine_id)
+        if engine is not None and all(rank in engine.ranks for rank in ranks):
+            engine.last_active = time.monotonic()
+            return engine
+        return None
+
+    def ensure(
+        self, engine_id: str, host: str, port: int, ranks: Iterable[RankKey], mode: HandshakeMode
+    ) -> Future[PeerEngine]:
+        """A future resolved (on the writer thread) once ``ranks`` of the engine are loaded."""
+        ranks = sorted(set(ranks))
+        engine = self.connected(engine_id, ranks)
+        if engine is not None:
+            done: Future[PeerEngine] = Future()
+            done.set_result(engine)
+            return done
+        key = (engine_id, tuple(ranks))
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is not None:
+                return pending
+            future: Future[PeerEngine] = Future()
+            self._pending[key] = future
+        self._executor.submit(self._fetch, future, key, host, port, mode)
+        return future
+
+    def _fetch(
+        self,
+        future: Future[PeerEngine],
+        key: tuple[str, tuple[RankKey, ...]],
+        host: str,
+        port: int,
+        mode: HandshakeMode,
+    ) -> None:
+        engine_id, ranks = key
+        started = time.perf_counter()
+        try:
+            fetched = {}
+            for rank in ranks:
+                payload = fetch_metadata(host, port, rank, timeout_s=self._timeout_s, engine_id=engine_id)
+                peer = wire.decode_metadata(
+                    payload, expected_hash=self._expected_hash, source=f"engine {engine_id!r} rank {rank}"
+                )
+                if peer.engine_id != engine_id:
+                    raise HandshakeError(
+                        f"{host}:{port} serves engine {peer.engine_id!r}, but {engine_id!r} was "
+                        f"expected; check the router's remote_engine_id and port"
+                    )
+                if peer.rank != rank:
+                    raise HandshakeError(f"asked {engine_id!r} for rank {rank}, got {peer.rank}")
+                self._pm.check_peer(self._local, peer, mode)
+                alignment = None
+                if mode is HandshakeMode.FULL:
+                    alignment = self._pm.align_regions(self._local, peer)
+                    problems = check_geometry(self._local, peer, alignment)
+                    if problems:
+                        raise HandshakeError(
+                            f"engine {engine_id!r} rank {rank} does not fit {self._local.rank}:\n  - "
+                            + "\n  - ".join(problems)
+                        )
+                fetched[rank] = PeerRank(meta=peer, alignment=alignment)
+        except Exception as err:
+            self._finish(key, future, error=err)
+            return
+        fetch_ms = (time.perf_counter() - started) * 1e3
+        self._run_on_writer(lambda: self._load(future, key, host, port, mode, fetched, started, fetch_ms))
+
+    def _load(
+        self,
+        future: Future[PeerEngine],
+        key: tuple[str, tuple[RankKey, ...]],
+        host: str,
+        port: int,
+        mode: HandshakeMode,
+        fetched: dict[RankKey, PeerRank],
+        started: float,
+        fetch_ms: float,
+    ) -> None:
+        engine_id = key[0]
+        try:
+            for peer_rank in fetched.values():
+                peer_rank.agent = self._transport.load_peer(peer_rank.meta.agent_blob)
+        except Exception as err:
+            self._finish(key, future, error=err)
+            return
+        engine = self.engines.get(engine_id)
+        if engine is None or engine.mode is not mode:
+            engine = PeerEngine(engine_id=engine_id, host=host, port=port, mode=mode)
+            self.engines[engine_id] = engine
+        engine.ranks.update(fetched)
+        engine.handshake_ms = (time.perf_counter() - started) * 1e3
+        self.handshake_ms[mode.value].append(engine.handshake_ms)
+        logger.debug(
+            "handshake with %s ranks %s done in %.1f ms (fetch %.1f ms, notif_agents_only=%s)",
+            engine_id,
+            [str(r) for r in fetched],
+            engine.handshake_ms,
+            fetch_ms,
+            mode is HandshakeMode.NOTIF_ONLY,
+        )
+        self._finish(key, future, result=engine)
+
+    def _finish(
+        self,
+        key: tuple[str, tuple[RankKey, ...]],
+        future: Future[PeerEngine],
+        *,
+        result: PeerEngine | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        engine_id = key[0]
+        with self._lock:
+            if self._pending.get(key) is future:
+                del self._pending[key]
+        if error is not None:
+            if not isinstance(error, KvpushError):
+                error = HandshakeError(f"handshake with engine {engine_id!r} failed: {type(error).__name__}: {error}")
+            logger.warning("handshake with %s failed: %s", engine_id, error)
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def remote_list(self, engine: PeerEngine, rank: RankKey, part: tuple[int, int]) -> int:
+        """The prepared descriptor list of a peer rank's aligned regions (writer thread)."""
+        peer_rank = engine.ranks[rank]
+        if engine.mode is not HandshakeMode.FULL or peer_rank.alignment is None:
+            raise HandshakeError(
+                f"engine {engine.engine_id!r} was loaded notif-only; it has no descriptors to write to"
+            )
+        handle = peer_rank.remote_lists.get(part)
+        if handle is None:
+            regions = peer_rank.aligned_regions
+            descriptors = region_descriptors(regions, part)
+            handle = self._transport.prepare_remote(peer_rank.agent, descriptors, regions[0].mem_type)
+            peer_rank.remote_lists[part] = handle
+        return handle
+
+    def remove(self, engine_id: str) -> None:
+        """Forget an engine and release what was loaded for it (writer thread)."""
+        engine = self.engines.pop(engine_id, None)
+        if engine is None:
+            return
+        for peer_rank in engine.ranks.values():
+            if peer_rank.agent:
+                self._transport.remove_peer(peer_rank.agent)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,120 @@
+"""Vectorised transfer planning: descriptor lists and descriptor ids (numpy, no per-block loop).
+
+A prepared descriptor list holds, region by region, one descriptor per block of the region
+(region-major). The descriptor id of block ``b`` of region ``i`` is ``offset[i] + b`` where
+``offset`` is the running sum of the regions' block counts. Both sides compute ids over their
+regions in *local* region order (the remote list is built over the aligned peer regions), so
+entry ``n`` of the local ids pairs with entry ``n`` of the remote ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from kvpush.core.errors import ConfigError
+from kvpush.core.types import BlockIds, KVRegion
+
+
+def region_descriptors(regions: Sequence[KVRegion], part: tuple[int, int] = (0, 1)) -> np.ndarray:
+    """Nx3 uint64 ``(addr, len, device)`` for every block of every region, region-major.
+
+    ``part = (index, count)`` selects byte slice ``index`` of ``count`` equal slices of each
+    block (a head slice for heterogeneous TP).
+    """
+    index, count = part
+    if not 0 <= index < count:
+        raise ConfigError(f"block part {part} must satisfy 0 <= index < count")
+    blocks = [np.arange(r.num_blocks, dtype=np.uint64) for r in regions]
+    out = np.empty((sum(r.num_blocks for r in regions), 3), dtype=np.uint64)
+    start = 0
+    for region, ids in zip(regions, blocks):
+        if region.block_len % count:
+            raise ConfigError(
+                f"block of {region.layer_names} ({region.block_len} bytes) cannot be cut into "
+                f"{count} equal slices"
+            )
+        size = region.block_len // count
+        end = start + region.num_blocks
+        out[start:end, 0] = region.base_addr + ids * region.block_stride + index * size
+        out[start:end, 1] = size
+        out[start:end, 2] = region.device_id
+        start = end
+    return out
+
+
+def region_offsets(regions: Sequence[KVRegion]) -> np.ndarray:
+    counts = np.fromiter((r.num_blocks for r in regions), dtype=np.int64, count=len(regions))
+    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+
+
+def descriptor_ids(
+    regions: Sequence[KVRegion], groups: Sequence[int], block_ids: BlockIds
+) -> np.ndarray:
+    """int32 descriptor ids of ``block_ids`` in every region (``groups[i]`` is region i's group).
+
+    Raises ``ConfigError`` for a block id beyond a region's capacity.
+    """
+    offsets = region_offsets(regions)
+    capacities = np.fromiter((r.num_blocks for r in regions), dtype=np.int64, count=len(regions))
+    groups_arr = np.asarray(groups, dtype=np.int64)
+    if len(groups_arr) and groups_arr.max() >= len(block_ids):
+        raise ConfigError(
+            f"regions use KV-cache group {int(groups_arr.max())} but block ids were given for "
+            f"{len(block_ids)} group(s)"
+        )
+    parts = []
+    if len(set(groups)) == 1:  # common case: one broadcast over every region
+        ids = np.asarray(block_ids[groups[0]], dtype=np.int64)
+        _check_capacity(ids, capacities.min(initial=np.iinfo(np.int64).max), groups[0])
+        parts.append((offsets[:, None] + ids[None, :]).ravel())
+    else:
+        # region order is kept: ids are emitted region by region
+        for i, group in enumerate(groups):
+            ids = np.asarray(block_ids[group], dtype=np.int64)
+            _check_capacity(ids, capacities[i], group)
+            parts.append(offsets[i] + ids)
+    out = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    return out.astype(np.int32)
+
+
+def _check_capacity(ids: np.ndarray, capacity: int, group: int) -> None:
+    if len(ids) and (ids.max() >= capacity or ids.min() < 0):
+        raise ConfigError(
+            f"block id {int(ids.max())} of group {group} is outside the region's "
+            f"{int(capacity)} blocks"
+        )
+
+
+def trim_for_prefix_hit(producer: BlockIds, decode: BlockIds, request_id: str) -> BlockIds:
+    """End-trim P's blocks to D's count per group.
+
+    D registers only its uncached suffix, so P sends the *last* ``len(D)`` blocks of each
+    group, never the first (trimming the front writes P's prefix into D's suffix slots).
+    """
+    if len(producer) != len(decode):
+        raise ConfigError(
+            f"request {request_id!r}: P has {len(producer)} KV-cache groups, D registered "
+            f"{len(decode)}"
+        )
+    trimmed = []
+    for group, (p_ids, d_ids) in enumerate(zip(producer, decode)):
+        if len(d_ids) > len(p_ids):
+            raise ConfigError(
+                f"request {request_id!r}: D registered {len(d_ids)} blocks in group {group} but "
+                f"P computed only {len(p_ids)}"
+            )
+        trimmed.append(tuple(p_ids[len(p_ids) - len(d_ids) :]) if d_ids else ())
+    return tuple(trimmed)
+
+
+def producer_ranks_for(decode_tp_rank: int, decode_tp: int, producer_tp: int) -> list[int]:
+    """P TP ranks that write into one D rank (the inverse of the built-in TP mapping)."""
+    if producer_tp <= decode_tp:
+        if decode_tp % producer_tp:
+            raise ConfigError(f"prefill TP {producer_tp} must divide decode TP {decode_tp}")
+        return [decode_tp_rank // (decode_tp // producer_tp)]
+    if producer_tp % decode_tp:
+        raise ConfigError(f"decode TP {decode_tp} must divide prefill TP {producer_tp}")
+    k = producer_tp // decode_tp
+    return [decode_tp_rank * k + i for i in range(k)]

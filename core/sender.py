@@ -1,0 +1,293 @@
+"""The P side: match D's registrations with finished prefills and push the KV with WRITEs.
+
+Matching is symmetric: whichever of "D registered" (a ``PUSH_REG`` notification) and "prefill
+finished" (:meth:`PushSender.request_finished`) arrives second triggers the push. The push does
+a full handshake with D if needed (off the writer thread), builds read specs through the
+read-spec hook, posts one WRITE per destination rank with the completion notification
+attached, and reports the request sent once every WRITE is done. A WRITE that fails sends D a
+failure notification naming the request, so D fails it at once instead of waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import attrs
+from kvpush.core import wire
+from kvpush.core.errors import KvpushError
+from kvpush.core.peers import PeerEngine
+from kvpush.core.planning import descriptor_ids, trim_for_prefix_hit
+from kvpush.core.transport import TransferState
+from kvpush.core.types import (
+    BlockIds,
+    HandshakeMode,
+    Notification,
+    NotificationKind,
+    PushJob,
+    PushRegistration,
+    RankKey,
+    ReadSpec,
+    Role,
+    to_block_ids,
+)
+from kvpush.core.worker import RankWorker
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.define
+class FinishedPrefill:
+    request_id: str
+    block_ids: BlockIds
+    lease_deadline: float
+
+
+@attrs.define
+class StashedRegistration:
+    registration: PushRegistration
+    expires: float
+
+
+@attrs.define
+class InflightPush:
+    """The WRITEs of one request; published as a whole once all are posted."""
+
+    request_id: str
+    registration: PushRegistration
+    handles: list[tuple[Any, int, str]]
+    """``(transfer handle, destination TP rank, destination agent)``."""
+    failure: str | None = None
+    bytes: int = 0
+    started: float = 0.0
+
+
+@attrs.frozen
+class PushResults:
+    """What :meth:`PushSender.get_finished` returns since its last call."""
+
+    sent: tuple[str, ...]
+    failed: dict[str, str] = attrs.field(hash=False)
+
+
+class PushSender(RankWorker):
+    """One P rank (one PP stage × TP rank)."""
+
+    role = Role.PREFILL
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._finished: dict[str, FinishedPrefill] = {}
+        self._registrations: dict[str, StashedRegistration] = {}
+        self._tombstones: dict[str, float] = {}
+        self._waiting_handshake: set[str] = set()
+        self._inflight: dict[str, InflightPush] = {}
+        self._results_lock = threading.Lock()
+        self._sent: list[str] = []
+        self._failed: dict[str, str] = {}
+        self.stats = {"pushes": 0, "bytes": 0, "duplicate_registrations": 0, "writes": 0}
+
+    # ------------------------------------------------------------------ engine API
+
+    def request_finished(self, request_id: str, block_ids: Any, match_key: str | None = None) -> None:
+        """Prefill of ``request_id`` finished; its KV sits in ``block_ids`` (per group).
+
+        ``match_key`` is the ``transfer_id`` the router gave both legs (default: the request id,
+        which D knows as ``remote_request_id``). The blocks stay reserved until the request is
+        reported sent or failed by :meth:`get_finished`.
+        """
+        blocks = to_block_ids(block_ids)
+        key = match_key or request_id
+        self.run_on_writer(lambda: self._on_finished(key, request_id, blocks))
+
+    def get_finished(self) -> PushResults:
+        """Requests pushed (every WRITE done) or failed (with the reason) since the last call."""
+        with self._results_lock:
+            sent, self._sent = tuple(self._sent), []
+            failed, self._failed = self._failed, {}
+        return PushResults(sent=sent, failed=failed)
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _report(self, request_id: str, failure: str | None) -> None:
+        with self._results_lock:
+            if failure is None:
+                self._sent.append(request_id)
+            else:
+                self._failed[request_id] = failure
+
+    def _on_finished(self, key: str, request_id: str, blocks: BlockIds) -> None:
+        if key in self._finished or key in self._inflight or key in self._waiting_handshake:
+            logger.warning("request %s (key %s) finished twice; ignoring the second", request_id, key)
+            return
+        self._finished[key] = FinishedPrefill(request_id, blocks, time.monotonic() + self.config.lease_s)
+        stashed = self._registrations.pop(key, None)
+        if stashed is not None:
+            self._start_push(key, stashed.registration)
+
+    def _on_notification(self, peer: str, notification: Notification) -> None:
+        if notification.kind is NotificationKind.PUSH_REG:
+            assert notification.registration is not None
+            self._on_registration(notification.registration)
+        else:
+            self.dropped_notifications += 1
+            logger.warning("prefill rank got an unexpected %s notification from %s", notification.kind.value, peer)
+
+    def _on_registration(self, reg: PushRegistration) -> None:
+        key = reg.match_key
+        if key in self._tombstones or key in self._inflight or key in self._waiting_handshake:
+            # Every D rank registers; the first registration already fans out to all of them.
+            self.stats["duplicate_registrations"] += 1
+            return
+        if key in self._finished:
+            self._start_push(key, reg)
+            return
+        if key in self._registrations:
+            self.stats["duplicate_registrations"] += 1
+        self._registrations[key] = StashedRegistration(reg, time.monotonic() + self.config.registration_ttl_s)
+
+    def _start_push(self, key: str, reg: PushRegistration) -> None:
+        assert self.metadata is not None and self.peers is not None
+        finished = self._finished.pop(key)
+        self._tombstones[key] = time.monotonic() + self.config.registration_ttl_s
+        try:
+            local_ids = trim_for_prefix_hit(finished.block_ids, reg.block_ids, finished.request_id)
+            job = PushJob(
+                local=self.metadata,
+                decode_tp_size=reg.decode_tp_size,
+                local_block_ids=local_ids,
+                remote_block_ids=reg.block_ids,
+            )
+            specs = self.pm.build_read_specs(job)
+        except KvpushError as err:
+            self._fail_before_write(finished.request_id, reg, f"planning failed: {err}")
+            return
+        ranks = [RankKey(0, spec.dst_tp_rank) for spec in specs]
+        engine = self.peers.connected(reg.decode_engine_id, ranks)
+        if engine is not None:
+            self._post(finished.request_id, reg, job, specs, engine)
+            return
+        self._waiting_handshake.add(key)
+        future = self.peers.ensure(
+            reg.decode_engine_id, reg.decode_host, reg.decode_port, ranks, HandshakeMode.FULL
+        )
+        future.add_done_callback(
+            lambda f: self.run_on_writer(lambda: self._after_handshake(f, key, finished, reg, job, specs))
+        )
+
+    def _after_handshake(
+        self,
+        future: Future[PeerEngine],
+        key: str,
+        finished: FinishedPrefill,
+        reg: PushRegistration,
+        job: PushJob,
+        specs: list[ReadSpec],
+    ) -> None:
+        self._waiting_handshake.discard(key)
+        error = future.exception()
+        if error is not None:
+            self._fail_before_write(finished.request_id, reg, f"handshake with D failed: {error}")
+            return
+        self._post(finished.request_id, reg, job, specs, future.result())
+
+    def _post(
+        self, request_id: str, reg: PushRegistration, job: PushJob, specs: list[ReadSpec], engine: PeerEngine
+    ) -> None:
+        assert self.transport is not None and self.peers is not None and self.metadata is not None
+        regions = self.metadata.regions
+        groups = [r.kv_group for r in regions]
+        push = InflightPush(request_id=request_id, registration=reg, handles=[], started=time.monotonic())
+        producer = self.metadata.rank
+        notif = wire.encode_done(reg.request_id, producer, self.config.parallel.tp_size)
+        for spec in specs:
+            rank = RankKey(0, spec.dst_tp_rank)
+            agent = engine.ranks[rank].agent
+            try:
+                local_ids = descriptor_ids(regions, groups, spec.local_block_ids)
+                remote_ids = descriptor_ids(engine.ranks[rank].aligned_regions, groups, spec.remote_block_ids)
+                if len(local_ids) != len(remote_ids):
+                    raise KvpushError(
+                        f"{len(local_ids)} local descriptors vs {len(remote_ids)} remote ones"
+                    )
+                handle = self.transport.post_write(
+                    self.local_list(spec.local_part),
+                    local_ids,
+                    self.peers.remote_list(engine, rank, spec.remote_part),
+                    remote_ids,
+                    notif,
+                )
+            except KvpushError as err:
+                push.failure = f"WRITE to D rank {spec.dst_tp_rank} failed: {err}"
+                self._notify_failure(reg, producer, push.failure, [agent])
+                continue
+            push.handles.append((handle, spec.dst_tp_rank, agent))
+            push.bytes += sum(
+                r.block_len // spec.local_part[1] * len(spec.local_block_ids[r.kv_group]) for r in regions
+            )
+        self.stats["writes"] += len(push.handles)
+        self._inflight[reg.match_key] = push  # all handles of the request at once
+        self._settle(reg.match_key, push)
+
+    def _fail_before_write(self, request_id: str, reg: PushRegistration, reason: str) -> None:
+        logger.warning("push of %s failed: %s", request_id, reason)
+        assert self.peers is not None and self.metadata is not None
+        engine = self.peers.engines.get(reg.decode_engine_id)
+        agents = [r.agent for r in engine.ranks.values()] if engine else []
+        self._notify_failure(reg, self.metadata.rank, reason, agents)
+        self._report(request_id, reason)
+
+    def _notify_failure(self, reg: PushRegistration, producer: RankKey, reason: str, agents: list[str]) -> None:
+        assert self.transport is not None
+        message = wire.encode_failed(reg.request_id, producer, reason)
+        for agent in agents:
+            try:
+                self.transport.send_notif(agent, message)
+            except KvpushError as err:
+                logger.warning("could not tell %s that %s failed: %s", agent, reg.request_id, err)
+
+    def _settle(self, key: str, push: InflightPush) -> None:
+        """Poll a push's WRITEs; report it once none is pending."""
+        assert self.transport is not None and self.metadata is not None
+        pending = []
+        for handle, dst, agent in push.handles:
+            state = self.transport.poll(handle)
+            if state is TransferState.PENDING:
+                pending.append((handle, dst, agent))
+                continue
+            self.transport.release(handle)
+            if state is TransferState.FAILED:
+                push.failure = push.failure or f"WRITE to D rank {dst} ended in error"
+                self._notify_failure(push.registration, self.metadata.rank, push.failure, [agent])
+        push.handles = pending
+        if pending:
+            return
+        del self._inflight[key]
+        if push.failure is None:
+            self.stats["pushes"] += 1
+            self.stats["bytes"] += push.bytes
+        self._report(push.request_id, push.failure)
+
+    def _tick(self, now: float) -> None:
+        for key, push in list(self._inflight.items()):
+            self._settle(key, push)
+        for key, finished in list(self._finished.items()):
+            if finished.lease_deadline <= now:
+                del self._finished[key]
+                self._report(
+                    finished.request_id,
+                    f"lease of {self.config.lease_s:g}s expired before D registered its blocks",
+                )
+        for key, stashed in list(self._registrations.items()):
+            if stashed.expires <= now:
+                del self._registrations[key]
+                logger.warning("dropped D's registration %s: no prefill finished within %ss", key, self.config.registration_ttl_s)
+        for key, expires in list(self._tombstones.items()):
+            if expires <= now:
+                del self._tombstones[key]
+
+    def _busy(self) -> bool:
+        return bool(self._inflight or self._finished or self._waiting_handshake)

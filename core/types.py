@@ -1,0 +1,431 @@
+"""Frozen attrs types for everything that crosses a hook, the side channel or a notification.
+
+Block ids are always given per KV-cache group: ``((ids of group 0), (ids of group 1), ...)``.
+Non-hybrid models have one group.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+from attrs import field, frozen
+from kvpush.core.errors import ConfigError
+
+MemType = Literal["DRAM", "VRAM"]
+Component = Literal["K", "V", "KV", "latent"]
+AttentionKind = Literal["full", "sliding_window"]
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+def to_block_ids(value: Any) -> BlockIds:
+    """Normalise block ids to a tuple of per-group tuples; a flat list becomes one group."""
+    if value is None:
+        return ()
+    items = list(value)
+    if items and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+        return (tuple(items),)
+    groups = []
+    for group in items:
+        if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
+            raise ConfigError(
+                f"block ids must be a list of ints or a list of per-group lists, got {value!r}"
+            )
+        ids = tuple(group)
+        for block in ids:
+            if not isinstance(block, int) or isinstance(block, bool) or block < 0:
+                raise ConfigError(f"block id {block!r} in {value!r} is not a non-negative int")
+        groups.append(ids)
+    return tuple(groups)
+
+
+def _non_negative(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{attribute.name} must be a non-negative int, got {value!r}")
+
+
+def _positive(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+class HandshakeMode(enum.Enum):
+    """How much of a peer is loaded during a handshake."""
+
+    FULL = "full"
+    """Load the agent, align regions and prepare remote descriptor lists (P → D)."""
+    NOTIF_ONLY = "notif_only"
+    """Load the agents only, to send notifications; no descriptors (D → P, always)."""
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@frozen(order=True)
+class RankKey:
+    """Identity of one rank of an engine. Non-PP engines use ``pp_rank`` 0."""
+
+    pp_rank: int = field(validator=_non_negative)
+    tp_rank: int = field(validator=_non_negative)
+
+    def __str__(self) -> str:
+        return f"(pp={self.pp_rank}, tp={self.tp_rank})"
+
+
+@frozen(kw_only=True)
+class ParallelConfig:
+    """Where one rank sits in its engine: TP and PP position and the layers it owns."""
+
+    tp_size: int = field(validator=_positive)
+    tp_rank: int = field(default=0, validator=_non_negative)
+    pp_size: int = field(default=1, validator=_positive)
+    pp_rank: int = field(default=0, validator=_non_negative)
+    num_layers: int = field(validator=_positive)
+    """Layers of the whole model."""
+    start_layer: int = field(default=0, validator=_non_negative)
+    end_layer: int = field(default=-1)
+    """One past the last layer this rank owns; -1 means ``num_layers``."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.end_layer == -1:
+            object.__setattr__(self, "end_layer", self.num_layers)
+        if self.tp_rank >= self.tp_size:
+            raise ConfigError(f"tp_rank {self.tp_rank} is not below tp_size {self.tp_size}")
+        if self.pp_rank >= self.pp_size:
+            raise ConfigError(f"pp_rank {self.pp_rank} is not below pp_size {self.pp_size}")
+        if not 0 <= self.start_layer < self.end_layer <= self.num_layers:
+            raise ConfigError(
+                f"layer window [{self.start_layer}, {self.end_layer}) must be non-empty and "
+                f"inside the model's {self.num_layers} layers"
+            )
+
+    @property
+    def rank(self) -> RankKey:
+        return RankKey(self.pp_rank, self.tp_rank)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    @classmethod
+    def for_stage(
+        cls, *, num_layers: int, pp_size: int, pp_rank: int, tp_size: int, tp_rank: int
+    ) -> ParallelConfig:
+        """Split ``num_layers`` as evenly as possible over ``pp_size`` stages (earlier get more)."""
+        if pp_size > num_layers:
+            raise ConfigError(f"pp_size {pp_size} exceeds the model's {num_layers} layers")
+        base, extra = divmod(num_layers, pp_size)
+        start = pp_rank * base + min(pp_rank, extra)
+        end = start + base + (1 if pp_rank < extra else 0)
+        return cls(
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            pp_size=pp_size,
+            pp_rank=pp_rank,
+            num_layers=num_layers,
+            start_layer=start,
+            end_layer=end,
+        )
+
+
+@frozen(kw_only=True)
+class ModelSpec:
+    """The model facts both sides must agree on (they feed the compatibility hash)."""
+
+    name: str
+    num_layers: int = field(validator=_positive)
+    attention: Literal["mha", "mla"] = "mha"
+    num_kv_heads: int = field(default=1, validator=_positive)
+    """Total KV heads (1 for MLA)."""
+    head_dim: int = field(default=64, validator=_positive)
+    """Per-head size; for MLA the latent size."""
+    block_size: int = field(default=16, validator=_positive)
+    """Tokens per block."""
+    dtype: str = "bfloat16"
+    layer_groups: tuple[int, ...] = field(default=(), converter=tuple)
+    """KV-cache group of each layer (hybrid models); empty = every layer in group 0."""
+    layer_kinds: tuple[str, ...] = field(default=(), converter=tuple)
+    """Attention kind of each layer (``full``/``sliding_window``); empty = all full."""
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("layer_groups", "layer_kinds"):
+            value = getattr(self, name)
+            if value and len(value) != self.num_layers:
+                raise ConfigError(
+                    f"ModelSpec.{name} has {len(value)} entries; it needs one per layer "
+                    f"({self.num_layers}) or none"
+                )
+
+    def group_of(self, layer: int) -> int:
+        return self.layer_groups[layer] if self.layer_groups else 0
+
+    def kind_of(self, layer: int) -> str:
+        return self.layer_kinds[layer] if self.layer_kinds else "full"
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.layer_groups) + 1 if self.layer_groups else 1
+
+
+@frozen(kw_only=True)
+class KVRegion:
+    """One registered KV region: an array of equally sized, equally spaced blocks."""
+
+    base_addr: int = field(validator=_non_negative)
+    block_len: int = field(validator=_positive)
+    """Bytes transferred per block."""
+    block_stride: int = field(validator=_positive)
+    """Bytes between the starts of consecutive blocks (>= block_len)."""
+    num_blocks: int = field(validator=_positive)
+    mem_type: MemType = "DRAM"
+    device_id: int = 0
+    layer_names: tuple[str, ...] = field(converter=tuple)
+    kv_group: int = 0
+    component: Component = "KV"
+    replicate: bool = False
+    """True when every TP rank holds the same bytes (MLA latent); False when heads are split."""
+    attention_kind: AttentionKind = "full"
+    num_heads: int = 1
+    """Heads this rank holds in the region (1 for a replicated latent)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.block_stride < self.block_len:
+            raise ConfigError(
+                f"region of {self.layer_names}: block_stride {self.block_stride} is smaller "
+                f"than block_len {self.block_len}; blocks would overlap"
+            )
+        if self.mem_type not in ("DRAM", "VRAM"):
+            raise ConfigError(f"mem_type must be 'DRAM' or 'VRAM', got {self.mem_type!r}")
+
+    @property
+    def semantic_key(self) -> tuple[tuple[str, ...], int, str]:
+        """What the region *is*, independent of where it lives: layers, group, component."""
+        return (self.layer_names, self.kv_group, self.component)
+
+    @property
+    def end_addr(self) -> int:
+        return self.base_addr + (self.num_blocks - 1) * self.block_stride + self.block_len
+
+
+@frozen(kw_only=True)
+class AgentMetadata:
+    """What one rank publishes about itself on the side channel (the handshake payload)."""
+
+    engine_id: str
+    role: Role
+    parallel: ParallelConfig
+    model: ModelSpec
+    layout: str
+    transport: str
+    agent_name: str
+    agent_blob: bytes = field(repr=lambda b: f"<{len(b)} bytes>")
+    regions: tuple[KVRegion, ...] = field(converter=tuple)
+    extensions: Mapping[str, Any] = field(factory=dict, hash=False)
+    """Extra published fields contributed by plugins (``kvpush_metadata_extensions``)."""
+
+    @property
+    def rank(self) -> RankKey:
+        return self.parallel.rank
+
+
+@frozen(kw_only=True)
+class TransferParams:
+    """The ``kv_transfer_params`` a router gives D, with vLLM's field names."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    tp_size: int = 1
+    pp_size: int = 1
+    remote_block_ids: BlockIds | None = None
+    remote_request_id: str | None = None
+    transfer_id: str | None = None
+
+    _REQUIRED = ("remote_engine_id", "remote_host", "remote_port")
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any]) -> TransferParams:
+        """Validate a ``kv_transfer_params`` dict; errors name the field and what it needs."""
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
+        for name in cls._REQUIRED:
+            if params.get(name) is None:
+                raise ConfigError(f"kv_transfer_params is missing {name!r} (P's coordinates)")
+        checks = {
+            "remote_engine_id": str,
+            "remote_host": str,
+            "remote_request_id": str,
+            "transfer_id": str,
+        }
+        for name, kind in checks.items():
+            value = params.get(name)
+            if value is not None and not isinstance(value, kind):
+                raise ConfigError(
+                    f"kv_transfer_params[{name!r}] must be a {kind.__name__}, got {value!r}"
+                )
+        ints = {}
+        for name, default in (("remote_port", None), ("tp_size", 1), ("pp_size", 1)):
+            value = params.get(name, default)
+            if value is None:
+                value = default
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(
+                    f"kv_transfer_params[{name!r}] must be a positive int, got {value!r}"
+                )
+            ints[name] = value
+        if ints["remote_port"] > 65535:
+            raise ConfigError(f"kv_transfer_params['remote_port'] {ints['remote_port']} > 65535")
+        block_ids = params.get("remote_block_ids")
+        try:
+            blocks = None if block_ids is None else to_block_ids(block_ids)
+        except ConfigError as err:
+            raise ConfigError(f"kv_transfer_params['remote_block_ids']: {err}") from None
+        return cls(
+            remote_engine_id=params["remote_engine_id"],
+            remote_host=params["remote_host"],
+            remote_port=ints["remote_port"],
+            tp_size=ints["tp_size"],
+            pp_size=ints["pp_size"],
+            remote_block_ids=blocks,
+            remote_request_id=params.get("remote_request_id"),
+            transfer_id=params.get("transfer_id"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "remote_engine_id": self.remote_engine_id,
+            "remote_host": self.remote_host,
+            "remote_port": self.remote_port,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+        }
+        if self.remote_block_ids is not None:
+            out["remote_block_ids"] = [list(g) for g in self.remote_block_ids]
+        if self.remote_request_id is not None:
+            out["remote_request_id"] = self.remote_request_id
+        if self.transfer_id is not None:
+            out["transfer_id"] = self.transfer_id
+        return out
+
+    @property
+    def match_key(self) -> str:
+        """The key P matches D's registration on: ``transfer_id``, else P's request id."""
+        key = self.transfer_id or self.remote_request_id
+        if not key:
+            raise ConfigError(
+                "kv_transfer_params needs 'transfer_id' or 'remote_request_id' so P can match "
+                "D's registration to its finished prefill"
+            )
+        return key
+
+
+@frozen(kw_only=True)
+class RequestMetadata:
+    """A request D receives: its own id, its blocks per group, and where P is."""
+
+    request_id: str
+    block_ids: BlockIds = field(converter=to_block_ids)
+    params: TransferParams
+
+    @property
+    def pp_size(self) -> int:
+        return self.params.pp_size
+
+
+@frozen(kw_only=True)
+class PushRegistration:
+    """The ``PUSH_REG`` payload D sends every relevant agent of P."""
+
+    request_id: str
+    """D's request id, echoed back in completion notifications."""
+    match_key: str
+    """``transfer_id`` (or P's request id) that P matches against its finished prefill."""
+    decode_engine_id: str
+    decode_host: str
+    decode_port: int
+    decode_tp_size: int
+    block_ids: BlockIds = field(converter=to_block_ids)
+    remote_engine_id: str
+    """P's engine id, as D knows it."""
+
+
+@frozen(kw_only=True)
+class ReadSpec:
+    """What one destination rank receives from one producer rank.
+
+    ``local_part`` and ``remote_part`` are ``(index, count)``: the descriptor of a block covers
+    bytes ``[index * block_len / count, (index + 1) * block_len / count)`` of that side's block.
+    Head slicing for heterogeneous TP is expressed this way; ``(0, 1)`` is the whole block.
+    """
+
+    dst_tp_rank: int
+    local_block_ids: BlockIds = field(converter=to_block_ids)
+    remote_block_ids: BlockIds = field(converter=to_block_ids)
+    local_part: tuple[int, int] = (0, 1)
+    remote_part: tuple[int, int] = (0, 1)
+
+
+@frozen(kw_only=True)
+class RegionAlignment:
+    """For each local region i, ``remote_indices[i]`` is the peer region it pairs with."""
+
+    remote_indices: tuple[int, ...] = field(converter=tuple)
+    source: str = "identity"
+    """Which plugin produced the alignment (provenance for logs and errors)."""
+
+
+class NotificationKind(enum.Enum):
+    DONE = "done"
+    FAILED = "failed"
+    CANCEL = "cancel"
+    HEARTBEAT = "heartbeat"
+    PUSH_REG = "push_reg"
+
+
+@frozen(kw_only=True)
+class Notification:
+    """A decoded notification."""
+
+    kind: NotificationKind
+    request_id: str = ""
+    producer: RankKey | None = None
+    producer_tp_size: int = 1
+    reason: str = ""
+    registration: PushRegistration | None = None
+    request_ids: tuple[str, ...] = field(default=(), converter=tuple)
+
+
+@frozen(kw_only=True)
+class PushJob:
+    """What the read-spec hook is asked to plan: one request from one producer rank."""
+
+    local: AgentMetadata
+    decode_tp_size: int
+    local_block_ids: BlockIds = field(converter=to_block_ids)
+    remote_block_ids: BlockIds = field(converter=to_block_ids)
+
+
+@frozen(kw_only=True, eq=False)
+class TransportProvider:
+    """A transport offered by a plugin, selected by ``name``."""
+
+    name: str
+    create: Callable[..., Any]
+    """``create(config: TransportConfig) -> Transport``."""
+    description: str = ""
+
+
+@frozen(kw_only=True, eq=False)
+class LayoutProvider:
+    """A KV layout offered by a plugin, selected by ``name``."""
+
+    name: str
+    describe_regions: Callable[..., Sequence[KVRegion]]
+    """``describe_regions(kv_caches, parallel, model) -> [KVRegion, ...]`` in model-layer order."""
+    uniform_regions_per_layer: bool = True
+    """True when every layer has the same number of regions (what offset PP slicing needs)."""
+    description: str = ""

@@ -1,0 +1,278 @@
+"""Wire formats: msgpack encoding of handshake payloads and notifications (never pickle).
+
+Handshake payload (two phases, so a version or model mismatch fails with a clear error before
+the inner metadata is decoded)::
+
+    outer = {"wire_version": int, "compat_hash": str, "meta": bytes}
+    meta  = msgpack map of AgentMetadata (regions as maps)
+
+Notifications are ``PREFIX + msgpack(map)`` with prefixes ``PUSH_REG:``, ``DONE:``, ``FAIL:``,
+``CANCEL:`` and ``HB:``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+from kvpush.core.errors import HandshakeError, WireError
+from kvpush.core.types import (
+    AgentMetadata,
+    KVRegion,
+    ModelSpec,
+    Notification,
+    NotificationKind,
+    ParallelConfig,
+    PushRegistration,
+    RankKey,
+    Role,
+    to_block_ids,
+)
+
+WIRE_VERSION = 1
+MAX_FRAME_BYTES = 1 << 20
+"""Largest side-channel frame a server accepts (metadata with ~20k regions fits)."""
+
+PUSH_REG_PREFIX = b"PUSH_REG:"
+DONE_PREFIX = b"DONE:"
+FAIL_PREFIX = b"FAIL:"
+CANCEL_PREFIX = b"CANCEL:"
+HEARTBEAT_PREFIX = b"HB:"
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as err:  # msgpack raises several unrelated types
+        raise WireError(f"{what} is not valid msgpack ({type(err).__name__}: {err})") from None
+
+
+def compatibility_hash(model: ModelSpec, layout: str, transport: str) -> str:
+    """SHA-256 over what both sides must share. TP/PP sizes and block counts are excluded:
+    they may differ and are validated at handshake time."""
+    factors = [
+        WIRE_VERSION,
+        model.name,
+        model.num_layers,
+        model.attention,
+        model.num_kv_heads,
+        model.head_dim,
+        model.block_size,
+        model.dtype,
+        list(model.layer_groups),
+        list(model.layer_kinds),
+        layout,
+        transport,
+        "push",
+    ]
+    return hashlib.sha256(pack(factors)).hexdigest()[:32]
+
+
+# ------------------------------------------------------------------------------ metadata
+
+
+def _region_to_map(region: KVRegion) -> dict[str, Any]:
+    return {
+        "base_addr": region.base_addr,
+        "block_len": region.block_len,
+        "block_stride": region.block_stride,
+        "num_blocks": region.num_blocks,
+        "mem_type": region.mem_type,
+        "device_id": region.device_id,
+        "layer_names": list(region.layer_names),
+        "kv_group": region.kv_group,
+        "component": region.component,
+        "replicate": region.replicate,
+        "attention_kind": region.attention_kind,
+        "num_heads": region.num_heads,
+    }
+
+
+def _model_to_map(model: ModelSpec) -> dict[str, Any]:
+    return {
+        "name": model.name,
+        "num_layers": model.num_layers,
+        "attention": model.attention,
+        "num_kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "block_size": model.block_size,
+        "dtype": model.dtype,
+        "layer_groups": list(model.layer_groups),
+        "layer_kinds": list(model.layer_kinds),
+    }
+
+
+def _parallel_to_map(p: ParallelConfig) -> dict[str, Any]:
+    return {
+        "tp_size": p.tp_size,
+        "tp_rank": p.tp_rank,
+        "pp_size": p.pp_size,
+        "pp_rank": p.pp_rank,
+        "num_layers": p.num_layers,
+        "start_layer": p.start_layer,
+        "end_layer": p.end_layer,
+    }
+
+
+def encode_metadata(meta: AgentMetadata) -> bytes:
+    """Encode a rank's handshake payload (outer envelope with version and compat hash)."""
+    inner = {
+        "engine_id": meta.engine_id,
+        "role": meta.role.value,
+        "parallel": _parallel_to_map(meta.parallel),
+        "model": _model_to_map(meta.model),
+        "layout": meta.layout,
+        "transport": meta.transport,
+        "agent_name": meta.agent_name,
+        "agent_blob": meta.agent_blob,
+        "regions": [_region_to_map(r) for r in meta.regions],
+        "extensions": dict(meta.extensions),
+    }
+    outer = {
+        "wire_version": WIRE_VERSION,
+        "compat_hash": compatibility_hash(meta.model, meta.layout, meta.transport),
+        "meta": pack(inner),
+    }
+    return pack(outer)
+
+
+def decode_metadata(payload: bytes, *, expected_hash: str | None, source: str) -> AgentMetadata:
+    """Decode a handshake payload in two phases; mismatches name both sides' values."""
+    outer = unpack(payload, f"handshake payload from {source}")
+    if not isinstance(outer, Mapping) or "wire_version" not in outer:
+        raise WireError(f"handshake payload from {source} has no wire_version; not a kvpush peer?")
+    if outer["wire_version"] != WIRE_VERSION:
+        raise HandshakeError(
+            f"{source} speaks kvpush wire version {outer['wire_version']}, this side "
+            f"{WIRE_VERSION}; run the same kvpush release on both sides"
+        )
+    if expected_hash is not None and outer.get("compat_hash") != expected_hash:
+        raise HandshakeError(
+            f"compatibility hash mismatch with {source}: peer {outer.get('compat_hash')!r}, "
+            f"local {expected_hash!r}. Both sides must run the same model, dtype, block size, "
+            f"layout and transport"
+        )
+    inner = unpack(outer.get("meta", b""), f"agent metadata from {source}")
+    try:
+        return AgentMetadata(
+            engine_id=inner["engine_id"],
+            role=Role(inner["role"]),
+            parallel=ParallelConfig(**inner["parallel"]),
+            model=ModelSpec(**inner["model"]),
+            layout=inner["layout"],
+            transport=inner["transport"],
+            agent_name=inner["agent_name"],
+            agent_blob=inner["agent_blob"],
+            regions=tuple(KVRegion(**r) for r in inner["regions"]),
+            extensions=inner.get("extensions", {}),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise WireError(f"agent metadata from {source} is malformed: {err}") from None
+
+
+# ------------------------------------------------------------------------------ notifications
+
+
+def encode_push_reg(reg: PushRegistration) -> bytes:
+    return PUSH_REG_PREFIX + pack(
+        {
+            "request_id": reg.request_id,
+            "match_key": reg.match_key,
+            "decode_engine_id": reg.decode_engine_id,
+            "decode_host": reg.decode_host,
+            "decode_port": reg.decode_port,
+            "decode_tp_size": reg.decode_tp_size,
+            "local_block_ids": [list(g) for g in reg.block_ids],
+            "remote_engine_id": reg.remote_engine_id,
+        }
+    )
+
+
+def encode_done(request_id: str, producer: RankKey, producer_tp_size: int) -> bytes:
+    return DONE_PREFIX + pack(
+        {"request_id": request_id, "pp": producer.pp_rank, "tp": producer.tp_rank, "ptp": producer_tp_size}
+    )
+
+
+def encode_failed(request_id: str, producer: RankKey, reason: str) -> bytes:
+    return FAIL_PREFIX + pack(
+        {"request_id": request_id, "pp": producer.pp_rank, "tp": producer.tp_rank, "reason": reason[:2000]}
+    )
+
+
+def encode_cancel(match_key: str) -> bytes:
+    return CANCEL_PREFIX + pack({"request_id": match_key})
+
+
+def encode_heartbeat(match_keys: list[str]) -> bytes:
+    return HEARTBEAT_PREFIX + pack({"request_ids": list(match_keys)})
+
+
+def _str_field(body: Mapping[str, Any], name: str, what: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise WireError(f"{what} field {name!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _int_field(body: Mapping[str, Any], name: str, what: str) -> int:
+    value = body.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise WireError(f"{what} field {name!r} must be a non-negative int, got {value!r}")
+    return value
+
+
+def decode_notification(message: bytes) -> Notification | None:
+    """Decode a kvpush notification; None if the prefix is not kvpush's. Raises WireError on a
+    kvpush prefix with a malformed body."""
+    for prefix, kind in (
+        (PUSH_REG_PREFIX, NotificationKind.PUSH_REG),
+        (DONE_PREFIX, NotificationKind.DONE),
+        (FAIL_PREFIX, NotificationKind.FAILED),
+        (CANCEL_PREFIX, NotificationKind.CANCEL),
+        (HEARTBEAT_PREFIX, NotificationKind.HEARTBEAT),
+    ):
+        if message.startswith(prefix):
+            break
+    else:
+        return None
+    what = prefix.decode().rstrip(":")
+    body = unpack(message[len(prefix) :], what)
+    if not isinstance(body, Mapping):
+        raise WireError(f"{what} body must be a map, got {type(body).__name__}")
+    if kind is NotificationKind.PUSH_REG:
+        try:
+            reg = PushRegistration(
+                request_id=_str_field(body, "request_id", what),
+                match_key=_str_field(body, "match_key", what),
+                decode_engine_id=_str_field(body, "decode_engine_id", what),
+                decode_host=_str_field(body, "decode_host", what),
+                decode_port=_int_field(body, "decode_port", what),
+                decode_tp_size=_int_field(body, "decode_tp_size", what) or 1,
+                block_ids=to_block_ids(body.get("local_block_ids")),
+                remote_engine_id=_str_field(body, "remote_engine_id", what),
+            )
+        except ValueError as err:
+            raise WireError(f"{what} is malformed: {err}") from None
+        return Notification(kind=kind, request_id=reg.request_id, registration=reg)
+    if kind is NotificationKind.HEARTBEAT:
+        ids = body.get("request_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise WireError(f"{what} field 'request_ids' must be a list of strings")
+        return Notification(kind=kind, request_ids=ids)
+    request_id = _str_field(body, "request_id", what)
+    if kind is NotificationKind.CANCEL:
+        return Notification(kind=kind, request_id=request_id)
+    producer = RankKey(_int_field(body, "pp", what), _int_field(body, "tp", what))
+    if kind is NotificationKind.DONE:
+        return Notification(
+            kind=kind, request_id=request_id, producer=producer, producer_tp_size=_int_field(body, "ptp", what) or 1
+        )
+    reason = body.get("reason")
+    return Notification(kind=kind, request_id=request_id, producer=producer, reason=str(reason or "unknown"))

@@ -1,0 +1,1 @@
+"""`kvpush demo`: real processes pushing real KV over NIXL, verified byte for byte."""

@@ -1,0 +1,1 @@
+"""Layout plugins: how a rank's KV tensors become KV regions."""

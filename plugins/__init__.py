@@ -1,0 +1,1 @@
+"""Built-in plugins: default policies, TP mapping, PP slicing and MLA replication."""

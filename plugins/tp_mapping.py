@@ -1,0 +1,47 @@
+"""TP mapping: which D ranks a P rank writes, and which head slice of each block.
+
+Regions split by heads (MHA/GQA) are laid out head-major inside a block, so a head slice is
+one contiguous byte range:
+
+- P_TP == D_TP: rank r writes rank r, whole blocks.
+- P_TP <  D_TP (k = D_TP // P_TP): rank r writes ranks r·k … r·k+k-1; D rank r·k+s gets
+  local slice (s, k) into its whole block.
+- P_TP >  D_TP (k = P_TP // D_TP): rank r writes rank r // k, its whole block into slot
+  (r % k, k) of D's larger block; D waits for k notifications per stage.
+"""
+
+from __future__ import annotations
+
+from kvpush.core.errors import ConfigError
+from kvpush.core.markers import hookimpl
+from kvpush.core.types import PushJob, ReadSpec
+
+
+def tp_ratio(producer_tp: int, decode_tp: int) -> int:
+    """``k`` as above; raises when one TP size does not divide the other."""
+    big, small = max(producer_tp, decode_tp), min(producer_tp, decode_tp)
+    if big % small:
+        raise ConfigError(
+            f"prefill TP {producer_tp} and decode TP {decode_tp} must divide one another"
+        )
+    return big // small
+
+
+@hookimpl(trylast=True)
+def kvpush_build_read_specs(job: PushJob) -> list[ReadSpec]:
+    local = job.local.parallel
+    if any(r.replicate for r in job.local.regions) and not all(r.replicate for r in job.local.regions):
+        raise ConfigError(
+            "a layout mixing replicated (MLA) and head-split regions is not supported by the "
+            "built-in TP mapping"
+        )
+    k = tp_ratio(local.tp_size, job.decode_tp_size)
+    common = {"local_block_ids": job.local_block_ids, "remote_block_ids": job.remote_block_ids}
+    if local.tp_size == job.decode_tp_size:
+        return [ReadSpec(dst_tp_rank=local.tp_rank, **common)]
+    if local.tp_size < job.decode_tp_size:
+        return [
+            ReadSpec(dst_tp_rank=local.tp_rank * k + s, local_part=(s, k), **common)
+            for s in range(k)
+        ]
+    return [ReadSpec(dst_tp_rank=local.tp_rank // k, remote_part=(local.tp_rank % k, k), **common)]

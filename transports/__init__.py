@@ -1,0 +1,1 @@
+"""Transport plugins: NIXL, and a fault-injecting wrapper."""

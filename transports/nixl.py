@@ -1,0 +1,262 @@
+"""The NIXL transport plugin (UCX backend by default).
+
+Options (``TransportConfig.options``):
+
+- ``backends`` (list, default ``["UCX"]``)
+- ``progress_thread`` (bool, default False): NIXL's progress thread spins a whole core; the
+  writer thread polls instead.
+- ``ucx_error_handling_mode`` (``"none"`` default, or ``"peer"``): ``none`` cuts notification
+  round trips to ~10 µs on loopback and still reports dead peers.
+- ``num_threads`` (int, default 0): UCX worker threads.
+
+NIXL is imported only when a transport is created, never at plugin import.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from kvpush.core.errors import ConfigError, TransferError
+from kvpush.core.markers import hookimpl
+from kvpush.core.transport import TransferState, TransportConfig, TransportCounters
+from kvpush.core.types import KVRegion, MemType, TransportProvider
+
+logger = logging.getLogger(__name__)
+
+LOCAL_AGENT = "NIXL_INIT_AGENT"
+
+
+def _merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge overlapping or touching ``(start, end, device)`` spans per device."""
+    merged: list[tuple[int, int, int]] = []
+    for start, end, device in sorted(spans, key=lambda s: (s[2], s[0])):
+        if merged and merged[-1][2] == device and start <= merged[-1][1]:
+            last = merged[-1]
+            merged[-1] = (last[0], max(last[1], end), device)
+        else:
+            merged.append((start, end, device))
+    return merged
+
+
+class NixlTransport:
+    """A :class:`kvpush.core.transport.Transport` on one ``nixl_agent``."""
+
+    name = "nixl"
+
+    def __init__(self, config: TransportConfig) -> None:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as err:  # pragma: no cover - depends on the install
+            raise ConfigError(
+                f"the nixl transport needs the 'nixl' package (pip install 'nixl==1.5.1'): {err}"
+            ) from err
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        options = dict(config.options)
+        backends = list(options.pop("backends", ["UCX"]))
+        progress = bool(options.pop("progress_thread", False))
+        err_mode = str(options.pop("ucx_error_handling_mode", "none"))
+        num_threads = int(options.pop("num_threads", 0))
+        if options:
+            raise ConfigError(f"unknown nixl transport options {sorted(options)}")
+        self._agent = nixl_agent(
+            config.agent_name, nixl_agent_config(enable_prog_thread=progress, backends=[])
+        )
+        for backend in backends:
+            params: dict[str, str] = {}
+            if backend == "UCX":
+                params["ucx_error_handling_mode"] = err_mode
+                if num_threads:
+                    params["num_threads"] = str(num_threads)
+            self._agent.create_backend(backend, params)
+        self._agent_name = config.agent_name
+        self._blob = self._agent.get_agent_metadata()
+        self._registrations: list[Any] = []
+        self._lists: set[int] = set()
+        self._remote_lists: dict[str, set[int]] = {}
+        self._peers: set[str] = set()
+        self._handles: set[int] = set()
+        self.counters = TransportCounters()
+
+    @property
+    def agent_name(self) -> str:
+        return self._agent_name
+
+    def metadata(self) -> bytes:
+        return self._blob
+
+    # ------------------------------------------------------------------ memory
+
+    def register_regions(self, regions: Sequence[KVRegion]) -> None:
+        by_mem: dict[str, list[tuple[int, int, int]]] = {}
+        for region in regions:
+            by_mem.setdefault(region.mem_type, []).append(
+                (region.base_addr, region.end_addr, region.device_id)
+            )
+        for mem_type, spans in by_mem.items():
+            merged = _merge_spans(spans)
+            self._register(np.array([(s, e - s, d) for s, e, d in merged], dtype=np.uint64), mem_type)
+
+    def register_buffer(self, addr: int, length: int, mem_type: MemType, device_id: int) -> None:
+        self._register(np.array([(addr, length, device_id)], dtype=np.uint64), mem_type)
+
+    def _register(self, descs: np.ndarray, mem_type: str) -> None:
+        reg = self._agent.get_reg_descs(descs, mem_type)
+        result = self._agent.register_memory(reg)
+        if result is None:
+            raise TransferError(f"NIXL refused to register {len(descs)} {mem_type} spans")
+        self._registrations.append(result)
+        self._blob = self._agent.get_agent_metadata()
+
+    def prepare_local(self, descriptors: np.ndarray, mem_type: MemType) -> int:
+        handle = self._agent.prep_xfer_dlist(LOCAL_AGENT, descriptors, mem_type)
+        self._lists.add(handle)
+        self.counters.local_lists_prepared += 1
+        return handle
+
+    # ------------------------------------------------------------------ peers
+
+    def load_peer(self, blob: bytes) -> str:
+        try:
+            name = self._agent.add_remote_agent(blob)
+        except Exception as err:
+            raise TransferError(f"NIXL could not load a peer agent: {err}") from err
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name not in self._peers:
+            self._peers.add(name)
+            self.counters.peers_loaded += 1
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        for handle in self._remote_lists.pop(peer, set()):
+            self.release_list(handle)
+        if peer in self._peers:
+            self._peers.discard(peer)
+            try:
+                self._agent.remove_remote_agent(peer)
+            except Exception as err:  # the peer may already be gone
+                logger.warning("removing NIXL peer %s failed: %s", peer, err)
+            self.counters.peers_removed += 1
+
+    def prepare_remote(self, peer: str, descriptors: np.ndarray, mem_type: MemType) -> int:
+        try:
+            handle = self._agent.prep_xfer_dlist(peer, descriptors, mem_type)
+        except Exception as err:
+            raise TransferError(
+                f"NIXL could not prepare {len(descriptors)} descriptors of peer {peer}: {err}"
+            ) from err
+        self._lists.add(handle)
+        self._remote_lists.setdefault(peer, set()).add(handle)
+        self.counters.remote_lists_prepared += 1
+        return handle
+
+    def release_list(self, handle: int) -> None:
+        if handle in self._lists:
+            self._lists.discard(handle)
+            try:
+                self._agent.release_dlist_handle(handle)
+            except Exception as err:
+                logger.warning("releasing NIXL descriptor list failed: %s", err)
+
+    # ------------------------------------------------------------------ transfers
+
+    def post_write(
+        self,
+        local_list: int,
+        local_ids: np.ndarray,
+        remote_list: int,
+        remote_ids: np.ndarray,
+        notif: bytes,
+    ) -> int:
+        handle = None
+        try:
+            handle = self._agent.make_prepped_xfer(
+                "WRITE", local_list, local_ids, remote_list, remote_ids, notif
+            )
+            state = self._agent.transfer(handle)
+        except Exception as err:
+            if handle is not None:
+                self._release_quietly(handle)
+            self.counters.writes_failed += 1
+            raise TransferError(f"NIXL WRITE of {len(local_ids)} descriptors failed: {err}") from err
+        self._handles.add(handle)
+        self.counters.writes_posted += 1
+        if state == "ERR":
+            self.counters.writes_failed += 1
+            self.release(handle)
+            raise TransferError(f"NIXL WRITE of {len(local_ids)} descriptors was refused (ERR)")
+        return handle
+
+    def poll(self, handle: int) -> TransferState:
+        try:
+            state = self._agent.check_xfer_state(handle)
+        except Exception as err:
+            logger.warning("NIXL transfer failed while polling: %s", err)
+            return TransferState.FAILED
+        if state == "DONE":
+            return TransferState.DONE
+        if state == "PROC":
+            return TransferState.PENDING
+        return TransferState.FAILED
+
+    def release(self, handle: int) -> None:
+        if handle in self._handles:
+            self._handles.discard(handle)
+            self._release_quietly(handle)
+            self.counters.handles_released += 1
+
+    def _release_quietly(self, handle: int) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as err:
+            logger.warning("releasing a NIXL transfer handle failed: %s", err)
+
+    @property
+    def outstanding_handles(self) -> int:
+        return len(self._handles)
+
+    # ------------------------------------------------------------------ notifications
+
+    def send_notif(self, peer: str, message: bytes) -> None:
+        try:
+            self._agent.send_notif(peer, message)
+        except Exception as err:
+            raise TransferError(f"NIXL notification to {peer} failed: {err}") from err
+        self.counters.notifs_sent += 1
+
+    def drain_notifs(self) -> list[tuple[str, bytes]]:
+        out = []
+        for peer, messages in self._agent.get_new_notifs().items():
+            name = peer.decode() if isinstance(peer, bytes) else str(peer)
+            out.extend((name, m) for m in messages)
+        self.counters.notifs_received += len(out)
+        return out
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        for handle in list(self._handles):
+            self.release(handle)
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+        for handle in list(self._lists):
+            self.release_list(handle)
+        for reg in self._registrations:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as err:
+                logger.warning("deregistering NIXL memory failed: %s", err)
+        self._registrations.clear()
+
+
+@hookimpl
+def kvpush_transports() -> list[TransportProvider]:
+    return [
+        TransportProvider(
+            name="nixl",
+            create=NixlTransport,
+            description="NIXL one-sided WRITEs with notifications (UCX backend)",
+        )
+    ]
