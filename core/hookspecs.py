@@ -194,9 +194,7 @@ def kvpush_transfer_strategy(job: PushJob, spec: ReadSpec, num_descriptors: int)
 
 
 @hookspec(firstresult=True)
-def kvpush_expected_notifications(
-    request: RequestMetadata, decode: ParallelConfig
-) -> int | None:
+def kvpush_expected_notifications(request: RequestMetadata, decode: ParallelConfig) -> int | None:
     """Say how many distinct producers must report before D may finish a request.
 
     When: on D, once per request, when the request is added.

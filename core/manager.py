@@ -143,10 +143,7 @@ class KvpushPluginManager:
             if plugin is None:
                 continue
             dist, version = self._dists.get(name, ("unknown", "?"))
-            hooks = sorted(
-                caller.name
-                for caller in self.pm.get_hookcallers(plugin) or ()
-            )
+            hooks = sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or ())
             infos.append(PluginInfo(name=name, distribution=dist, version=version, hooks=tuple(hooks)))
         return sorted(infos, key=lambda info: info.name)
 

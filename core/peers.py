@@ -230,7 +230,9 @@ class PeerRegistry:
                 del self._pending[key]
         if error is not None:
             if not isinstance(error, KvpushError):
-                error = HandshakeError(f"handshake with engine {engine_id!r} failed: {type(error).__name__}: {error}")
+                error = HandshakeError(
+                    f"handshake with engine {engine_id!r} failed: {type(error).__name__}: {error}"
+                )
             logger.warning("handshake with %s failed: %s", engine_id, error)
             future.set_exception(error)
         else:

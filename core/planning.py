@@ -48,9 +48,7 @@ def region_offsets(regions: Sequence[KVRegion]) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
 
 
-def descriptor_ids(
-    regions: Sequence[KVRegion], groups: Sequence[int], block_ids: BlockIds
-) -> np.ndarray:
+def descriptor_ids(regions: Sequence[KVRegion], groups: Sequence[int], block_ids: BlockIds) -> np.ndarray:
     """int32 descriptor ids of ``block_ids`` in every region (``groups[i]`` is region i's group).
 
     Raises ``ConfigError`` for a block id beyond a region's capacity.
@@ -81,8 +79,7 @@ def descriptor_ids(
 def _check_capacity(ids: np.ndarray, capacity: int, group: int) -> None:
     if len(ids) and (ids.max() >= capacity or ids.min() < 0):
         raise ConfigError(
-            f"block id {int(ids.max())} of group {group} is outside the region's "
-            f"{int(capacity)} blocks"
+            f"block id {int(ids.max())} of group {group} is outside the region's {int(capacity)} blocks"
         )
 
 
@@ -94,8 +91,7 @@ def trim_for_prefix_hit(producer: BlockIds, decode: BlockIds, request_id: str) -
     """
     if len(producer) != len(decode):
         raise ConfigError(
-            f"request {request_id!r}: P has {len(producer)} KV-cache groups, D registered "
-            f"{len(decode)}"
+            f"request {request_id!r}: P has {len(producer)} KV-cache groups, D registered {len(decode)}"
         )
     trimmed = []
     for group, (p_ids, d_ids) in enumerate(zip(producer, decode)):

@@ -84,7 +84,9 @@ class PushReceiver(RankWorker):
 
         self.add_request(
             RequestMetadata(
-                request_id=request_id, block_ids=block_ids, params=TransferParams.from_dict(kv_transfer_params)
+                request_id=request_id,
+                block_ids=block_ids,
+                params=TransferParams.from_dict(kv_transfer_params),
             )
         )
 
@@ -118,7 +120,9 @@ class PushReceiver(RankWorker):
             self._results_ready.notify_all()
 
     def _producer_ranks(self, request: RequestMetadata) -> list[RankKey]:
-        tp_ranks = producer_ranks_for(self.config.parallel.tp_rank, self.config.parallel.tp_size, request.params.tp_size)
+        tp_ranks = producer_ranks_for(
+            self.config.parallel.tp_rank, self.config.parallel.tp_size, request.params.tp_size
+        )
         return [RankKey(pp, tp) for pp in range(request.pp_size) for tp in tp_ranks]
 
     def _on_add(self, request: RequestMetadata, expected: int) -> None:
@@ -147,9 +151,13 @@ class PushReceiver(RankWorker):
         future = self.peers.ensure(
             params.remote_engine_id, params.remote_host, params.remote_port, ranks, HandshakeMode.NOTIF_ONLY
         )
-        future.add_done_callback(lambda f: self.run_on_writer(lambda: self._after_handshake(f, request, ranks)))
+        future.add_done_callback(
+            lambda f: self.run_on_writer(lambda: self._after_handshake(f, request, ranks))
+        )
 
-    def _after_handshake(self, future: Future[PeerEngine], request: RequestMetadata, ranks: list[RankKey]) -> None:
+    def _after_handshake(
+        self, future: Future[PeerEngine], request: RequestMetadata, ranks: list[RankKey]
+    ) -> None:
         if request.request_id not in self._pending:
             return
         error = future.exception()
@@ -227,7 +235,9 @@ class PushReceiver(RankWorker):
         for rid, items in list(self._early.items()):
             if items[0][0] + ttl <= now:
                 del self._early[rid]
-                logger.warning("dropped %d notification(s) for unknown request %s (held %ss)", len(items), rid, ttl)
+                logger.warning(
+                    "dropped %d notification(s) for unknown request %s (held %ss)", len(items), rid, ttl
+                )
 
     def _busy(self) -> bool:
         return bool(self._pending)

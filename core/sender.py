@@ -134,7 +134,9 @@ class PushSender(RankWorker):
             self._on_registration(notification.registration)
         else:
             self.dropped_notifications += 1
-            logger.warning("prefill rank got an unexpected %s notification from %s", notification.kind.value, peer)
+            logger.warning(
+                "prefill rank got an unexpected %s notification from %s", notification.kind.value, peer
+            )
 
     def _on_registration(self, reg: PushRegistration) -> None:
         key = reg.match_key
@@ -210,9 +212,7 @@ class PushSender(RankWorker):
                 local_ids = descriptor_ids(regions, groups, spec.local_block_ids)
                 remote_ids = descriptor_ids(engine.ranks[rank].aligned_regions, groups, spec.remote_block_ids)
                 if len(local_ids) != len(remote_ids):
-                    raise KvpushError(
-                        f"{len(local_ids)} local descriptors vs {len(remote_ids)} remote ones"
-                    )
+                    raise KvpushError(f"{len(local_ids)} local descriptors vs {len(remote_ids)} remote ones")
                 handle = self.transport.post_write(
                     self.local_list(spec.local_part),
                     local_ids,
@@ -240,7 +240,9 @@ class PushSender(RankWorker):
         self._notify_failure(reg, self.metadata.rank, reason, agents)
         self._report(request_id, reason)
 
-    def _notify_failure(self, reg: PushRegistration, producer: RankKey, reason: str, agents: list[str]) -> None:
+    def _notify_failure(
+        self, reg: PushRegistration, producer: RankKey, reason: str, agents: list[str]
+    ) -> None:
         assert self.transport is not None
         message = wire.encode_failed(reg.request_id, producer, reason)
         for agent in agents:
@@ -284,7 +286,11 @@ class PushSender(RankWorker):
         for key, stashed in list(self._registrations.items()):
             if stashed.expires <= now:
                 del self._registrations[key]
-                logger.warning("dropped D's registration %s: no prefill finished within %ss", key, self.config.registration_ttl_s)
+                logger.warning(
+                    "dropped D's registration %s: no prefill finished within %ss",
+                    key,
+                    self.config.registration_ttl_s,
+                )
         for key, expires in list(self._tombstones.items()):
             if expires <= now:
                 del self._tombstones[key]

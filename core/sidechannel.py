@@ -47,8 +47,7 @@ class SideChannelServer:
         except zmq.ZMQError as err:
             self._socket.close()
             raise HandshakeError(
-                f"side channel of engine {engine_id!r} cannot bind {address}:{port}: {err}; "
-                f"pick another port"
+                f"side channel of engine {engine_id!r} cannot bind {address}:{port}: {err}; pick another port"
             ) from err
         self.requests_served = 0
         self.requests_rejected = 0
@@ -82,7 +81,7 @@ class SideChannelServer:
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in request[1:])
         ):
             return wire.pack(
-                {"payload": None, "error": "request must be [\"GET_META\", wire_version, pp_rank, tp_rank]"}
+                {"payload": None, "error": 'request must be ["GET_META", wire_version, pp_rank, tp_rank]'}
             ), False
         _, version, pp_rank, tp_rank = request
         if version != wire.WIRE_VERSION:
@@ -139,7 +138,11 @@ class SideChannelServer:
                 self.requests_served += 1
             else:
                 self.requests_rejected += 1
-                logger.warning("side channel of %s: rejected a request: %s", self.engine_id, wire.unpack(reply, "reply")["error"])
+                logger.warning(
+                    "side channel of %s: rejected a request: %s",
+                    self.engine_id,
+                    wire.unpack(reply, "reply")["error"],
+                )
             self._send(identity, reply)
 
     def _send(self, identity: bytes, reply: bytes) -> None:
@@ -190,5 +193,7 @@ def fetch_metadata(
     payload = body.get("payload")
     if not isinstance(payload, bytes):
         raise WireError(f"side-channel reply from {address} carries no payload")
-    logger.debug("fetched %s rank %s metadata in %.1f ms", engine_id, rank, (time.perf_counter() - started) * 1e3)
+    logger.debug(
+        "fetched %s rank %s metadata in %.1f ms", engine_id, rank, (time.perf_counter() - started) * 1e3
+    )
     return payload

@@ -30,9 +30,7 @@ def to_block_ids(value: Any) -> BlockIds:
     groups = []
     for group in items:
         if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
-            raise ConfigError(
-                f"block ids must be a list of ints or a list of per-group lists, got {value!r}"
-            )
+            raise ConfigError(f"block ids must be a list of ints or a list of per-group lists, got {value!r}")
         ids = tuple(group)
         for block in ids:
             if not isinstance(block, int) or isinstance(block, bool) or block < 0:
@@ -264,18 +262,14 @@ class TransferParams:
         for name, kind in checks.items():
             value = params.get(name)
             if value is not None and not isinstance(value, kind):
-                raise ConfigError(
-                    f"kv_transfer_params[{name!r}] must be a {kind.__name__}, got {value!r}"
-                )
+                raise ConfigError(f"kv_transfer_params[{name!r}] must be a {kind.__name__}, got {value!r}")
         ints = {}
         for name, default in (("remote_port", None), ("tp_size", 1), ("pp_size", 1)):
             value = params.get(name, default)
             if value is None:
                 value = default
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(
-                    f"kv_transfer_params[{name!r}] must be a positive int, got {value!r}"
-                )
+                raise ConfigError(f"kv_transfer_params[{name!r}] must be a positive int, got {value!r}")
             ints[name] = value
         if ints["remote_port"] > 65535:
             raise ConfigError(f"kv_transfer_params['remote_port'] {ints['remote_port']} > 65535")

@@ -272,7 +272,10 @@ def decode_notification(message: bytes) -> Notification | None:
     producer = RankKey(_int_field(body, "pp", what), _int_field(body, "tp", what))
     if kind is NotificationKind.DONE:
         return Notification(
-            kind=kind, request_id=request_id, producer=producer, producer_tp_size=_int_field(body, "ptp", what) or 1
+            kind=kind,
+            request_id=request_id,
+            producer=producer,
+            producer_tp_size=_int_field(body, "ptp", what) or 1,
         )
     reason = body.get("reason")
     return Notification(kind=kind, request_id=request_id, producer=producer, reason=str(reason or "unknown"))

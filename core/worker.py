@@ -172,7 +172,9 @@ class RankWorker:
 
         self.run_on_writer(run)
         if not done.wait(timeout_s):
-            raise WaitTimeout(f"the writer thread of {self.agent_name} did not run a command within {timeout_s}s")
+            raise WaitTimeout(
+                f"the writer thread of {self.agent_name} did not run a command within {timeout_s}s"
+            )
         if "error" in box:
             raise box["error"]
         return box.get("result")

@@ -93,7 +93,9 @@ def describe_uniform(
             )
         for index, component in enumerate(("K", "V")):
             regions.append(
-                tensor_region(tensor[index], component=component, replicate=False, num_heads=heads, **identity)
+                tensor_region(
+                    tensor[index], component=component, replicate=False, num_heads=heads, **identity
+                )
             )
     return regions
 

@@ -21,9 +21,7 @@ def tp_ratio(producer_tp: int, decode_tp: int) -> int:
     """``k`` as above; raises when one TP size does not divide the other."""
     big, small = max(producer_tp, decode_tp), min(producer_tp, decode_tp)
     if big % small:
-        raise ConfigError(
-            f"prefill TP {producer_tp} and decode TP {decode_tp} must divide one another"
-        )
+        raise ConfigError(f"prefill TP {producer_tp} and decode TP {decode_tp} must divide one another")
     return big // small
 
 
@@ -40,8 +38,5 @@ def kvpush_build_read_specs(job: PushJob) -> list[ReadSpec]:
     if local.tp_size == job.decode_tp_size:
         return [ReadSpec(dst_tp_rank=local.tp_rank, **common)]
     if local.tp_size < job.decode_tp_size:
-        return [
-            ReadSpec(dst_tp_rank=local.tp_rank * k + s, local_part=(s, k), **common)
-            for s in range(k)
-        ]
+        return [ReadSpec(dst_tp_rank=local.tp_rank * k + s, local_part=(s, k), **common) for s in range(k)]
     return [ReadSpec(dst_tp_rank=local.tp_rank // k, remote_part=(local.tp_rank % k, k), **common)]
