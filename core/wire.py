@@ -228,20 +228,22 @@ def _int_field(body: Mapping[str, Any], name: str, what: str) -> int:
     return value
 
 
+_PREFIXES = (
+    (PUSH_REG_PREFIX, NotificationKind.PUSH_REG),
+    (DONE_PREFIX, NotificationKind.DONE),
+    (FAIL_PREFIX, NotificationKind.FAILED),
+    (CANCEL_PREFIX, NotificationKind.CANCEL),
+    (HEARTBEAT_PREFIX, NotificationKind.HEARTBEAT),
+)
+
+
 def decode_notification(message: bytes) -> Notification | None:
     """Decode a kvpush notification; None if the prefix is not kvpush's. Raises WireError on a
     kvpush prefix with a malformed body."""
-    for prefix, kind in (
-        (PUSH_REG_PREFIX, NotificationKind.PUSH_REG),
-        (DONE_PREFIX, NotificationKind.DONE),
-        (FAIL_PREFIX, NotificationKind.FAILED),
-        (CANCEL_PREFIX, NotificationKind.CANCEL),
-        (HEARTBEAT_PREFIX, NotificationKind.HEARTBEAT),
-    ):
-        if message.startswith(prefix):
-            break
-    else:
+    match = next(((p, k) for p, k in _PREFIXES if message.startswith(p)), None)
+    if match is None:
         return None
+    prefix, kind = match
     what = prefix.decode().rstrip(":")
     body = unpack(message[len(prefix) :], what)
     if not isinstance(body, Mapping):
