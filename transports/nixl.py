@@ -15,6 +15,7 @@ NIXL is imported only when a transport is created, never at plugin import.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +48,8 @@ class NixlTransport:
     name = "nixl"
 
     def __init__(self, config: TransportConfig) -> None:
+        # NIXL logs INFO lines to stdout by default, which would corrupt `--json` output.
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as err:  # pragma: no cover - depends on the install

@@ -1,0 +1,171 @@
+"""One engine rank in its own process: a P stage/TP rank or a D TP rank, driven over a pipe.
+
+Messages from the parent (tuples): ``("prepare", [(rid, seed, block_ids), ...])`` (P: fill
+blocks), ``("finish", rid, block_ids, match_key)`` (P), ``("add", rid, block_ids, params, seed,
+position_offset)`` (D), ``("poll",)``, ``("stats",)``, ``("stop",)``. Every message gets one
+reply; a failure replies ``("error", traceback)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+from kvpush.core.types import ModelSpec, ParallelConfig, RequestMetadata, TransferParams
+
+
+@attrs.frozen(kw_only=True)
+class RankSpec:
+    """Everything a rank process needs to start (picklable)."""
+
+    role: str  # "prefill" or "decode"
+    engine_id: str
+    parallel: ParallelConfig
+    model: ModelSpec
+    layout: str
+    blocks_per_group: tuple[int, ...]
+    device: str = "cpu"
+    side_channel_port: int = 0
+    request_timeout_s: float = 60.0
+    lease_s: float = 60.0
+    transport: str = "nixl"
+    transport_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    log_level: str = "WARNING"
+
+
+def allocate(spec: RankSpec) -> dict[str, Any]:
+    if spec.layout == "hma":
+        from kvpush.layouts.hma import allocate_hma_caches
+
+        return allocate_hma_caches(spec.model, spec.parallel, spec.blocks_per_group, device=spec.device)
+    from kvpush.layouts.uniform import allocate_kv_caches
+
+    return allocate_kv_caches(spec.model, spec.parallel, spec.blocks_per_group[0], device=spec.device)
+
+
+def rank_main(spec: RankSpec, conn: Connection) -> None:
+    logging.basicConfig(
+        level=os.environ.get("KVPUSH_LOG_LEVEL", spec.log_level),
+        format=f"%(asctime)s {spec.role}{spec.parallel.rank} %(message)s",
+    )
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    try:
+        server = _RankServer(spec)
+        conn.send(("ready", server.worker.handshake_payload()))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            if not conn.poll(600):
+                break  # the parent is gone
+            message = conn.recv()
+            if message[0] == "stop":
+                conn.send(("ok", None))
+                break
+            try:
+                conn.send(("ok", server.handle(message)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        server.worker.close()
+
+
+class _RankServer:
+    def __init__(self, spec: RankSpec) -> None:
+        import torch
+        from kvpush.core.receiver import PushReceiver
+        from kvpush.core.sender import PushSender
+        from kvpush.core.worker import WorkerConfig
+        from kvpush.demo.content import region_tensors
+
+        if spec.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(spec.device))
+        self.spec = spec
+        self.caches = allocate(spec)
+        config = WorkerConfig(
+            engine_id=spec.engine_id,
+            parallel=spec.parallel,
+            model=spec.model,
+            layout=spec.layout,
+            transport=spec.transport,
+            transport_options=dict(spec.transport_options),
+            side_channel_port=spec.side_channel_port,
+            request_timeout_s=spec.request_timeout_s,
+            lease_s=spec.lease_s,
+        )
+        worker_cls = PushSender if spec.role == "prefill" else PushReceiver
+        self.worker = worker_cls(config, self.caches)
+        self.worker.start()
+        assert self.worker.metadata is not None
+        self.regions = self.worker.metadata.regions
+        self.tensors = region_tensors(self.caches, spec.model)
+        self.expect: dict[str, tuple[int, Any, Any]] = {}
+        self.received_bytes: dict[str, int] = {}
+
+    def handle(self, message: tuple[Any, ...]) -> Any:
+        kind = message[0]
+        if kind == "prepare":
+            from kvpush.demo.content import fill_request
+
+            for _rid, seed, block_ids in message[1]:
+                fill_request(self.regions, self.tensors, self.spec.parallel, seed, block_ids)
+            self._synchronize()
+            return len(message[1])
+        if kind == "finish":
+            _, rid, block_ids, match_key = message
+            self.worker.request_finished(rid, block_ids, match_key=match_key)
+            return None
+        if kind == "add":
+            _, rid, block_ids, params, seed, offsets = message
+            self.expect[rid] = (seed, block_ids, offsets)
+            self.worker.add_request(
+                RequestMetadata(request_id=rid, block_ids=block_ids, params=TransferParams.from_dict(params))
+            )
+            return None
+        if kind == "poll":
+            return self._poll()
+        if kind == "stats":
+            return self._stats()
+        raise ValueError(f"unknown message {kind!r}")
+
+    def _synchronize(self) -> None:
+        if self.spec.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+
+    def _poll(self) -> dict[str, Any]:
+        from kvpush.demo.content import verify_request
+
+        results = self.worker.get_finished()
+        if self.spec.role == "prefill":
+            return {"sent": list(results.sent), "failed": dict(results.failed)}
+        verified = {}
+        self._synchronize()
+        for rid in results.done:
+            seed, block_ids, offsets = self.expect.pop(rid)
+            miss = verify_request(self.regions, self.tensors, self.spec.parallel, seed, block_ids, offsets)
+            nbytes = sum(r.block_len * len(block_ids[r.kv_group]) for r in self.regions)
+            verified[rid] = {
+                "ok": miss is None,
+                "miss": miss,
+                "bytes": nbytes,
+                "t_done": self.worker.completion_times[rid],
+            }
+        return {"done": verified, "failed": dict(results.failed), "now": time.perf_counter()}
+
+    def _stats(self) -> dict[str, Any]:
+        worker = self.worker
+        assert worker.transport is not None and worker.peers is not None
+        return {
+            "handshake_ms": worker.peers.handshake_ms,
+            "counters": worker.transport.counters.as_dict(),
+            "stats": dict(worker.stats),
+            "dropped_notifications": worker.dropped_notifications,
+        }

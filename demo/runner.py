@@ -1,0 +1,417 @@
+"""``kvpush demo``: P stages and D ranks as real processes, real NIXL, every byte verified.
+
+For each ``--layout`` it starts P as ``--prefill-pp`` stages × ``--prefill-tp`` ranks and D as
+``--decode-tp`` ranks, serves both engines' side channels from this process (the role a
+scheduler process plays in an engine), fills P's blocks with request-specific content, then
+dispatches every request to both legs at once (as a router does), waits for D to report each
+request complete, and checks that every byte of every pushed block in D's caches equals what
+P wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from kvpush.core.errors import ConfigError, WaitTimeout
+from kvpush.core.sidechannel import SideChannelServer
+from kvpush.core.types import ModelSpec, ParallelConfig, RankKey
+from kvpush.demo.rank import RankSpec, rank_main
+
+LAYOUTS = ("mha", "mla", "hma")
+
+
+def model_for(layout: str, num_layers: int = 8) -> tuple[ModelSpec, str]:
+    """The demo model of a ``--layout`` choice, and the layout plugin that describes it."""
+    if layout == "mha":
+        return ModelSpec(name="demo-gqa", num_layers=num_layers, num_kv_heads=4, head_dim=64), "uniform"
+    if layout == "mla":
+        return ModelSpec(name="demo-mla", num_layers=num_layers, attention="mla", head_dim=576), "uniform"
+    if layout == "hma":
+        return (
+            ModelSpec(
+                name="demo-hybrid",
+                num_layers=num_layers,
+                num_kv_heads=4,
+                head_dim=64,
+                layer_groups=[i % 2 for i in range(num_layers)],
+                layer_kinds=["full" if i % 2 == 0 else "sliding_window" for i in range(num_layers)],
+            ),
+            "hma",
+        )
+    raise ConfigError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+
+
+@attrs.frozen(kw_only=True)
+class RunConfig:
+    layout: str = "mha"
+    prefill_pp: int = 2
+    prefill_tp: int = 1
+    decode_tp: int = 2
+    requests: int = 32
+    max_blocks: int = 16
+    """Largest request, in blocks (of group 0)."""
+    window_blocks: int = 4
+    """Sliding-window groups (hma) keep at most this many blocks per request."""
+    prefix_hit_rate: float = 0.0
+    """Share of requests where D has a prefix cached and registers only the suffix."""
+    device: str = "cpu"
+    decode_device: str | None = None
+    seed: int = 0
+    timeout_s: float = 120.0
+    num_layers: int = 8
+
+
+@attrs.define
+class _Rank:
+    key: RankKey
+    process: Any
+    conn: Any
+
+    def call(self, message: tuple[Any, ...], timeout_s: float = 60.0) -> Any:
+        self.send(message)
+        return self.reply(message, timeout_s)
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        self.conn.send(message)
+
+    def reply(self, message: tuple[Any, ...], timeout_s: float = 60.0) -> Any:
+        if not self.conn.poll(timeout_s):
+            raise WaitTimeout(f"rank {self.key} did not answer {message[0]!r} within {timeout_s}s")
+        status, value = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(f"rank {self.key} failed on {message[0]!r}:\n{value}")
+        return value
+
+
+def _start_ranks(specs: list[RankSpec], timeout_s: float) -> tuple[list[_Rank], dict[RankKey, bytes]]:
+    ctx = mp.get_context("spawn")
+    ranks, payloads = [], {}
+    for spec in specs:
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=rank_main, args=(spec, child), daemon=True, name=f"kvpush-{spec.role}")
+        process.start()
+        ranks.append(_Rank(spec.parallel.rank, process, parent))
+    deadline = time.monotonic() + timeout_s
+    for rank in ranks:
+        if not rank.conn.poll(max(0.0, deadline - time.monotonic())):
+            raise WaitTimeout(f"rank {rank.key} did not start within {timeout_s}s")
+        status, value = rank.conn.recv()
+        if status == "error":
+            raise RuntimeError(f"rank {rank.key} failed to start:\n{value}")
+        payloads[rank.key] = value
+    return ranks, payloads
+
+
+def _stop(ranks: list[_Rank]) -> None:
+    for rank in ranks:
+        try:
+            rank.call(("stop",), timeout_s=10)
+        except Exception:
+            pass
+        rank.process.join(timeout=10)
+        if rank.process.is_alive():
+            rank.process.kill()
+
+
+def _plan_requests(cfg: RunConfig, model: ModelSpec, blocks: tuple[int, ...]) -> list[dict[str, Any]]:
+    rng = random.Random(cfg.seed)
+    groups = model.num_groups
+    p_free = [rng.sample(range(n), n) for n in blocks]
+    d_free = [rng.sample(range(n), n) for n in blocks]
+    plans = []
+    for index in range(cfg.requests):
+        length = rng.randint(1, cfg.max_blocks)
+        per_group = [length if g == 0 else min(length, cfg.window_blocks) for g in range(groups)]
+        hit = rng.random() < cfg.prefix_hit_rate and length > 1
+        cached = [rng.randint(1, n - 1) if hit and n > 1 else 0 for n in per_group]
+        p_ids = [[p_free[g].pop() for _ in range(per_group[g])] for g in range(groups)]
+        d_ids = [[d_free[g].pop() for _ in range(per_group[g] - cached[g])] for g in range(groups)]
+        plans.append(
+            {
+                "rid": f"req-{index}",
+                "seed": cfg.seed * 100_003 + index + 1,
+                "p_ids": p_ids,
+                "d_ids": d_ids,
+                "offsets": cached,
+            }
+        )
+    return plans
+
+
+def run_config(cfg: RunConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run one configuration end to end and return its report row."""
+    say = progress or (lambda _msg: None)
+    model, layout = model_for(cfg.layout, cfg.num_layers)
+    base = cfg.requests * cfg.max_blocks + 16
+    blocks = tuple(base if g == 0 else cfg.requests * cfg.window_blocks + 16 for g in range(model.num_groups))
+    p_server = SideChannelServer("prefill-0")
+    d_server = SideChannelServer("decode-0")
+    ranks: list[_Rank] = []
+    label = f"{cfg.layout} PP{cfg.prefill_pp}xTP{cfg.prefill_tp} -> TP{cfg.decode_tp}"
+    try:
+        common = {
+            "model": model,
+            "layout": layout,
+            "blocks_per_group": blocks,
+            "request_timeout_s": cfg.timeout_s,
+        }
+        p_specs = [
+            RankSpec(
+                role="prefill",
+                engine_id="prefill-0",
+                parallel=ParallelConfig.for_stage(
+                    num_layers=model.num_layers,
+                    pp_size=cfg.prefill_pp,
+                    pp_rank=pp,
+                    tp_size=cfg.prefill_tp,
+                    tp_rank=tp,
+                ),
+                device=cfg.device,
+                side_channel_port=p_server.port,
+                **common,
+            )
+            for pp in range(cfg.prefill_pp)
+            for tp in range(cfg.prefill_tp)
+        ]
+        d_specs = [
+            RankSpec(
+                role="decode",
+                engine_id="decode-0",
+                parallel=ParallelConfig(tp_size=cfg.decode_tp, tp_rank=tp, num_layers=model.num_layers),
+                device=cfg.decode_device or cfg.device,
+                side_channel_port=d_server.port,
+                **common,
+            )
+            for tp in range(cfg.decode_tp)
+        ]
+        say(f"[{label}] starting {len(p_specs)} prefill and {len(d_specs)} decode processes")
+        p_ranks, p_payloads = _start_ranks(p_specs, timeout_s=120)
+        ranks += p_ranks
+        d_ranks, d_payloads = _start_ranks(d_specs, timeout_s=120)
+        ranks += d_ranks
+        p_server.publish_all(p_payloads)
+        d_server.publish_all(d_payloads)
+
+        plans = _plan_requests(cfg, model, blocks)
+        for rank in p_ranks:
+            rank.call(("prepare", [(p["rid"], p["seed"], p["p_ids"]) for p in plans]), timeout_s=300)
+        say(f"[{label}] dispatching {len(plans)} requests")
+        params = {
+            "remote_engine_id": "prefill-0",
+            "remote_host": "127.0.0.1",
+            "remote_port": p_server.port,
+            "tp_size": cfg.prefill_tp,
+            "pp_size": cfg.prefill_pp,
+        }
+        dispatched: dict[str, float] = {}
+        for plan in plans:  # both legs at once, as a router does; replies are read afterwards
+            rid = plan["rid"]
+            request_params = {**params, "transfer_id": f"xfer-{rid}", "remote_request_id": rid}
+            dispatched[rid] = time.perf_counter()
+            for rank in d_ranks:
+                rank.send(("add", rid, plan["d_ids"], request_params, plan["seed"], plan["offsets"]))
+            for rank in p_ranks:
+                rank.send(("finish", rid, plan["p_ids"], f"xfer-{rid}"))
+        for rank in [*d_ranks, *p_ranks]:
+            for _ in plans:
+                rank.reply(("dispatch",), timeout_s=60)
+        return _collect(cfg, label, plans, dispatched, p_ranks, d_ranks, say)
+    finally:
+        _stop(ranks)
+        p_server.close()
+        d_server.close()
+
+
+def _collect(
+    cfg: RunConfig,
+    label: str,
+    plans: list[dict[str, Any]],
+    dispatched: dict[str, float],
+    p_ranks: list[_Rank],
+    d_ranks: list[_Rank],
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    outcome: dict[str, dict[RankKey, dict[str, Any]]] = {p["rid"]: {} for p in plans}
+    failures: dict[str, str] = {}
+    p_results: dict[RankKey, set[str]] = {r.key: set() for r in p_ranks}
+    deadline = time.monotonic() + cfg.timeout_s + 10
+    reported = -1
+    while time.monotonic() < deadline:
+        for rank in d_ranks:
+            polled = rank.call(("poll",))
+            for rid, result in polled["done"].items():
+                outcome[rid][rank.key] = result
+            for rid, reason in polled["failed"].items():
+                failures.setdefault(rid, f"D rank {rank.key}: {reason}")
+        for rank in p_ranks:
+            polled = rank.call(("poll",))
+            p_results[rank.key].update(polled["sent"])
+            for rid, reason in polled["failed"].items():
+                p_results[rank.key].add(rid)
+                failures.setdefault(rid, f"P rank {rank.key}: {reason}")
+        finished = sum(
+            1 for rid, per_rank in outcome.items() if len(per_rank) == len(d_ranks) or rid in failures
+        )
+        if finished != reported:
+            say(f"[{label}] {finished}/{len(plans)} requests finished")
+            reported = finished
+        p_done = all(len(done) == len(plans) for done in p_results.values())
+        if finished == len(plans) and p_done:
+            break
+        time.sleep(0.01)
+    verified, latencies, total_bytes, t_last = 0, [], 0, 0.0
+    for rid, per_rank in outcome.items():
+        if rid in failures or len(per_rank) != len(d_ranks):
+            failures.setdefault(rid, "not completed before the deadline")
+            continue
+        misses = [f"D rank {k}: {r['miss']}" for k, r in per_rank.items() if not r["ok"]]
+        if misses:
+            failures[rid] = "; ".join(misses)
+            continue
+        verified += 1
+        total_bytes += sum(r["bytes"] for r in per_rank.values())
+        done_at = max(r["t_done"] for r in per_rank.values())
+        latencies.append((done_at - dispatched[rid]) * 1e3)
+        t_last = max(t_last, done_at)
+    stats = {rank.key: rank.call(("stats",)) for rank in [*p_ranks, *d_ranks]}
+    full = [ms for s in stats.values() for ms in s["handshake_ms"]["full"]]
+    notif = [ms for s in stats.values() for ms in s["handshake_ms"]["notif_only"]]
+    elapsed = t_last - min(dispatched.values()) if verified else 0.0
+    return {
+        "layout": cfg.layout,
+        "prefill_pp": cfg.prefill_pp,
+        "prefill_tp": cfg.prefill_tp,
+        "decode_tp": cfg.decode_tp,
+        "requests": len(plans),
+        "verified_requests": verified,
+        "failed_requests": len(plans) - verified,
+        "failures": dict(sorted(failures.items())[:10]),
+        "bytes": total_bytes,
+        "gbps": total_bytes / elapsed / 1e9 if elapsed > 0 else 0.0,
+        "handshake_ms_full": statistics.mean(full) if full else None,
+        "handshake_ms_notif_only": statistics.mean(notif) if notif else None,
+        "latency_ms_p50": _percentile(latencies, 50),
+        "latency_ms_p99": _percentile(latencies, 99),
+        "remote_lists_prepared_by_decode": sum(
+            stats[r.key]["counters"]["remote_lists_prepared"] for r in d_ranks
+        ),
+        "writes": sum(stats[r.key]["counters"]["writes_posted"] for r in p_ranks),
+    }
+
+
+def _percentile(values: list[float], pct: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
+    header = (
+        f"{'layout':<7}{'P':>8}{'D':>5}{'reqs':>6}{'verified':>10}{'MiB':>9}"
+        f"{'hs full ms':>12}{'hs notif ms':>13}{'p50 ms':>9}{'p99 ms':>9}{'GB/s':>8}"
+    )
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for row in rows:
+        print(
+            f"{row['layout']:<7}{'PP' + str(row['prefill_pp']) + 'xTP' + str(row['prefill_tp']):>8}"
+            f"{'TP' + str(row['decode_tp']):>5}{row['requests']:>6}{row['verified_requests']:>10}"
+            f"{row['bytes'] / 2**20:>9.1f}{_fmt(row['handshake_ms_full'], '.1f'):>12}"
+            f"{_fmt(row['handshake_ms_notif_only'], '.1f'):>13}{_fmt(row['latency_ms_p50'], '.1f'):>9}"
+            f"{_fmt(row['latency_ms_p99'], '.1f'):>9}{row['gbps']:>8.2f}",
+            file=out,
+        )
+    for row in rows:
+        for rid, reason in row["failures"].items():
+            print(f"  {row['layout']} {rid}: {reason}", file=out)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill-pp", type=int, default=2, help="P pipeline stages (default 2)")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="P TP ranks per stage (default 1)")
+    parser.add_argument("--decode-tp", type=int, default=2, help="D TP ranks (default 2)")
+    parser.add_argument(
+        "--layout",
+        action="append",
+        choices=LAYOUTS,
+        help="model layout to push; repeatable (default: mha, mla and hma)",
+    )
+    parser.add_argument("--requests", type=int, default=32, help="requests per layout (default 32)")
+    parser.add_argument("--max-blocks", type=int, default=16, help="largest request in blocks (default 16)")
+    parser.add_argument(
+        "--prefix-hit-rate", type=float, default=0.0, help="share of partial prefix hits on D"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    parser.add_argument("--decode-device", default=None, help="device of D's caches (default: --device)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=120.0, help="per-request bound in seconds")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def main(args: argparse.Namespace) -> int:
+    layouts = args.layout or list(_available_layouts())
+    rows, ok = [], True
+    for layout in layouts:
+        cfg = RunConfig(
+            layout=layout,
+            prefill_pp=args.prefill_pp,
+            prefill_tp=args.prefill_tp,
+            decode_tp=args.decode_tp,
+            requests=args.requests,
+            max_blocks=args.max_blocks,
+            prefix_hit_rate=args.prefix_hit_rate,
+            device=args.device,
+            decode_device=args.decode_device,
+            seed=args.seed,
+            timeout_s=args.timeout,
+        )
+        try:
+            row = run_config(cfg, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+        except Exception as err:
+            print(f"[{layout}] failed: {err}", file=sys.stderr)
+            row = {
+                "layout": layout,
+                "prefill_pp": cfg.prefill_pp,
+                "prefill_tp": cfg.prefill_tp,
+                "decode_tp": cfg.decode_tp,
+                "requests": cfg.requests,
+                "verified_requests": 0,
+                "failed_requests": cfg.requests,
+                "failures": {"*": str(err)},
+                "bytes": 0,
+                "gbps": 0.0,
+                "handshake_ms_full": None,
+                "handshake_ms_notif_only": None,
+                "latency_ms_p50": None,
+                "latency_ms_p99": None,
+            }
+        ok = ok and row["verified_requests"] == row["requests"]
+        rows.append(row)
+    if args.json:
+        print(json.dumps({"ok": ok, "runs": rows}, indent=2))
+    else:
+        print_table(rows)
+        print("\nall requests verified byte for byte" if ok else "\nSOME REQUESTS WERE NOT VERIFIED")
+    return 0 if ok else 1
+
+
+def _available_layouts() -> list[str]:
+    from kvpush.core.manager import get_plugin_manager
+
+    names = get_plugin_manager().layouts()
+    return [layout for layout in LAYOUTS if model_for(layout)[1] in names]
