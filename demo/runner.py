@@ -11,6 +11,7 @@ P wrote.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import random
@@ -113,10 +114,8 @@ def _start_ranks(specs: list[RankSpec], timeout_s: float) -> tuple[list[_Rank], 
 
 def _stop(ranks: list[_Rank]) -> None:
     for rank in ranks:
-        try:
+        with contextlib.suppress(Exception):
             rank.call(("stop",), timeout_s=10)
-        except Exception:
-            pass
         rank.process.join(timeout=10)
         if rank.process.is_alive():
             rank.process.kill()
