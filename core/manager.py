@@ -41,6 +41,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mla_replication": "kvpush.plugins.mla_replication",
     "nixl": "kvpush.transports.nixl",
     "uniform": "kvpush.layouts.uniform",
+    "hma": "kvpush.layouts.hma",
 }
 """Short name → module of every built-in plugin, registered like any third-party plugin."""
 
