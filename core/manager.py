@@ -104,20 +104,27 @@ class KvpushPluginManager:
     def load_entrypoints(self, allow: Sequence[str] | None, blocked: Sequence[str]) -> int:
         """Load plugins from the ``kvpush`` entry-point group; return how many were loaded."""
         loaded = 0
-        seen_allowed: set[str] = set()
+        installed: set[str] = set()
         for dist in importlib.metadata.distributions():
             for ep in dist.entry_points:
                 if ep.group != ENTRY_POINT_GROUP:
                     continue
                 dist_name = dist.metadata["Name"] or "unknown"
+                installed.update({ep.name, dist_name})  # allowed but disabled is not "missing"
                 if ep.name in blocked or dist_name in blocked:
                     logger.info("kvpush plugin %s (%s) disabled by %s", ep.name, dist_name, DISABLE_ENV)
                     continue
                 if allow is not None and ep.name not in allow and dist_name not in allow:
                     continue
-                seen_allowed.update({ep.name, dist_name})
                 if self.pm.get_plugin(ep.name) is not None:
-                    continue
+                    other, other_version = self._dists.get(ep.name, ("unknown", "?"))
+                    if other == dist_name:
+                        continue  # the same distribution found twice on sys.path
+                    raise PluginError(
+                        f"plugin {ep.name!r} from distribution {dist_name} {dist.version} has the "
+                        f"name of the plugin already registered from {other} {other_version}; "
+                        f"rename its entry point, or skip it with {DISABLE_ENV}={dist_name}"
+                    )
                 try:
                     plugin = ep.load()
                 except Exception as err:
@@ -129,7 +136,7 @@ class KvpushPluginManager:
                 self.register(plugin, ep.name, (dist_name, dist.version))
                 loaded += 1
         for name in allow or ():
-            if name not in seen_allowed and name not in BUILTIN_PLUGINS:
+            if name not in installed and name not in BUILTIN_PLUGINS:
                 raise PluginError(
                     f"{LOAD_ENV} names {name!r}, but no installed distribution offers a "
                     f"{ENTRY_POINT_GROUP!r} entry point by that name; install it or remove it."
@@ -153,6 +160,8 @@ class KvpushPluginManager:
         caller = getattr(self.pm.hook, hook_name)
         out = []
         for impl in reversed(caller.get_hookimpls()):  # pluggy's own LIFO call order
+            if impl.wrapper or impl.hookwrapper:
+                continue  # wrappers need pluggy's call loop; these hooks are called impl by impl
             args = {name: kwargs[name] for name in impl.argnames}
             result = impl.function(**args)
             if result is not None:
