@@ -233,12 +233,30 @@ class PushSender(RankWorker):
         self._settle(reg.match_key, push)
 
     def _fail_before_write(self, request_id: str, reg: PushRegistration, reason: str) -> None:
+        """Report a push that failed before any WRITE, and tell every D rank why.
+
+        If D's agents are not loaded yet (planning failed before the handshake), a notif-only
+        handshake loads them first, so D fails the request at once instead of on its watchdog.
+        """
         logger.warning("push of %s failed: %s", request_id, reason)
         assert self.peers is not None and self.metadata is not None
-        engine = self.peers.engines.get(reg.decode_engine_id)
-        agents = [r.agent for r in engine.ranks.values()] if engine else []
-        self._notify_failure(reg, self.metadata.rank, reason, agents)
         self._report(request_id, reason)
+        ranks = [RankKey(0, tp) for tp in range(reg.decode_tp_size)]
+        engine = self.peers.engines.get(reg.decode_engine_id)
+        if engine is not None:
+            agents = [r.agent for r in engine.ranks.values()]
+            self._notify_failure(reg, self.metadata.rank, reason, agents)
+            return
+        future = self.peers.ensure(
+            reg.decode_engine_id, reg.decode_host, reg.decode_port, ranks, HandshakeMode.NOTIF_ONLY
+        )
+
+        def tell(done: Future[PeerEngine]) -> None:
+            if done.exception() is None:
+                agents = [r.agent for r in done.result().ranks.values()]
+                self._notify_failure(reg, self.metadata.rank, reason, agents)
+
+        future.add_done_callback(lambda f: self.run_on_writer(lambda: tell(f)))
 
     def _notify_failure(
         self, reg: PushRegistration, producer: RankKey, reason: str, agents: list[str]

@@ -281,9 +281,10 @@ def _collect(
         done_at = max(r["t_done"] for r in per_rank.values())
         latencies.append((done_at - dispatched[rid]) * 1e3)
         t_last = max(t_last, done_at)
-    stats = {rank.key: rank.call(("stats",)) for rank in [*p_ranks, *d_ranks]}
-    full = [ms for s in stats.values() for ms in s["handshake_ms"]["full"]]
-    notif = [ms for s in stats.values() for ms in s["handshake_ms"]["notif_only"]]
+    p_stats = [rank.call(("stats",)) for rank in p_ranks]
+    d_stats = [rank.call(("stats",)) for rank in d_ranks]
+    full = [ms for s in p_stats for ms in s["handshake_ms"]["full"]]
+    notif = [ms for s in d_stats for ms in s["handshake_ms"]["notif_only"]]
     elapsed = t_last - min(dispatched.values()) if verified else 0.0
     return {
         "layout": cfg.layout,
@@ -300,10 +301,8 @@ def _collect(
         "handshake_ms_notif_only": statistics.mean(notif) if notif else None,
         "latency_ms_p50": _percentile(latencies, 50),
         "latency_ms_p99": _percentile(latencies, 99),
-        "remote_lists_prepared_by_decode": sum(
-            stats[r.key]["counters"]["remote_lists_prepared"] for r in d_ranks
-        ),
-        "writes": sum(stats[r.key]["counters"]["writes_posted"] for r in p_ranks),
+        "remote_lists_prepared_by_decode": sum(s["counters"]["remote_lists_prepared"] for s in d_stats),
+        "writes": sum(s["counters"]["writes_posted"] for s in p_stats),
     }
 
 
