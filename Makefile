@@ -1,0 +1,32 @@
+# Set-up from nothing: a virtual environment with the CPU torch wheel (no CUDA download on a
+# machine without a GPU), nixl 1.5.1 and kvpush in editable mode with its test extras.
+VENV ?= .venv
+PYTHON ?= python3
+# On a GPU machine pass TORCH=torch (or a CUDA build spec) to keep the CUDA torch.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.kvpush-installed
+
+$(VENV)/.kvpush-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --disable-pip-version-check -q "$(TORCH)"
+	$(VENV)/bin/pip install --disable-pip-version-check -q -e '.[test]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/kvpush demo
+
+test: setup
+	$(VENV)/bin/python -m pytest
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: setup
+	$(VENV)/bin/kvpush bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .benchmarks
