@@ -98,6 +98,11 @@ class RankWorker:
                 f"decode engine {self.config.engine_id!r} has PP={self.config.parallel.pp_size}; "
                 f"kvpush pushes into non-PP decoders only"
             )
+        if self.role is Role.DECODE and not self.config.side_channel_port:
+            raise ConfigError(
+                f"decode engine {self.config.engine_id!r} needs side_channel_port: P handshakes "
+                f"back to that port before it writes; pass the port of its SideChannelServer"
+            )
         layout = self.pm.layout(self.config.layout)
         regions = tuple(layout.describe_regions(self._kv_caches, self.config.parallel, self.config.model))
         if not regions:
