@@ -376,6 +376,7 @@ class NotificationKind(enum.Enum):
     DONE = "done"
     FAILED = "failed"
     CANCEL = "cancel"
+    CANCEL_ACK = "cancel_ack"
     HEARTBEAT = "heartbeat"
     PUSH_REG = "push_reg"
 
@@ -391,6 +392,8 @@ class Notification:
     reason: str = ""
     registration: PushRegistration | None = None
     request_ids: tuple[str, ...] = field(default=(), converter=tuple)
+    write_in_flight: bool = False
+    """CANCEL_ACK: a WRITE of the request was in flight when the cancel arrived (now settled)."""
 
 
 @frozen(kw_only=True)

@@ -7,7 +7,11 @@ the inner metadata is decoded)::
     meta  = msgpack map of AgentMetadata (regions as maps)
 
 Notifications are ``PREFIX + msgpack(map)`` with prefixes ``PUSH_REG:``, ``DONE:``, ``FAIL:``,
-``CANCEL:`` and ``HB:``.
+``CANCEL:``, ``CANCEL_ACK:`` and ``HB:``.
+
+``CANCEL`` (D → P) carries the match key and, from a D rank, its coordinates (so P can reach it
+to acknowledge) and its tp rank; ``CANCEL_ACK`` (P → D) names D's request and says whether a
+WRITE was in flight when the cancel arrived (it is settled by the time the ack is sent).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ PUSH_REG_PREFIX = b"PUSH_REG:"
 DONE_PREFIX = b"DONE:"
 FAIL_PREFIX = b"FAIL:"
 CANCEL_PREFIX = b"CANCEL:"
+CANCEL_ACK_PREFIX = b"CANCEL_ACK:"
 HEARTBEAT_PREFIX = b"HB:"
 
 
@@ -206,8 +211,31 @@ def encode_failed(request_id: str, producer: RankKey, reason: str) -> bytes:
     )
 
 
-def encode_cancel(match_key: str) -> bytes:
-    return CANCEL_PREFIX + pack({"request_id": match_key})
+def encode_cancel(match_key: str, reg: PushRegistration | None = None, decode_tp_rank: int = 0) -> bytes:
+    """CANCEL by match key; with ``reg`` (blocks not needed) P can reach the cancelling D rank."""
+    body: dict[str, Any] = {"request_id": match_key}
+    if reg is not None:
+        body.update(
+            d_request_id=reg.request_id,
+            decode_engine_id=reg.decode_engine_id,
+            decode_host=reg.decode_host,
+            decode_port=reg.decode_port,
+            decode_tp_size=reg.decode_tp_size,
+            remote_engine_id=reg.remote_engine_id,
+            tp=decode_tp_rank,
+        )
+    return CANCEL_PREFIX + pack(body)
+
+
+def encode_cancel_ack(request_id: str, producer: RankKey, write_in_flight: bool) -> bytes:
+    return CANCEL_ACK_PREFIX + pack(
+        {
+            "request_id": request_id,
+            "pp": producer.pp_rank,
+            "tp": producer.tp_rank,
+            "inflight": write_in_flight,
+        }
+    )
 
 
 def encode_heartbeat(match_keys: list[str]) -> bytes:
@@ -233,6 +261,7 @@ _PREFIXES = (
     (DONE_PREFIX, NotificationKind.DONE),
     (FAIL_PREFIX, NotificationKind.FAILED),
     (CANCEL_PREFIX, NotificationKind.CANCEL),
+    (CANCEL_ACK_PREFIX, NotificationKind.CANCEL_ACK),
     (HEARTBEAT_PREFIX, NotificationKind.HEARTBEAT),
 )
 
@@ -270,8 +299,32 @@ def decode_notification(message: bytes) -> Notification | None:
         return Notification(kind=kind, request_ids=ids)
     request_id = _str_field(body, "request_id", what)
     if kind is NotificationKind.CANCEL:
-        return Notification(kind=kind, request_id=request_id)
+        if "d_request_id" not in body:
+            return Notification(kind=kind, request_id=request_id)
+        try:
+            reg = PushRegistration(
+                request_id=_str_field(body, "d_request_id", what),
+                match_key=request_id,
+                decode_engine_id=_str_field(body, "decode_engine_id", what),
+                decode_host=_str_field(body, "decode_host", what),
+                decode_port=_int_field(body, "decode_port", what),
+                decode_tp_size=_int_field(body, "decode_tp_size", what) or 1,
+                block_ids=(),
+                remote_engine_id=_str_field(body, "remote_engine_id", what),
+            )
+        except ValueError as err:
+            raise WireError(f"{what} is malformed: {err}") from None
+        return Notification(
+            kind=kind,
+            request_id=request_id,
+            registration=reg,
+            producer=RankKey(0, _int_field(body, "tp", what)),
+        )
     producer = RankKey(_int_field(body, "pp", what), _int_field(body, "tp", what))
+    if kind is NotificationKind.CANCEL_ACK:
+        return Notification(
+            kind=kind, request_id=request_id, producer=producer, write_in_flight=bool(body.get("inflight"))
+        )
     if kind is NotificationKind.DONE:
         return Notification(
             kind=kind,
