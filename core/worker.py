@@ -55,6 +55,14 @@ class WorkerConfig:
     """P: a PUSH_REG with no finished prefill this long is dropped."""
     early_notification_ttl_s: float = 30.0
     """D: completions for requests not added yet are held this long, then dropped."""
+    heartbeat_interval_s: float | None = None
+    """D: how often pending requests' match keys are sent to P as ``HB:`` (renewing P's leases
+    and probing P's liveness); None means ``lease_s / 6``."""
+    cancel_ack_timeout_s: float = 5.0
+    """D: a cancelled (or failed) request whose producers have not acknowledged (CANCEL_ACK) or
+    reported within this long is freed anyway, and its reason says so."""
+    engine_ttl_s: float = 3600.0
+    """Remote engines idle this long (and with no request in progress) are evicted; <= 0 never."""
     busy_poll_s: float = 0.0002
     idle_poll_s: float = 0.002
 
@@ -221,6 +229,21 @@ class RankWorker:
                 logger.warning("dropped a notification from %s no plugin understands: %r", peer, message[:64])
                 continue
             self._on_notification(peer, notification)
+
+    def _evict_idle_engines(self, now: float, busy: set[str]) -> list[str]:
+        """Forget remote engines idle longer than ``engine_ttl_s`` that no request uses."""
+        ttl = self.config.engine_ttl_s
+        if ttl <= 0 or self.peers is None:
+            return []
+        evicted = [
+            engine_id
+            for engine_id, engine in list(self.peers.engines.items())
+            if engine_id not in busy and now - engine.last_active > ttl
+        ]
+        for engine_id in evicted:
+            logger.info("evicting remote engine %s: idle for more than %ss", engine_id, ttl)
+            self.peers.remove(engine_id)
+        return evicted
 
     def _on_notification(self, peer: str, notification: Notification) -> None:
         raise NotImplementedError
