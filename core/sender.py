@@ -6,6 +6,13 @@ a full handshake with D if needed (off the writer thread), builds read specs thr
 read-spec hook, posts one WRITE per destination rank with the completion notification
 attached, and reports the request sent once every WRITE is done. A WRITE that fails sends D a
 failure notification naming the request, so D fails it at once instead of waiting.
+
+Lifecycle (docs/reliability.md): D's ``HB:`` heartbeats (match keys) renew the lease of
+finished-but-unclaimed blocks, stashed registrations and tombstones. A ``CANCEL`` from D drops the
+stash or the finished entry and tombstones the key (a later prefill or registration for it is
+refused), and is answered with ``CANCEL_ACK`` once no WRITE of the request is in flight (at once,
+or when the in-flight WRITEs settle). A WRITE or notification error probes the D agent; a dead D
+engine is removed once its WRITEs settled, so a restarted D can be loaded again.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class InflightPush:
     failure: str | None = None
     bytes: int = 0
     started: float = 0.0
+    cancel_acks: list[tuple[PushRegistration, int]] = attrs.field(factory=list)
+    """``(D's coordinates, D tp rank)`` of cancels to acknowledge once every WRITE settled."""
 
 
 @attrs.frozen
@@ -85,10 +94,23 @@ class PushSender(RankWorker):
         self._tombstones: dict[str, float] = {}
         self._waiting_handshake: set[str] = set()
         self._inflight: dict[str, InflightPush] = {}
+        self._cancelled: dict[str, float] = {}
+        """Match keys D cancelled (until expiry): a prefill finishing for one is released at once."""
+        self._dead_engines: set[str] = set()
+        self._next_eviction = 0.0
         self._results_lock = threading.Lock()
         self._sent: list[str] = []
         self._failed: dict[str, str] = {}
-        self.stats = {"pushes": 0, "bytes": 0, "duplicate_registrations": 0, "writes": 0}
+        self.stats = {
+            "pushes": 0,
+            "bytes": 0,
+            "duplicate_registrations": 0,
+            "writes": 0,
+            "cancels": 0,
+            "cancels_during_write": 0,
+            "heartbeat_renewals": 0,
+            "dead_engines": 0,
+        }
 
     # ------------------------------------------------------------------ engine API
 
@@ -120,6 +142,9 @@ class PushSender(RankWorker):
                 self._failed[request_id] = failure
 
     def _on_finished(self, key: str, request_id: str, blocks: BlockIds) -> None:
+        if key in self._cancelled:
+            self._report(request_id, "cancelled by D before the prefill finished; blocks released")
+            return
         if key in self._finished or key in self._inflight or key in self._waiting_handshake:
             logger.warning("request %s (key %s) finished twice; ignoring the second", request_id, key)
             return
@@ -132,11 +157,102 @@ class PushSender(RankWorker):
         if notification.kind is NotificationKind.PUSH_REG:
             assert notification.registration is not None
             self._on_registration(notification.registration)
+        elif notification.kind is NotificationKind.CANCEL:
+            self._on_cancel(peer, notification)
+        elif notification.kind is NotificationKind.HEARTBEAT:
+            self._on_heartbeat(notification.request_ids)
         else:
             self.dropped_notifications += 1
             logger.warning(
                 "prefill rank got an unexpected %s notification from %s", notification.kind.value, peer
             )
+
+    def _on_heartbeat(self, keys: tuple[str, ...]) -> None:
+        """Renew the lease of everything P holds for these match keys (D still waits for them)."""
+        now = time.monotonic()
+        for key in keys:
+            renewed = False
+            finished = self._finished.get(key)
+            if finished is not None:
+                finished.lease_deadline = max(finished.lease_deadline, now + self.config.lease_s)
+                renewed = True
+            stashed = self._registrations.get(key)
+            if stashed is not None:
+                stashed.expires = max(stashed.expires, now + self.config.registration_ttl_s)
+                renewed = True
+            if key in self._tombstones:
+                self._tombstones[key] = max(self._tombstones[key], now + self.config.registration_ttl_s)
+                renewed = True
+            self.stats["heartbeat_renewals"] += renewed
+
+    def _on_cancel(self, peer: str, notification: Notification) -> None:
+        """D cancelled a request: never write into its blocks again; ack once nothing is in flight."""
+        key = notification.request_id
+        now = time.monotonic()
+        self.stats["cancels"] += 1
+        self._cancelled[key] = now + self.config.registration_ttl_s
+        self._tombstones[key] = now + self.config.registration_ttl_s
+        self._registrations.pop(key, None)
+        finished = self._finished.pop(key, None)
+        if finished is not None:
+            self._report(finished.request_id, "cancelled by D before the push started; blocks released")
+        reg, tp = notification.registration, notification.producer
+        push = self._inflight.get(key)
+        if push is not None:
+            self.stats["cancels_during_write"] += 1
+            push.failure = (
+                push.failure or "cancelled by D while a WRITE was in flight (settled before the ack)"
+            )
+            if reg is not None and tp is not None:
+                push.cancel_acks.append((reg, tp.tp_rank))
+            return
+        # Waiting for a handshake: _after_handshake sees the cancel and posts nothing.
+        if reg is not None and tp is not None:
+            self._send_to_decode(
+                reg, tp.tp_rank, wire.encode_cancel_ack(reg.request_id, self.config.parallel.rank, False)
+            )
+        else:
+            logger.info("cancel of %s from %s carries no coordinates; not acknowledged", key, peer)
+
+    def _send_to_decode(self, reg: PushRegistration, tp_rank: int, message: bytes) -> None:
+        """Send one notification to a D rank, loading its agent first if needed (never blocks)."""
+        assert self.transport is not None and self.peers is not None
+        rank = RankKey(0, tp_rank)
+        engine = self.peers.engines.get(reg.decode_engine_id)
+
+        def send(agent: str) -> None:
+            try:
+                self.transport.send_notif(agent, message)
+            except KvpushError as err:
+                logger.warning("could not reach D rank %s of %s: %s", tp_rank, reg.decode_engine_id, err)
+
+        if engine is not None and rank in engine.ranks:
+            send(engine.ranks[rank].agent)
+            return
+        mode = engine.mode if engine is not None else HandshakeMode.NOTIF_ONLY
+        future = self.peers.ensure(reg.decode_engine_id, reg.decode_host, reg.decode_port, [rank], mode)
+
+        def after(done: Future[PeerEngine]) -> None:
+            if done.exception() is None:
+                send(done.result().ranks[rank].agent)
+
+        future.add_done_callback(lambda f: self.run_on_writer(lambda: after(f)))
+
+    def _probe_decode(self, engine_id: str, agent: str) -> None:
+        """After a WRITE or notification error: is that D agent still there? If not, mark its
+        engine dead (removed once none of its WRITEs is in flight)."""
+        assert self.transport is not None
+        if engine_id in self._dead_engines:
+            return
+        try:
+            self.transport.send_notif(agent, wire.encode_heartbeat([]))
+        except KvpushError as err:
+            logger.warning("D engine %s looks dead (%s); dropping it once its WRITEs settle", engine_id, err)
+            self._dead_engines.add(engine_id)
+            self.stats["dead_engines"] += 1
+            for key, stashed in list(self._registrations.items()):
+                if stashed.registration.decode_engine_id == engine_id:
+                    del self._registrations[key]
 
     def _on_registration(self, reg: PushRegistration) -> None:
         key = reg.match_key
@@ -190,6 +306,9 @@ class PushSender(RankWorker):
         specs: list[ReadSpec],
     ) -> None:
         self._waiting_handshake.discard(key)
+        if key in self._cancelled:
+            self._report(finished.request_id, "cancelled by D before the WRITE was posted; blocks released")
+            return
         error = future.exception()
         if error is not None:
             self._fail_before_write(finished.request_id, reg, f"handshake with D failed: {error}")
@@ -223,6 +342,7 @@ class PushSender(RankWorker):
             except KvpushError as err:
                 push.failure = f"WRITE to D rank {spec.dst_tp_rank} failed: {err}"
                 self._notify_failure(reg, producer, push.failure, [agent])
+                self._probe_decode(reg.decode_engine_id, agent)
                 continue
             push.handles.append((handle, spec.dst_tp_rank, agent))
             push.bytes += sum(
@@ -282,10 +402,15 @@ class PushSender(RankWorker):
             if state is TransferState.FAILED:
                 push.failure = push.failure or f"WRITE to D rank {dst} ended in error"
                 self._notify_failure(push.registration, self.metadata.rank, push.failure, [agent])
+                self._probe_decode(push.registration.decode_engine_id, agent)
         push.handles = pending
         if pending:
             return
         del self._inflight[key]
+        for reg, tp_rank in push.cancel_acks:  # every WRITE settled: D may free its blocks now
+            self._send_to_decode(
+                reg, tp_rank, wire.encode_cancel_ack(reg.request_id, self.metadata.rank, True)
+            )
         if push.failure is None:
             self.stats["pushes"] += 1
             self.stats["bytes"] += push.bytes
@@ -312,6 +437,19 @@ class PushSender(RankWorker):
         for key, expires in list(self._tombstones.items()):
             if expires <= now:
                 del self._tombstones[key]
+        for key, expires in list(self._cancelled.items()):
+            if expires <= now:
+                del self._cancelled[key]
+        busy = {p.registration.decode_engine_id for p in self._inflight.values()}
+        for engine_id in list(self._dead_engines):
+            if engine_id not in busy and not self._waiting_handshake:
+                assert self.peers is not None
+                self.peers.remove(engine_id)
+                self._dead_engines.discard(engine_id)
+        if now >= self._next_eviction and not self._waiting_handshake:
+            self._next_eviction = now + 1.0
+            stashed = {s.registration.decode_engine_id for s in self._registrations.values()}
+            self._evict_idle_engines(now, busy | stashed)
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._finished or self._waiting_handshake)
