@@ -203,7 +203,6 @@ def run_config(cfg: RunConfig, progress: Callable[[str], None] | None = None) ->
         plans = _plan_requests(cfg, model, blocks)
         for rank in p_ranks:
             rank.call(("prepare", [(p["rid"], p["seed"], p["p_ids"]) for p in plans]), timeout_s=300)
-        say(f"[{label}] dispatching {len(plans)} requests")
         params = {
             "remote_engine_id": "prefill-0",
             "remote_host": "127.0.0.1",
@@ -211,64 +210,106 @@ def run_config(cfg: RunConfig, progress: Callable[[str], None] | None = None) ->
             "tp_size": cfg.prefill_tp,
             "pp_size": cfg.prefill_pp,
         }
-        dispatched: dict[str, float] = {}
-        for plan in plans:  # both legs at once, as a router does; replies are read afterwards
-            rid = plan["rid"]
-            request_params = {**params, "transfer_id": f"xfer-{rid}", "remote_request_id": rid}
-            dispatched[rid] = time.perf_counter()
-            for rank in d_ranks:
-                rank.send(("add", rid, plan["d_ids"], request_params, plan["seed"], plan["offsets"]))
-            for rank in p_ranks:
-                rank.send(("finish", rid, plan["p_ids"], f"xfer-{rid}"))
-        for rank in [*d_ranks, *p_ranks]:
-            for _ in plans:
-                rank.reply(("dispatch",), timeout_s=60)
-        return _collect(cfg, label, plans, dispatched, p_ranks, d_ranks, say)
+        # One warm-up request connects the engines (handshakes); the rest are measured.
+        warmup, batch = plans[:1], plans[1:]
+        results = _Results(plans)
+        for group, what in ((warmup, "warm-up request"), (batch, "requests")):
+            if group:
+                say(f"[{label}] dispatching {len(group)} {what}")
+                _dispatch(group, params, p_ranks, d_ranks, results)
+                _wait(cfg, label, group, p_ranks, d_ranks, results, say)
+        return _summarise(cfg, plans, batch or warmup, results, p_ranks, d_ranks)
     finally:
         _stop(ranks)
         p_server.close()
         d_server.close()
 
 
-def _collect(
+@attrs.define
+class _Results:
+    plans: list[dict[str, Any]]
+    dispatched: dict[str, float] = attrs.field(factory=dict)
+    outcome: dict[str, dict[RankKey, dict[str, Any]]] = attrs.field(factory=dict)
+    failures: dict[str, str] = attrs.field(factory=dict)
+    prefill_reported: dict[RankKey, set[str]] = attrs.field(factory=dict)
+
+
+def _dispatch(
+    plans: list[dict[str, Any]],
+    params: dict[str, Any],
+    p_ranks: list[_Rank],
+    d_ranks: list[_Rank],
+    results: _Results,
+) -> None:
+    """Send both legs of every request at once, as a router does; read the acks afterwards."""
+    for plan in plans:
+        rid = plan["rid"]
+        request_params = {**params, "transfer_id": f"xfer-{rid}", "remote_request_id": rid}
+        results.dispatched[rid] = time.perf_counter()
+        for rank in d_ranks:
+            rank.send(("add", rid, plan["d_ids"], request_params, plan["seed"], plan["offsets"]))
+        for rank in p_ranks:
+            rank.send(("finish", rid, plan["p_ids"], f"xfer-{rid}"))
+    for rank in [*d_ranks, *p_ranks]:
+        for _ in plans:
+            rank.reply(("dispatch",), timeout_s=60)
+
+
+def _wait(
     cfg: RunConfig,
     label: str,
     plans: list[dict[str, Any]],
-    dispatched: dict[str, float],
     p_ranks: list[_Rank],
     d_ranks: list[_Rank],
+    results: _Results,
     say: Callable[[str], None],
-) -> dict[str, Any]:
-    outcome: dict[str, dict[RankKey, dict[str, Any]]] = {p["rid"]: {} for p in plans}
-    failures: dict[str, str] = {}
-    p_results: dict[RankKey, set[str]] = {r.key: set() for r in p_ranks}
+) -> None:
+    """Poll every rank until each request of ``plans`` is done or failed everywhere (bounded)."""
+    rids = {p["rid"] for p in plans}
+    for rid in rids:
+        results.outcome.setdefault(rid, {})
     deadline = time.monotonic() + cfg.timeout_s + 10
     reported = -1
     while time.monotonic() < deadline:
         for rank in d_ranks:
             polled = rank.call(("poll",))
             for rid, result in polled["done"].items():
-                outcome[rid][rank.key] = result
+                results.outcome[rid][rank.key] = result
             for rid, reason in polled["failed"].items():
-                failures.setdefault(rid, f"D rank {rank.key}: {reason}")
+                results.failures.setdefault(rid, f"D rank {rank.key}: {reason}")
         for rank in p_ranks:
             polled = rank.call(("poll",))
-            p_results[rank.key].update(polled["sent"])
+            seen = results.prefill_reported.setdefault(rank.key, set())
+            seen.update(polled["sent"])
             for rid, reason in polled["failed"].items():
-                p_results[rank.key].add(rid)
-                failures.setdefault(rid, f"P rank {rank.key}: {reason}")
+                seen.add(rid)
+                results.failures.setdefault(rid, f"P rank {rank.key}: {reason}")
         finished = sum(
-            1 for rid, per_rank in outcome.items() if len(per_rank) == len(d_ranks) or rid in failures
+            1 for rid in rids if len(results.outcome[rid]) == len(d_ranks) or rid in results.failures
         )
         if finished != reported:
             say(f"[{label}] {finished}/{len(plans)} requests finished")
             reported = finished
-        p_done = all(len(done) == len(plans) for done in p_results.values())
-        if finished == len(plans) and p_done:
-            break
+        prefill_done = all(rids <= results.prefill_reported.get(r.key, set()) for r in p_ranks)
+        if finished == len(plans) and prefill_done:
+            return
         time.sleep(0.01)
-    verified, latencies, total_bytes, t_last = 0, [], 0, 0.0
-    for rid, per_rank in outcome.items():
+
+
+def _summarise(
+    cfg: RunConfig,
+    plans: list[dict[str, Any]],
+    measured: list[dict[str, Any]],
+    results: _Results,
+    p_ranks: list[_Rank],
+    d_ranks: list[_Rank],
+) -> dict[str, Any]:
+    failures = results.failures
+    verified, total_bytes = 0, 0
+    done_at: dict[str, float] = {}
+    for plan in plans:
+        rid = plan["rid"]
+        per_rank = results.outcome.get(rid, {})
         if rid in failures or len(per_rank) != len(d_ranks):
             failures.setdefault(rid, "not completed before the deadline")
             continue
@@ -278,14 +319,19 @@ def _collect(
             continue
         verified += 1
         total_bytes += sum(r["bytes"] for r in per_rank.values())
-        done_at = max(r["t_done"] for r in per_rank.values())
-        latencies.append((done_at - dispatched[rid]) * 1e3)
-        t_last = max(t_last, done_at)
+        done_at[rid] = max(r["t_done"] for r in per_rank.values())
+    measured_ids = [p["rid"] for p in measured if p["rid"] in done_at]
+    latencies = [(done_at[rid] - results.dispatched[rid]) * 1e3 for rid in measured_ids]
+    measured_bytes = sum(sum(r["bytes"] for r in results.outcome[rid].values()) for rid in measured_ids)
+    elapsed = (
+        max(done_at[rid] for rid in measured_ids) - min(results.dispatched[rid] for rid in measured_ids)
+        if measured_ids
+        else 0.0
+    )
     p_stats = [rank.call(("stats",)) for rank in p_ranks]
     d_stats = [rank.call(("stats",)) for rank in d_ranks]
     full = [ms for s in p_stats for ms in s["handshake_ms"]["full"]]
     notif = [ms for s in d_stats for ms in s["handshake_ms"]["notif_only"]]
-    elapsed = t_last - min(dispatched.values()) if verified else 0.0
     return {
         "layout": cfg.layout,
         "prefill_pp": cfg.prefill_pp,
@@ -296,7 +342,7 @@ def _collect(
         "failed_requests": len(plans) - verified,
         "failures": dict(sorted(failures.items())[:10]),
         "bytes": total_bytes,
-        "gbps": total_bytes / elapsed / 1e9 if elapsed > 0 else 0.0,
+        "gbps": measured_bytes / elapsed / 1e9 if elapsed > 0 else 0.0,
         "handshake_ms_full": statistics.mean(full) if full else None,
         "handshake_ms_notif_only": statistics.mean(notif) if notif else None,
         "latency_ms_p50": _percentile(latencies, 50),
