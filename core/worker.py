@@ -65,6 +65,8 @@ class WorkerConfig:
     """Remote engines idle this long (and with no request in progress) are evicted; <= 0 never."""
     busy_poll_s: float = 0.0002
     idle_poll_s: float = 0.002
+    cuda_device: int | None = None
+    """CUDA device the writer thread makes current (UCX needs it for CUDA IPC); None on CPU."""
 
 
 class RankWorker:
@@ -193,6 +195,10 @@ class RankWorker:
         return box.get("result")
 
     def _writer_loop(self) -> None:
+        if self.config.cuda_device is not None:
+            import torch
+
+            torch.cuda.set_device(self.config.cuda_device)
         while not self._stop.is_set():
             try:
                 self._run_commands()

@@ -98,6 +98,7 @@ class _RankServer:
             side_channel_port=spec.side_channel_port,
             request_timeout_s=spec.request_timeout_s,
             lease_s=spec.lease_s,
+            cuda_device=torch.device(spec.device).index or 0 if spec.device.startswith("cuda") else None,
         )
         worker_cls = PushSender if spec.role == "prefill" else PushReceiver
         self.worker = worker_cls(config, self.caches)
