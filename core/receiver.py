@@ -7,6 +7,14 @@ producers ``(pp_rank, tp_rank)`` have reported (``kvpush_expected_notifications`
 duplicate from one producer never counts twice. A failure notification fails the request at
 once with P's reason; a request that does not complete within ``request_timeout_s`` fails with
 a reason naming the producers still missing.
+
+Cancellation and failure never free D's blocks while a producer may still write into them
+(docs/reliability.md): :meth:`PushReceiver.cancel` (and any failure of a registered request) sends
+``CANCEL`` to every P agent the request registered with, and the request is reported (in
+``cancelled`` or ``failed``) only once every producer that had not reported has answered with
+``CANCEL_ACK`` (sent by P after its in-flight WRITEs settled), or after ``cancel_ack_timeout_s``
+(the reason says which). While requests are pending, ``HB:`` heartbeats with their match keys
+renew P's leases; a heartbeat that cannot be sent marks that P agent dead and fails its requests.
 """
 
 from __future__ import annotations
@@ -43,6 +51,16 @@ class PendingReceive:
     deadline: float
     producers: set[RankKey] = attrs.field(factory=set)
     added: float = attrs.field(factory=time.monotonic)
+    agents: dict[RankKey, str] = attrs.field(factory=dict)
+    """P agents this request's PUSH_REG reached, by producer rank."""
+    failed_producers: set[RankKey] = attrs.field(factory=set)
+    closing: str | None = None
+    """Set once cancelled or failed: the reason, reported when the producers have settled."""
+    cancelled: bool = False
+    awaiting: set[RankKey] = attrs.field(factory=set)
+    """Producers whose CANCEL_ACK (or DONE/FAIL) is still awaited before the blocks are freed."""
+    ack_deadline: float = 0.0
+    write_in_flight: bool = False
 
 
 @attrs.frozen
@@ -51,6 +69,8 @@ class ReceiveResults:
 
     done: tuple[str, ...]
     failed: dict[str, str] = attrs.field(hash=False)
+    cancelled: dict[str, str] = attrs.field(factory=dict, hash=False)
+    """Requests cancelled with :meth:`PushReceiver.cancel`; their blocks may be freed now."""
 
 
 class PushReceiver(RankWorker):
@@ -66,8 +86,21 @@ class PushReceiver(RankWorker):
         self._results_ready = threading.Condition(self._results_lock)
         self._done: list[str] = []
         self._failed: dict[str, str] = {}
+        self._cancelled: dict[str, str] = {}
+        self._cancel_on_connect: dict[str, RequestMetadata] = {}
+        self._next_heartbeat = 0.0
+        self._next_eviction = 0.0
         self.completion_times: dict[str, float] = {}
-        self.stats = {"duplicate_notifications": 0, "unknown_notifications": 0, "push_regs_sent": 0}
+        self.stats = {
+            "duplicate_notifications": 0,
+            "unknown_notifications": 0,
+            "push_regs_sent": 0,
+            "cancels": 0,
+            "cancel_acks": 0,
+            "cancel_ack_timeouts": 0,
+            "heartbeats_sent": 0,
+            "dead_peers": 0,
+        }
 
     # ------------------------------------------------------------------ engine API
 
@@ -90,18 +123,31 @@ class PushReceiver(RankWorker):
             )
         )
 
+    def cancel(self, request_id: str) -> None:
+        """Abort ``request_id`` (the engine wants to free its blocks).
+
+        P is told (``CANCEL``) never to write into the blocks; the request is reported in
+        ``get_finished().cancelled`` once no WRITE can land any more: when every producer has
+        acknowledged, or after ``cancel_ack_timeout_s`` (the reason says which). Free the blocks
+        only then. A request already done or failed is not affected.
+        """
+        self.run_on_writer(lambda: self._on_cancel(request_id))
+
     def get_finished(self) -> ReceiveResults:
-        """Requests whose KV has fully landed, and those that failed (with the reason)."""
+        """Requests whose KV has fully landed, those that failed and those cancelled (with why)."""
         with self._results_lock:
             done, self._done = tuple(self._done), []
             failed, self._failed = self._failed, {}
-        return ReceiveResults(done=done, failed=failed)
+            cancelled, self._cancelled = self._cancelled, {}
+        return ReceiveResults(done=done, failed=failed, cancelled=cancelled)
 
     def wait_finished(self, timeout_s: float) -> ReceiveResults:
         """Block until something finished or failed, at most ``timeout_s``; raises
         ``WaitTimeout`` naming the requests still pending."""
         with self._results_ready:
-            if not self._results_ready.wait_for(lambda: self._done or self._failed, timeout_s):
+            if not self._results_ready.wait_for(
+                lambda: self._done or self._failed or self._cancelled, timeout_s
+            ):
                 raise WaitTimeout(
                     f"no request finished on {self.agent_name} within {timeout_s}s; pending: "
                     f"{sorted(self._pending)[:10]}"
@@ -110,9 +156,11 @@ class PushReceiver(RankWorker):
 
     # ------------------------------------------------------------------ writer thread
 
-    def _report(self, request_id: str, failure: str | None) -> None:
+    def _report(self, request_id: str, failure: str | None, cancelled: bool = False) -> None:
         with self._results_ready:
-            if failure is None:
+            if cancelled:
+                self._cancelled[request_id] = failure or "cancelled"
+            elif failure is None:
                 self._done.append(request_id)
                 self.completion_times[request_id] = time.perf_counter()
             else:
@@ -159,6 +207,14 @@ class PushReceiver(RankWorker):
         self, future: Future[PeerEngine], request: RequestMetadata, ranks: list[RankKey]
     ) -> None:
         if request.request_id not in self._pending:
+            cancelled = self._cancel_on_connect.pop(request.request_id, None)
+            if cancelled is not None and future.exception() is None:
+                # Cancelled during the handshake: nothing was registered, but P may hold the
+                # finished prefill; tell it to release (no ack needed, P cannot write here).
+                for rank in ranks:
+                    self._send_quietly(
+                        future.result().ranks[rank].agent, wire.encode_cancel(cancelled.params.match_key)
+                    )
             return
         error = future.exception()
         if error is not None:
@@ -181,10 +237,12 @@ class PushReceiver(RankWorker):
         )
         message = wire.encode_push_reg(reg)
         errors = []
+        pending = self._pending[request.request_id]
         for rank in ranks:
             try:
                 self.transport.send_notif(engine.ranks[rank].agent, message)
                 self.stats["push_regs_sent"] += 1
+                pending.agents[rank] = engine.ranks[rank].agent
             except KvpushError as err:
                 errors.append(f"{rank}: {err}")
                 logger.warning("PUSH_REG of %s to P rank %s failed: %s", request.request_id, rank, err)
@@ -193,6 +251,11 @@ class PushReceiver(RankWorker):
 
     def _on_notification(self, peer: str, notification: Notification) -> None:
         kind = notification.kind
+        if kind is NotificationKind.HEARTBEAT:
+            return  # P's liveness probe
+        if kind is NotificationKind.CANCEL_ACK:
+            self._on_cancel_ack(notification)
+            return
         if kind not in (NotificationKind.DONE, NotificationKind.FAILED):
             self.dropped_notifications += 1
             logger.warning("decode rank got an unexpected %s notification from %s", kind.value, peer)
@@ -204,7 +267,13 @@ class PushReceiver(RankWorker):
             self.stats["unknown_notifications"] += 1
             self._early.setdefault(rid, []).append((time.monotonic(), notification))
             return
+        if pending.closing is not None:
+            assert notification.producer is not None
+            self._settled(rid, pending, notification.producer)
+            return
         if kind is NotificationKind.FAILED:
+            if notification.producer is not None:
+                pending.failed_producers.add(notification.producer)
             self._fail(rid, f"P rank {notification.producer} reported: {notification.reason}")
             return
         assert notification.producer is not None
@@ -217,12 +286,144 @@ class PushReceiver(RankWorker):
             self._report(rid, None)
 
     def _fail(self, request_id: str, reason: str) -> None:
-        if self._pending.pop(request_id, None) is not None:
+        pending = self._pending.get(request_id)
+        if pending is not None and pending.closing is None:
             logger.warning("request %s failed: %s", request_id, reason)
-            self._report(request_id, reason)
+            self._close(request_id, pending, reason, cancelled=False)
+
+    # ------------------------------------------------------------------ cancel and settle
+
+    def _on_cancel(self, request_id: str) -> None:
+        self.stats["cancels"] += 1
+        pending = self._pending.get(request_id)
+        if pending is None:
+            logger.info("cancel of %s: not pending here (done, failed or unknown); ignored", request_id)
+            return
+        if pending.closing is not None:
+            pending.cancelled = True  # already settling after a failure: report it as cancelled
+            return
+        self._close(request_id, pending, "cancelled", cancelled=True)
+
+    def _close(self, rid: str, pending: PendingReceive, reason: str, *, cancelled: bool) -> None:
+        """Stop the request: tell every P agent it registered with, then wait (bounded) until
+        no producer can still write into its blocks."""
+        assert self.transport is not None
+        pending.closing, pending.cancelled = reason, cancelled
+        if not pending.agents:
+            if cancelled:
+                self._cancel_on_connect[rid] = pending.meta  # handshake may still be running
+            del self._pending[rid]
+            self._report(rid, f"{reason}: before any PUSH_REG was sent; nothing to settle", cancelled)
+            return
+        reg = self._registration(pending.meta)
+        message = wire.encode_cancel(reg.match_key, reg, self.config.parallel.tp_rank)
+        pending.awaiting = {
+            r for r in pending.agents if r not in pending.producers and r not in pending.failed_producers
+        }
+        for rank, agent in pending.agents.items():
+            if not self._send_quietly(agent, message):
+                pending.awaiting.discard(rank)  # unreachable: it cannot write either
+        pending.ack_deadline = time.monotonic() + self.config.cancel_ack_timeout_s
+        self._maybe_settled(rid, pending)
+
+    def _send_quietly(self, agent: str, message: bytes) -> bool:
+        assert self.transport is not None
+        try:
+            self.transport.send_notif(agent, message)
+        except KvpushError as err:
+            logger.warning("notification to P agent %s failed: %s", agent, err)
+            return False
+        return True
+
+    def _on_cancel_ack(self, notification: Notification) -> None:
+        self.stats["cancel_acks"] += 1
+        pending = self._pending.get(notification.request_id)
+        if pending is None or pending.closing is None or notification.producer is None:
+            return  # late ack (already freed on timeout) or for a request not cancelled here
+        pending.write_in_flight |= notification.write_in_flight
+        self._settled(notification.request_id, pending, notification.producer)
+
+    def _settled(self, rid: str, pending: PendingReceive, producer: RankKey) -> None:
+        pending.awaiting.discard(producer)
+        self._maybe_settled(rid, pending)
+
+    def _maybe_settled(self, rid: str, pending: PendingReceive) -> None:
+        if pending.awaiting:
+            return
+        del self._pending[rid]
+        how = (
+            "a WRITE was in flight and settled before every producer acknowledged"
+            if pending.write_in_flight
+            else "no WRITE in flight; every producer acknowledged or had reported"
+        )
+        self._report(rid, f"{pending.closing} ({how})", pending.cancelled)
+
+    def _registration(self, request: RequestMetadata) -> PushRegistration:
+        cfg = self.config
+        return PushRegistration(
+            request_id=request.request_id,
+            match_key=request.params.match_key,
+            decode_engine_id=cfg.engine_id,
+            decode_host=cfg.side_channel_host,
+            decode_port=cfg.side_channel_port,
+            decode_tp_size=cfg.parallel.tp_size,
+            block_ids=(),
+            remote_engine_id=request.params.remote_engine_id,
+        )
+
+    # ------------------------------------------------------------------ heartbeats and liveness
+
+    def _send_heartbeats(self) -> None:
+        keys_by_agent: dict[str, list[str]] = {}
+        for pending in self._pending.values():
+            if pending.closing is None:
+                for agent in pending.agents.values():
+                    keys_by_agent.setdefault(agent, []).append(pending.meta.params.match_key)
+        for agent, keys in keys_by_agent.items():
+            for start in range(0, len(keys), 256):
+                try:
+                    assert self.transport is not None
+                    self.transport.send_notif(agent, wire.encode_heartbeat(keys[start : start + 256]))
+                    self.stats["heartbeats_sent"] += 1
+                except KvpushError as err:
+                    self._peer_dead(agent, err)
+                    break
+
+    def _peer_dead(self, agent: str, error: Exception) -> None:
+        """A P agent cannot be reached: fail its requests now (not on the watchdog) and forget
+        its engine so a restarted P is loaded afresh."""
+        assert self.peers is not None
+        self.stats["dead_peers"] += 1
+        logger.warning("P agent %s is unreachable (%s); failing its requests", agent, error)
+        engines = set()
+        for rid, pending in list(self._pending.items()):
+            dead = [rank for rank, a in pending.agents.items() if a == agent]
+            if not dead:
+                continue
+            engines.add(pending.meta.params.remote_engine_id)
+            pending.failed_producers.update(dead)
+            if pending.closing is not None:
+                for rank in dead:
+                    self._settled(rid, pending, rank)
+            else:
+                self._fail(rid, f"P agent {agent} (rank {dead[0]}) is unreachable: {error}")
+        for engine_id in engines:
+            self.peers.remove(engine_id)
 
     def _tick(self, now: float) -> None:
         for rid, pending in list(self._pending.items()):
+            if pending.closing is not None:
+                if pending.ack_deadline <= now:
+                    self.stats["cancel_ack_timeouts"] += 1
+                    del self._pending[rid]
+                    silent = ", ".join(str(r) for r in sorted(pending.awaiting))
+                    self._report(
+                        rid,
+                        f"{pending.closing} (freed after {self.config.cancel_ack_timeout_s:g}s without an "
+                        f"acknowledgement from P rank(s) {silent})",
+                        pending.cancelled,
+                    )
+                continue
             if pending.deadline <= now:
                 missing = sorted(set(self._producer_ranks(pending.meta)) - pending.producers)
                 self._fail(
@@ -238,6 +439,15 @@ class PushReceiver(RankWorker):
                 logger.warning(
                     "dropped %d notification(s) for unknown request %s (held %ss)", len(items), rid, ttl
                 )
+        interval = self.config.heartbeat_interval_s or self.config.lease_s / 6
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + interval
+            self._send_heartbeats()
+        if now >= self._next_eviction:
+            self._next_eviction = now + 1.0
+            busy = {p.meta.params.remote_engine_id for p in self._pending.values()}
+            busy |= {m.params.remote_engine_id for m in self._cancel_on_connect.values()}
+            self._evict_idle_engines(now, busy)
 
     def _busy(self) -> bool:
         return bool(self._pending)
