@@ -137,7 +137,14 @@ class PeerRegistry:
                 return pending
             future: Future[PeerEngine] = Future()
             self._pending[key] = future
-        self._executor.submit(self._fetch, future, key, host, port, mode)
+        try:
+            self._executor.submit(self._fetch, future, key, host, port, mode)
+        except RuntimeError as err:  # closed: fail now rather than leave a future nobody resolves
+            self._finish(
+                key,
+                future,
+                error=HandshakeError(f"peer registry closed; no handshake with {engine_id!r} ({err})"),
+            )
         return future
 
     def _fetch(

@@ -62,10 +62,18 @@ class SideChannelServer:
 
     def publish(self, rank: RankKey, payload: bytes) -> None:
         """Serve ``payload`` for ``rank`` from now on (replacing any earlier one)."""
-        with self._lock:
-            self._payloads[rank] = payload
+        self.publish_all({rank: payload})
 
     def publish_all(self, payloads: Mapping[RankKey, bytes]) -> None:
+        for rank, payload in payloads.items():
+            # A reply over MAX_FRAME_BYTES would be dropped by the client's MAXMSGSIZE and
+            # surface there as a misleading "no answer" timeout: refuse it here instead.
+            size = len(wire.pack({"payload": payload, "error": None}))
+            if size > wire.MAX_FRAME_BYTES:
+                raise WireError(
+                    f"handshake payload of engine {self.engine_id!r} rank {rank} is {size} bytes; "
+                    f"the side channel carries at most {wire.MAX_FRAME_BYTES} (too many KV regions?)"
+                )
         with self._lock:
             self._payloads.update(payloads)
 

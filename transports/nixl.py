@@ -42,6 +42,32 @@ def _merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]
     return merged
 
 
+ERROR_MODES = ("none", "peer")
+KNOWN_OPTIONS = ("backends", "progress_thread", "ucx_error_handling_mode", "num_threads")
+
+
+def _parse_options(options: Any) -> tuple[list[str], bool, str, int]:
+    """Validate ``TransportConfig.options`` before any agent is created (``ConfigError``)."""
+    options = dict(options)
+    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"unknown nixl transport options {unknown}; known options are {list(KNOWN_OPTIONS)}"
+        )
+    backends = options.get("backends", ["UCX"])
+    if isinstance(backends, str) or not all(isinstance(b, str) and b for b in backends):
+        raise ConfigError(f"nixl option 'backends' must be a list of backend names, got {backends!r}")
+    err_mode = options.get("ucx_error_handling_mode", "none")
+    if err_mode not in ERROR_MODES:
+        raise ConfigError(
+            f"nixl option 'ucx_error_handling_mode' must be one of {ERROR_MODES}, got {err_mode!r}"
+        )
+    num_threads = options.get("num_threads", 0)
+    if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 0:
+        raise ConfigError(f"nixl option 'num_threads' must be an int >= 0, got {num_threads!r}")
+    return list(backends), bool(options.get("progress_thread", False)), err_mode, num_threads
+
+
 class NixlTransport:
     """A :class:`kvpush.core.transport.Transport` on one ``nixl_agent``."""
 
@@ -57,13 +83,7 @@ class NixlTransport:
                 f"the nixl transport needs the 'nixl' package (pip install 'nixl==1.5.1'): {err}"
             ) from err
         logging.getLogger("nixl").setLevel(logging.WARNING)
-        options = dict(config.options)
-        backends = list(options.pop("backends", ["UCX"]))
-        progress = bool(options.pop("progress_thread", False))
-        err_mode = str(options.pop("ucx_error_handling_mode", "none"))
-        num_threads = int(options.pop("num_threads", 0))
-        if options:
-            raise ConfigError(f"unknown nixl transport options {sorted(options)}")
+        backends, progress, err_mode, num_threads = _parse_options(config.options)
         self._agent = nixl_agent(
             config.agent_name, nixl_agent_config(enable_prog_thread=progress, backends=[])
         )
@@ -73,7 +93,13 @@ class NixlTransport:
                 params["ucx_error_handling_mode"] = err_mode
                 if num_threads:
                     params["num_threads"] = str(num_threads)
-            self._agent.create_backend(backend, params)
+            try:
+                self._agent.create_backend(backend, params)
+            except Exception as err:  # nixlNotFoundError (no such plugin), nixlBackendError, ...
+                raise ConfigError(
+                    f"NIXL could not create backend {backend!r} with {params}: {type(err).__name__}: "
+                    f"{err}; available plugins: {sorted(self._agent.get_plugin_list())}"
+                ) from err
         self._agent_name = config.agent_name
         self._blob = self._agent.get_agent_metadata()
         self._registrations: list[Any] = []

@@ -1,0 +1,269 @@
+"""The side channel: a real ZMQ ROUTER server, real REQ/DEALER clients on 127.0.0.1.
+
+Every bad request gets an error reply (or, for an oversized frame, a dropped connection) and
+the server keeps answering valid requests afterwards. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+from kvpush.core import wire
+from kvpush.core.errors import HandshakeError, WireError
+from kvpush.core.sidechannel import GET_META, SideChannelServer, fetch_metadata
+from kvpush.core.types import RankKey
+
+WAIT_MS = 30_000
+PAYLOADS = {RankKey(0, 0): b"payload-0-0", RankKey(0, 1): b"payload-0-1", RankKey(1, 0): b"payload-1-0"}
+
+
+@pytest.fixture
+def server() -> Iterator[SideChannelServer]:
+    srv = SideChannelServer("prefill-7")
+    srv.publish_all(PAYLOADS)
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+def _request(address: str, frames: list[bytes], timeout_ms: int = WAIT_MS) -> Any:
+    """Send ``frames`` as one REQ message; the decoded reply, or None if none came in time."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    try:
+        sock.connect(address)
+        sock.send_multipart(frames)
+        try:
+            return wire.unpack(sock.recv(), "reply")
+        except zmq.Again:
+            return None
+    finally:
+        sock.close()
+
+
+def _get(server: SideChannelServer, pp: int, tp: int, version: int = wire.WIRE_VERSION) -> Any:
+    return _request(server.address, [wire.pack([GET_META, version, pp, tp])])
+
+
+def _assert_still_serves(server: SideChannelServer) -> None:
+    for rank, payload in PAYLOADS.items():
+        assert fetch_metadata("127.0.0.1", server.port, rank, timeout_s=30) == payload
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- valid requests
+
+
+def test_serves_each_rank_payload(server: SideChannelServer) -> None:
+    assert server.address == f"tcp://127.0.0.1:{server.port}"
+    _assert_still_serves(server)
+    assert _get(server, 0, 1) == {"payload": b"payload-0-1", "error": None}
+    assert server.requests_served == 4
+    assert server.requests_rejected == 0
+
+
+def test_publish_replaces_a_payload(server: SideChannelServer) -> None:
+    server.publish(RankKey(0, 0), b"new")
+    assert fetch_metadata("127.0.0.1", server.port, RankKey(0, 0), timeout_s=30) == b"new"
+
+
+def test_oversized_payload_is_refused_at_publish(server: SideChannelServer) -> None:
+    with pytest.raises(
+        WireError, match=r"rank \(pp=0, tp=2\) is \d+ bytes; the side channel carries at most"
+    ):
+        server.publish(RankKey(0, 2), b"x" * wire.MAX_FRAME_BYTES)
+    with pytest.raises(HandshakeError, match=r"it serves \(pp=0, tp=0\), \(pp=0, tp=1\), \(pp=1, tp=0\)"):
+        fetch_metadata("127.0.0.1", server.port, RankKey(0, 2), timeout_s=30)
+
+
+# ---------------------------------------------------------------------------- bad requests
+
+
+@pytest.mark.parametrize(
+    ("frame", "error"),
+    [
+        (b"\xc1\xc1 not msgpack", "side-channel request is not valid msgpack"),
+        (b"", "side-channel request is not valid msgpack"),
+        (wire.pack({"GET_META": 1}), 'request must be ["GET_META", wire_version, pp_rank, tp_rank]'),
+        (wire.pack([GET_META, wire.WIRE_VERSION, 0]), "request must be"),
+        (wire.pack([GET_META, wire.WIRE_VERSION, 0, 0, 0]), "request must be"),
+        (wire.pack(["GET_PAYLOAD", wire.WIRE_VERSION, 0, 0]), "request must be"),
+        (wire.pack([GET_META, wire.WIRE_VERSION, "0", 0]), "request must be"),
+        (wire.pack([GET_META, wire.WIRE_VERSION, True, 0]), "request must be"),
+        (wire.pack([GET_META, wire.WIRE_VERSION, 0.0, 0]), "request must be"),
+        (wire.pack("GET_META"), "request must be"),
+    ],
+)
+def test_malformed_request_gets_an_error_reply(server: SideChannelServer, frame: bytes, error: str) -> None:
+    reply = _request(server.address, [frame])
+    assert reply is not None, "no reply to a malformed request"
+    assert reply["payload"] is None
+    assert error in reply["error"]
+    assert server.requests_rejected == 1
+    _assert_still_serves(server)
+
+
+def test_multi_frame_request_gets_an_error_reply(server: SideChannelServer) -> None:
+    good = wire.pack([GET_META, wire.WIRE_VERSION, 0, 0])
+    reply = _request(server.address, [good, good])
+    assert reply == {"payload": None, "error": "expected exactly one request frame"}
+    assert server.requests_rejected == 1
+    _assert_still_serves(server)
+
+
+def test_request_without_a_req_envelope_is_rejected(server: SideChannelServer) -> None:
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, WAIT_MS)
+    try:
+        dealer.connect(server.address)
+        dealer.send(wire.pack([GET_META, wire.WIRE_VERSION, 0, 0]))  # no empty delimiter frame
+        empty, body = dealer.recv_multipart()
+    finally:
+        dealer.close()
+    assert empty == b""
+    assert wire.unpack(body, "reply")["error"] == "expected exactly one request frame"
+    assert server.requests_rejected == 1
+    _assert_still_serves(server)
+
+
+def test_wrong_wire_version_names_both_versions(server: SideChannelServer) -> None:
+    reply = _get(server, 0, 0, version=wire.WIRE_VERSION + 41)
+    assert reply["payload"] is None
+    assert reply["error"] == (
+        f"wire version {wire.WIRE_VERSION + 41} not supported; engine 'prefill-7' speaks {wire.WIRE_VERSION}"
+    )
+    _assert_still_serves(server)
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(0, 5), (2, 0), (-1, 0)])
+def test_unknown_rank_error_names_the_ranks_served(server: SideChannelServer, pp: int, tp: int) -> None:
+    reply = _get(server, pp, tp)
+    assert reply["payload"] is None
+    assert reply["error"] == (
+        f"engine 'prefill-7' has no rank (pp={pp}, tp={tp}); it serves "
+        "(pp=0, tp=0), (pp=0, tp=1), (pp=1, tp=0)"
+    )
+    if pp >= 0:
+        with pytest.raises(HandshakeError) as info:
+            fetch_metadata("127.0.0.1", server.port, RankKey(pp, tp), timeout_s=30, engine_id="prefill-7")
+        message = str(info.value)
+        assert f"tcp://127.0.0.1:{server.port}" in message
+        assert f"refused rank (pp={pp}, tp={tp})" in message
+        assert "it serves (pp=0, tp=0), (pp=0, tp=1), (pp=1, tp=0)" in message
+    _assert_still_serves(server)
+
+
+def test_engine_with_no_ranks_says_so() -> None:
+    srv = SideChannelServer("empty-engine")
+    try:
+        with pytest.raises(HandshakeError, match=r"has no rank \(pp=0, tp=0\); it serves none yet"):
+            fetch_metadata("127.0.0.1", srv.port, RankKey(0, 0), timeout_s=30)
+    finally:
+        srv.close()
+
+
+def test_oversized_frame_is_dropped_and_the_server_keeps_serving(server: SideChannelServer) -> None:
+    # ZMQ's MAXMSGSIZE makes the server drop the connection of a client that sends more than
+    # MAX_FRAME_BYTES: that client gets no reply (its own wait bounds it), nobody else notices.
+    reply = _request(server.address, [b"\x00" * (wire.MAX_FRAME_BYTES + 1)], timeout_ms=1500)
+    assert reply is None
+    _assert_still_serves(server)
+    assert server.requests_served == len(PAYLOADS)
+
+
+def test_many_bad_clients_then_good_ones(server: SideChannelServer) -> None:
+    threads = [
+        threading.Thread(target=_request, args=(server.address, [b"\xc1" * n], 10_000)) for n in range(1, 9)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert server.requests_rejected == 8
+    _assert_still_serves(server)
+
+
+def test_rejections_are_logged(server: SideChannelServer, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvpush.core.sidechannel"):
+        _request(server.address, [b"\xc1"])
+    assert any("prefill-7: rejected a request" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------- client errors
+
+
+def test_peer_not_listening_fails_within_the_timeout_naming_address_and_rank() -> None:
+    port = _free_port()
+    started = time.monotonic()
+    with pytest.raises(HandshakeError) as info:
+        fetch_metadata("127.0.0.1", port, RankKey(1, 3), timeout_s=0.5, engine_id="prefill-9")
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert f"tcp://127.0.0.1:{port}" in message
+    assert "rank (pp=1, tp=3)" in message
+    assert "'prefill-9'" in message and "within 0.5s" in message
+    assert elapsed < 60, "the bounded wait was not bounded"
+
+
+def test_closed_server_fails_within_the_timeout() -> None:
+    srv = SideChannelServer("short-lived")
+    srv.publish(RankKey(0, 0), b"p")
+    port = srv.port
+    srv.close()
+    with pytest.raises(HandshakeError, match=f"tcp://127.0.0.1:{port}"):
+        fetch_metadata("127.0.0.1", port, RankKey(0, 0), timeout_s=0.5)
+
+
+def test_bind_conflict_is_a_handshake_error(server: SideChannelServer) -> None:
+    with pytest.raises(HandshakeError, match=f"cannot bind tcp://127.0.0.1:{server.port}"):
+        SideChannelServer("second", port=server.port)
+
+
+def _serve_once(reply: bytes) -> tuple[int, threading.Thread]:
+    """A REP socket that answers one request with ``reply`` (a misbehaving engine)."""
+    ctx = zmq.Context.instance()
+    rep = ctx.socket(zmq.REP)
+    rep.setsockopt(zmq.LINGER, 0)
+    port = rep.bind_to_random_port("tcp://127.0.0.1")
+
+    def run() -> None:
+        try:
+            if rep.poll(WAIT_MS):
+                rep.recv()
+                rep.send(reply)
+        finally:
+            rep.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return port, thread
+
+
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        (b"\xc1", "is not valid msgpack"),
+        (wire.pack([1, 2]), "is not a map"),
+        (wire.pack({"payload": None, "error": None}), "carries no payload"),
+    ],
+)
+def test_malformed_reply_is_a_wire_error(reply: bytes, error: str) -> None:
+    port, thread = _serve_once(reply)
+    with pytest.raises(WireError, match=error):
+        fetch_metadata("127.0.0.1", port, RankKey(0, 0), timeout_s=30)
+    thread.join(timeout=30)
