@@ -40,6 +40,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "pp_slicing": "kvpush.plugins.pp_slicing",
     "mla_replication": "kvpush.plugins.mla_replication",
     "nixl": "kvpush.transports.nixl",
+    "faulty": "kvpush.transports.faulty",
     "uniform": "kvpush.layouts.uniform",
     "hma": "kvpush.layouts.hma",
 }

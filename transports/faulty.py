@@ -1,0 +1,208 @@
+"""A fault-injecting transport: wraps another transport by name and misbehaves on purpose.
+
+Select it with ``WorkerConfig(transport="faulty", transport_options={...})``. Options:
+
+- ``inner`` (str, default ``"nixl"``): the transport that does the real work.
+- ``inner_options`` (dict, default ``{}``): options passed to the inner transport.
+- ``seed`` (int, default 0): seeds the fault generator (mixed with the agent name, so ranks
+  differ but a run is reproducible).
+- ``drop_notifs``, ``dup_notifs``, ``delay_notifs`` (rates in [0, 1], default 0): each received
+  notification is dropped, delivered twice, or held back for ``delay_s`` (default 0.05 s).
+- ``fail_posts`` (rate): ``post_write`` raises ``TransferError`` without posting.
+- ``fail_writes`` (rate): the WRITE is not posted and its handle polls ``FAILED`` (no bytes
+  land, no completion notification), as a WRITE that ends in error does.
+- ``notif_prefixes`` (list of str, default all): only notifications starting with one of these
+  are dropped, duplicated or delayed (e.g. ``["DONE:"]``).
+
+Faults are counted in ``injected`` (``{"drop": n, "dup": n, "delay": n, "fail_post": n,
+"fail_write": n}``). Everything else is delegated to the inner transport.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from kvpush.core.errors import ConfigError, TransferError
+from kvpush.core.markers import hookimpl
+from kvpush.core.transport import TransferState, TransportConfig, TransportCounters
+from kvpush.core.types import KVRegion, MemType, TransportProvider
+
+RATES = ("drop_notifs", "dup_notifs", "delay_notifs", "fail_posts", "fail_writes")
+KNOWN_OPTIONS = (*RATES, "inner", "inner_options", "seed", "delay_s", "notif_prefixes")
+
+
+class _FailedWrite:
+    """The handle of a WRITE that was never posted and ends in error."""
+
+    __slots__ = ()
+
+
+def _create_inner(name: str, config: TransportConfig) -> Any:
+    if name == "faulty":
+        raise ConfigError("the faulty transport cannot wrap itself; set option 'inner' to a real one")
+    if name == "loopback":  # not registered by default; tests wrap it directly
+        from kvpush.transports.loopback import LoopbackTransport
+
+        return LoopbackTransport(config)
+    from kvpush.core.manager import get_plugin_manager
+
+    return get_plugin_manager().transport(name).create(config)
+
+
+class FaultyTransport:
+    """A :class:`kvpush.core.transport.Transport` that injects faults around another one."""
+
+    name = "faulty"
+
+    def __init__(self, config: TransportConfig) -> None:
+        options = dict(config.options)
+        unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+        if unknown:
+            raise ConfigError(f"unknown faulty transport options {unknown}; known: {list(KNOWN_OPTIONS)}")
+        self.rates: dict[str, float] = {}
+        for rate in RATES:
+            value = options.get(rate, 0.0)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
+                raise ConfigError(f"faulty option {rate!r} must be a rate in [0, 1], got {value!r}")
+            self.rates[rate] = float(value)
+        self.delay_s = float(options.get("delay_s", 0.05))
+        if self.delay_s < 0:
+            raise ConfigError(f"faulty option 'delay_s' must be >= 0, got {self.delay_s}")
+        prefixes = options.get("notif_prefixes")
+        self.prefixes = None if prefixes is None else tuple(p.encode() for p in prefixes)
+        seed = options.get("seed", 0)
+        if not isinstance(seed, int):
+            raise ConfigError(f"faulty option 'seed' must be an int, got {seed!r}")
+        self._rng = random.Random(seed * 1_000_003 + zlib.crc32(config.agent_name.encode()))
+        inner_options = options.get("inner_options", {})
+        if not isinstance(inner_options, dict):
+            raise ConfigError(f"faulty option 'inner_options' must be a dict, got {inner_options!r}")
+        self.inner = _create_inner(
+            str(options.get("inner", "nixl")),
+            TransportConfig(agent_name=config.agent_name, options=inner_options),
+        )
+        self._failed: set[_FailedWrite] = set()
+        self._delayed: list[tuple[float, int, str, bytes]] = []
+        self._order = itertools.count()
+        self.injected = {"drop": 0, "dup": 0, "delay": 0, "fail_post": 0, "fail_write": 0}
+
+    def _hit(self, rate: str) -> bool:
+        value = self.rates[rate]
+        return value > 0 and self._rng.random() < value
+
+    # ------------------------------------------------------------------ delegated
+
+    @property
+    def agent_name(self) -> str:
+        return self.inner.agent_name
+
+    @property
+    def counters(self) -> TransportCounters:
+        return self.inner.counters
+
+    def metadata(self) -> bytes:
+        return self.inner.metadata()
+
+    def register_regions(self, regions: Sequence[KVRegion]) -> None:
+        self.inner.register_regions(regions)
+
+    def register_buffer(self, addr: int, length: int, mem_type: MemType, device_id: int) -> None:
+        self.inner.register_buffer(addr, length, mem_type, device_id)
+
+    def prepare_local(self, descriptors: np.ndarray, mem_type: MemType) -> int:
+        return self.inner.prepare_local(descriptors, mem_type)
+
+    def load_peer(self, blob: bytes) -> str:
+        return self.inner.load_peer(blob)
+
+    def remove_peer(self, peer: str) -> None:
+        self.inner.remove_peer(peer)
+
+    def prepare_remote(self, peer: str, descriptors: np.ndarray, mem_type: MemType) -> int:
+        return self.inner.prepare_remote(peer, descriptors, mem_type)
+
+    def release_list(self, handle: int) -> None:
+        self.inner.release_list(handle)
+
+    def send_notif(self, peer: str, message: bytes) -> None:
+        self.inner.send_notif(peer, message)
+
+    # ------------------------------------------------------------------ faulty
+
+    def post_write(
+        self,
+        local_list: int,
+        local_ids: np.ndarray,
+        remote_list: int,
+        remote_ids: np.ndarray,
+        notif: bytes,
+    ) -> Any:
+        if self._hit("fail_posts"):
+            self.injected["fail_post"] += 1
+            self.inner.counters.writes_failed += 1
+            raise TransferError(f"faulty transport: injected post failure ({len(local_ids)} descriptors)")
+        if self._hit("fail_writes"):
+            self.injected["fail_write"] += 1
+            handle = _FailedWrite()
+            self._failed.add(handle)
+            return handle
+        return self.inner.post_write(local_list, local_ids, remote_list, remote_ids, notif)
+
+    def poll(self, handle: Any) -> TransferState:
+        if isinstance(handle, _FailedWrite):
+            return TransferState.FAILED
+        return self.inner.poll(handle)
+
+    def release(self, handle: Any) -> None:
+        if isinstance(handle, _FailedWrite):
+            self._failed.discard(handle)
+            return
+        self.inner.release(handle)
+
+    def drain_notifs(self) -> list[tuple[str, bytes]]:
+        now = time.monotonic()
+        out = []
+        for peer, message in self.inner.drain_notifs():
+            if self.prefixes is not None and not message.startswith(self.prefixes):
+                out.append((peer, message))
+            elif self._hit("drop_notifs"):
+                self.injected["drop"] += 1
+            elif self._hit("delay_notifs"):
+                self.injected["delay"] += 1
+                heapq.heappush(self._delayed, (now + self.delay_s, next(self._order), peer, message))
+            elif self._hit("dup_notifs"):
+                self.injected["dup"] += 1
+                out += [(peer, message), (peer, message)]
+            else:
+                out.append((peer, message))
+        while self._delayed and self._delayed[0][0] <= now:
+            _, _, peer, message = heapq.heappop(self._delayed)
+            out.append((peer, message))
+        return out
+
+    @property
+    def outstanding_handles(self) -> int:
+        return len(self._failed) + self.inner.outstanding_handles
+
+    def close(self) -> None:
+        self._failed.clear()
+        self._delayed.clear()
+        self.inner.close()
+
+
+@hookimpl
+def kvpush_transports() -> list[TransportProvider]:
+    return [
+        TransportProvider(
+            name="faulty",
+            create=FaultyTransport,
+            description="wraps another transport (option 'inner') and injects faults at seeded rates",
+        )
+    ]
