@@ -84,8 +84,10 @@ class _RankServer:
         from kvpush.core.worker import WorkerConfig
         from kvpush.demo.content import region_tensors
 
+        cuda_index = None
         if spec.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(spec.device))
+            cuda_index = torch.device(spec.device).index or 0
+            torch.cuda.set_device(cuda_index)
         self.spec = spec
         self.caches = allocate(spec)
         config = WorkerConfig(
@@ -98,7 +100,7 @@ class _RankServer:
             side_channel_port=spec.side_channel_port,
             request_timeout_s=spec.request_timeout_s,
             lease_s=spec.lease_s,
-            cuda_device=torch.device(spec.device).index or 0 if spec.device.startswith("cuda") else None,
+            cuda_device=cuda_index,
         )
         worker_cls = PushSender if spec.role == "prefill" else PushReceiver
         self.worker = worker_cls(config, self.caches)
