@@ -18,6 +18,15 @@ from typing import Any
 import attrs
 from kvpush.core.types import ModelSpec, ParallelConfig, RequestMetadata, TransferParams
 
+SENTINEL = 0x5A5A
+"""int16 value D writes into a cancelled or failed request's blocks once they are freed."""
+
+
+def torch_int16() -> Any:
+    import torch
+
+    return torch.int16
+
 
 @attrs.frozen(kw_only=True)
 class RankSpec:
@@ -36,6 +45,8 @@ class RankSpec:
     transport: str = "nixl"
     transport_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
     log_level: str = "WARNING"
+    worker_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    """Extra ``WorkerConfig`` fields (e.g. ``heartbeat_interval_s``, ``cancel_ack_timeout_s``)."""
 
 
 def allocate(spec: RankSpec) -> dict[str, Any]:
@@ -100,6 +111,7 @@ class _RankServer:
             side_channel_port=spec.side_channel_port,
             request_timeout_s=spec.request_timeout_s,
             lease_s=spec.lease_s,
+            **spec.worker_options,
             cuda_device=cuda_index,
         )
         worker_cls = PushSender if spec.role == "prefill" else PushReceiver
@@ -110,6 +122,8 @@ class _RankServer:
         self.tensors = region_tensors(self.caches, spec.model)
         self.expect: dict[str, tuple[int, Any, Any]] = {}
         self.received_bytes: dict[str, int] = {}
+        self.freed: dict[str, Any] = {}
+        """D: block ids of cancelled/failed requests, filled with SENTINEL once reported."""
 
     def handle(self, message: tuple[Any, ...]) -> Any:
         kind = message[0]
@@ -131,6 +145,13 @@ class _RankServer:
                 RequestMetadata(request_id=rid, block_ids=block_ids, params=TransferParams.from_dict(params))
             )
             return None
+        if kind == "cancel":
+            self.worker.cancel(message[1])
+            return None
+        if kind == "check_freed":
+            return self._check_freed()
+        if kind == "health":
+            return self._health()
         if kind == "poll":
             return self._poll()
         if kind == "stats":
@@ -161,7 +182,48 @@ class _RankServer:
                 "bytes": nbytes,
                 "t_done": self.worker.completion_times[rid],
             }
-        return {"done": verified, "failed": dict(results.failed), "now": time.perf_counter()}
+        for rid in [*results.failed, *results.cancelled]:
+            # The engine frees these blocks now: fill them so a late WRITE would show.
+            _seed, block_ids, _offsets = self.expect.pop(rid)
+            self.freed[rid] = block_ids
+            self._fill_freed(block_ids)
+        return {
+            "done": verified,
+            "failed": dict(results.failed),
+            "cancelled": dict(results.cancelled),
+            "now": time.perf_counter(),
+        }
+
+    def _fill_freed(self, block_ids: Any) -> None:
+        for region, tensor in zip(self.regions, self.tensors, strict=True):
+            for block in block_ids[region.kv_group]:
+                tensor[block].reshape(-1).view(torch_int16()).fill_(SENTINEL)
+
+    def _check_freed(self) -> dict[str, str]:
+        """D: requests whose freed blocks no longer hold the sentinel (a WRITE landed late)."""
+        self._synchronize()
+        bad = {}
+        for rid, block_ids in self.freed.items():
+            for region, tensor in zip(self.regions, self.tensors, strict=True):
+                for block in block_ids[region.kv_group]:
+                    if not bool((tensor[block].reshape(-1).view(torch_int16()) == SENTINEL).all()):
+                        bad[rid] = f"block {block} of {region.layer_names[0]} changed after it was freed"
+        return bad
+
+    def _health(self) -> dict[str, Any]:
+        """What is still held: transfer handles, and requests/blocks not released."""
+        worker: Any = self.worker
+        held = (
+            {
+                "finished": len(worker._finished),
+                "inflight": len(worker._inflight),
+                "waiting_handshake": len(worker._waiting_handshake),
+                "stashed_registrations": len(worker._registrations),
+            }
+            if self.spec.role == "prefill"
+            else {"pending": worker.pending_requests}
+        )
+        return {"outstanding_handles": worker.transport.outstanding_handles, **held}
 
     def _stats(self) -> dict[str, Any]:
         worker = self.worker
