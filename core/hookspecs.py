@@ -104,8 +104,9 @@ def kvpush_handshake_mode(role: Role, peer_role: Role) -> HandshakeMode | None:
     :return: a :class:`~kvpush.core.types.HandshakeMode`, or None to leave it to others.
 
     Combining rule: first result wins (stops at the first non-None result); None from every
-    plugin is an error. The built-in policy: decode → prefill is always ``NOTIF_ONLY``,
-    prefill → decode is ``FULL``.
+    plugin is an error. Push mode fixes the answer: decode → prefill must be ``NOTIF_ONLY``
+    (D never touches P's memory) and prefill → decode ``FULL``; any other answer is a
+    ``PluginError`` naming the plugin.
     """
 
 

@@ -227,7 +227,16 @@ class KvpushPluginManager:
         return merged
 
     def handshake_mode(self, role: Role, peer_role: Role) -> HandshakeMode:
-        for _, mode in self._results_with_source("kvpush_handshake_mode", role=role, peer_role=peer_role):
+        for plugin_name, mode in self._results_with_source(
+            "kvpush_handshake_mode", role=role, peer_role=peer_role
+        ):
+            required = HandshakeMode.NOTIF_ONLY if role is Role.DECODE else HandshakeMode.FULL
+            if mode is not required:
+                raise PluginError(
+                    f"plugin {plugin_name!r} chose a {mode.value} handshake for {role.value} → "
+                    f"{peer_role.value}; push mode needs {required.value} (D only sends "
+                    f"notifications to P; P writes into D's memory)"
+                )
             return mode
         raise PluginError(
             f"no plugin chose a handshake mode for {role.value} → {peer_role.value}; is the "

@@ -27,11 +27,11 @@ from typing import Any
 
 import attrs
 from kvpush.core import wire
+from kvpush.core.completion import COMPLETE, DONE_KIND, DUPLICATE, FAILED_KIND, count_producer
 from kvpush.core.errors import ConfigError, KvpushError, WaitTimeout
 from kvpush.core.peers import PeerEngine
 from kvpush.core.planning import producer_ranks_for
 from kvpush.core.types import (
-    HandshakeMode,
     Notification,
     NotificationKind,
     PushRegistration,
@@ -197,7 +197,11 @@ class PushReceiver(RankWorker):
             self._send_registration(request, engine, ranks)
             return
         future = self.peers.ensure(
-            params.remote_engine_id, params.remote_host, params.remote_port, ranks, HandshakeMode.NOTIF_ONLY
+            params.remote_engine_id,
+            params.remote_host,
+            params.remote_port,
+            ranks,
+            self.pm.handshake_mode(Role.DECODE, Role.PREFILL),
         )
         future.add_done_callback(
             lambda f: self.run_on_writer(lambda: self._after_handshake(f, request, ranks))
@@ -251,12 +255,12 @@ class PushReceiver(RankWorker):
 
     def _on_notification(self, peer: str, notification: Notification) -> None:
         kind = notification.kind
-        if kind is NotificationKind.HEARTBEAT:
-            return  # P's liveness probe
-        if kind is NotificationKind.CANCEL_ACK:
-            self._on_cancel_ack(notification)
-            return
-        if kind not in (NotificationKind.DONE, NotificationKind.FAILED):
+        if kind is not DONE_KIND and kind is not FAILED_KIND:  # identity: the hot path is DONE
+            if kind is NotificationKind.HEARTBEAT:
+                return  # P's liveness probe
+            if kind is NotificationKind.CANCEL_ACK:
+                self._on_cancel_ack(notification)
+                return
             self.dropped_notifications += 1
             logger.warning("decode rank got an unexpected %s notification from %s", kind.value, peer)
             return
@@ -271,17 +275,16 @@ class PushReceiver(RankWorker):
             assert notification.producer is not None
             self._settled(rid, pending, notification.producer)
             return
-        if kind is NotificationKind.FAILED:
+        if kind is FAILED_KIND:
             if notification.producer is not None:
                 pending.failed_producers.add(notification.producer)
             self._fail(rid, f"P rank {notification.producer} reported: {notification.reason}")
             return
         assert notification.producer is not None
-        if notification.producer in pending.producers:
+        outcome = count_producer(pending.producers, pending.expected, notification.producer)
+        if outcome == DUPLICATE:
             self.stats["duplicate_notifications"] += 1
-            return
-        pending.producers.add(notification.producer)
-        if len(pending.producers) >= pending.expected:
+        elif outcome == COMPLETE:
             del self._pending[rid]
             self._report(rid, None)
 

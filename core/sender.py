@@ -290,7 +290,11 @@ class PushSender(RankWorker):
             return
         self._waiting_handshake.add(key)
         future = self.peers.ensure(
-            reg.decode_engine_id, reg.decode_host, reg.decode_port, ranks, HandshakeMode.FULL
+            reg.decode_engine_id,
+            reg.decode_host,
+            reg.decode_port,
+            ranks,
+            self.pm.handshake_mode(Role.PREFILL, Role.DECODE),
         )
         future.add_done_callback(
             lambda f: self.run_on_writer(lambda: self._after_handshake(f, key, finished, reg, job, specs))

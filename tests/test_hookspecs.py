@@ -241,16 +241,28 @@ def test_hook_kvpush_handshake_mode_builtin(kvpush_pm, role, peer_role, mode):
 
 
 def test_hook_kvpush_handshake_mode_first_result_wins(kvpush_pm_factory):
-    class NotifOnlyPrefill:
+    class ExplicitPrefill:
         @staticmethod
         @hookimpl
         def kvpush_handshake_mode(role):
-            return HandshakeMode.NOTIF_ONLY if role is Role.PREFILL else None
+            return HandshakeMode.FULL if role is Role.PREFILL else None
 
-    pm = kvpush_pm_factory(("p", NotifOnlyPrefill))
-    assert pm.handshake_mode(Role.PREFILL, Role.DECODE) is HandshakeMode.NOTIF_ONLY
+    pm = kvpush_pm_factory(("p", ExplicitPrefill))
+    assert pm.handshake_mode(Role.PREFILL, Role.DECODE) is HandshakeMode.FULL
     # None defers to the built-in policy, which keeps decode -> prefill notification-only.
     assert pm.handshake_mode(Role.DECODE, Role.PREFILL) is HandshakeMode.NOTIF_ONLY
+
+
+def test_hook_kvpush_handshake_mode_decode_is_always_notif_only(kvpush_pm_factory):
+    class FullDecode:
+        @staticmethod
+        @hookimpl
+        def kvpush_handshake_mode(role):
+            return HandshakeMode.FULL if role is Role.DECODE else None
+
+    pm = kvpush_pm_factory(("full-decode", FullDecode))
+    with pytest.raises(PluginError, match="'full-decode' chose a full handshake for decode"):
+        pm.handshake_mode(Role.DECODE, Role.PREFILL)
 
 
 def test_hook_kvpush_handshake_mode_none_is_error(kvpush_pm_factory):
