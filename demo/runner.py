@@ -405,9 +405,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=120.0, help="per-request bound in seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument(
+        "--soak", type=int, default=0, metavar="N", help="soak: N concurrent requests with aborts and faults"
+    )
+    parser.add_argument("--abort-rate", type=float, default=0.1, help="soak: share of requests D aborts")
+    parser.add_argument("--fault-rate", type=float, default=0.01, help="soak: rate of each injected fault")
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "soak", 0):
+        from kvpush.demo.soak import main as soak_main
+
+        return soak_main(args)
     layouts = args.layout or list(_available_layouts())
     rows, ok = [], True
     for layout in layouts:

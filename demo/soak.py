@@ -1,0 +1,354 @@
+"""``kvpush demo --soak N``: many concurrent requests with random aborts and injected faults.
+
+P runs as ``prefill_pp`` stage processes, D as ``decode_tp`` rank processes, all on the
+``faulty`` transport wrapping NIXL (notifications dropped, duplicated and delayed, posts and
+WRITEs failing, each at ``fault_rate``). Every request is dispatched to both legs at once; a share
+``abort_rate`` of them is cancelled on D at a random moment (before P finishes, right after, or a
+few milliseconds later). When D reports a request cancelled or failed, its blocks are filled with
+a sentinel (the engine would reuse them); after the run every sentinel must be intact.
+
+The report: ``requests``, ``verified`` (every D rank done, every byte checked), ``failed_with_reason``,
+``aborted`` (reported cancelled), ``writes_into_freed_blocks``, ``leaked_handles`` (transfer
+handles still held), ``leaked_blocks`` (requests a P or D rank still holds, or never reported),
+``max_wait_s`` (dispatch to the last rank's report) and ``failure_reasons`` (counts by kind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from kvpush.core.errors import WaitTimeout
+from kvpush.core.sidechannel import SideChannelServer
+from kvpush.core.types import ModelSpec, ParallelConfig, RankKey
+from kvpush.demo.rank import RankSpec
+from kvpush.demo.runner import _Rank, _start_ranks, _stop
+
+SOAK_MODEL = ModelSpec(name="soak-gqa", num_layers=4, num_kv_heads=2, head_dim=32, block_size=8)
+
+
+@attrs.frozen(kw_only=True)
+class SoakConfig:
+    requests: int = 1000
+    abort_rate: float = 0.1
+    fault_rate: float = 0.01
+    seed: int = 0
+    prefill_pp: int = 2
+    decode_tp: int = 2
+    max_blocks: int = 4
+    request_timeout_s: float = 6.0
+    lease_s: float = 3.0
+    heartbeat_interval_s: float = 0.25
+    cancel_ack_timeout_s: float = 1.5
+    late_abort_ms: float = 30.0
+    """Late aborts land uniformly within this many ms after dispatch."""
+    transport_inner: str = "nixl"
+    faults: dict[str, Any] | None = attrs.field(default=None, hash=False)
+    """Faulty-transport options replacing the ones derived from ``fault_rate`` (tests)."""
+    timeout_s: float = 240.0
+    """Bound on the whole run after dispatch."""
+
+
+def _fault_options(cfg: SoakConfig) -> dict[str, Any]:
+    if cfg.faults is not None:
+        return {"inner": cfg.transport_inner, "seed": cfg.seed, **cfg.faults}
+    rate = cfg.fault_rate
+    return {
+        "inner": cfg.transport_inner,
+        "seed": cfg.seed,
+        "drop_notifs": rate,
+        "dup_notifs": rate,
+        "delay_notifs": rate,
+        "delay_s": 0.05,
+        "fail_posts": rate,
+        "fail_writes": rate,
+    }
+
+
+def _specs(cfg: SoakConfig, p_port: int, d_port: int) -> tuple[list[RankSpec], list[RankSpec]]:
+    blocks = (cfg.requests * cfg.max_blocks + 8,)
+    common = {
+        "model": SOAK_MODEL,
+        "layout": "uniform",
+        "blocks_per_group": blocks,
+        "request_timeout_s": cfg.request_timeout_s,
+        "lease_s": cfg.lease_s,
+        "transport": "faulty",
+        "log_level": "ERROR",
+        "transport_options": _fault_options(cfg),
+        "worker_options": {
+            "heartbeat_interval_s": cfg.heartbeat_interval_s,
+            "cancel_ack_timeout_s": cfg.cancel_ack_timeout_s,
+            "registration_ttl_s": max(cfg.request_timeout_s * 2, 10.0),
+        },
+    }
+    p_specs = [
+        RankSpec(
+            role="prefill",
+            engine_id="prefill-0",
+            parallel=ParallelConfig.for_stage(
+                num_layers=SOAK_MODEL.num_layers, pp_size=cfg.prefill_pp, pp_rank=pp, tp_size=1, tp_rank=0
+            ),
+            side_channel_port=p_port,
+            **common,
+        )
+        for pp in range(cfg.prefill_pp)
+    ]
+    d_specs = [
+        RankSpec(
+            role="decode",
+            engine_id="decode-0",
+            parallel=ParallelConfig(tp_size=cfg.decode_tp, tp_rank=tp, num_layers=SOAK_MODEL.num_layers),
+            side_channel_port=d_port,
+            **common,
+        )
+        for tp in range(cfg.decode_tp)
+    ]
+    return p_specs, d_specs
+
+
+def _reason_kind(reason: str) -> str:
+    """A short kind for a failure reason (for the counts in the report)."""
+    for pattern, kind in (
+        (r"injected post failure", "injected post failure"),
+        (r"ended in error", "WRITE ended in error"),
+        (r"no completion within", "watchdog (notification lost)"),
+        (r"unreachable", "P unreachable"),
+        (r"handshake", "handshake failed"),
+    ):
+        if re.search(pattern, reason):
+            return kind
+    return reason[:60]
+
+
+def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the soak and return its report (see the module docstring)."""
+    say = progress or (lambda _msg: None)
+    rng = random.Random(cfg.seed)
+    p_server, d_server = SideChannelServer("prefill-0"), SideChannelServer("decode-0")
+    ranks: list[_Rank] = []
+    try:
+        p_specs, d_specs = _specs(cfg, p_server.port, d_server.port)
+        say(f"[soak] starting {len(p_specs)} prefill and {len(d_specs)} decode processes (faulty/nixl)")
+        p_ranks, p_payloads = _start_ranks(p_specs, timeout_s=120)
+        ranks += p_ranks
+        d_ranks, d_payloads = _start_ranks(d_specs, timeout_s=120)
+        ranks += d_ranks
+        p_server.publish_all(p_payloads)
+        d_server.publish_all(d_payloads)
+
+        plans = []
+        p_free = rng.sample(range(cfg.requests * cfg.max_blocks), cfg.requests * cfg.max_blocks)
+        d_free = rng.sample(range(cfg.requests * cfg.max_blocks), cfg.requests * cfg.max_blocks)
+        for index in range(cfg.requests):
+            length = rng.randint(1, cfg.max_blocks)
+            abort = rng.random() < cfg.abort_rate
+            plans.append(
+                {
+                    "rid": f"soak-{index}",
+                    "seed": cfg.seed * 100_003 + index + 1,
+                    "p_ids": [[p_free.pop() for _ in range(length)]],
+                    "d_ids": [[d_free.pop() for _ in range(length)]],
+                    "abort": rng.choice(("before_finish", "after_finish", "late")) if abort else None,
+                    "abort_after_s": rng.uniform(0, cfg.late_abort_ms / 1e3),
+                }
+            )
+        for rank in p_ranks:
+            rank.call(("prepare", [(p["rid"], p["seed"], p["p_ids"]) for p in plans]), timeout_s=300)
+        params = {
+            "remote_engine_id": "prefill-0",
+            "remote_host": "127.0.0.1",
+            "remote_port": p_server.port,
+            "tp_size": 1,
+            "pp_size": cfg.prefill_pp,
+        }
+        say(f"[soak] dispatching {cfg.requests} requests (abort {cfg.abort_rate}, faults {cfg.fault_rate})")
+        dispatched: dict[str, float] = {}
+        late: list[tuple[float, str]] = []
+        for plan in plans:
+            rid = plan["rid"]
+            request_params = {**params, "transfer_id": f"xfer-{rid}", "remote_request_id": rid}
+            dispatched[rid] = time.monotonic()
+            for rank in d_ranks:
+                rank.call(("add", rid, plan["d_ids"], request_params, plan["seed"], [0]))
+            if plan["abort"] == "before_finish":
+                for rank in d_ranks:
+                    rank.call(("cancel", rid))
+            for rank in p_ranks:
+                rank.call(("finish", rid, plan["p_ids"], f"xfer-{rid}"))
+            if plan["abort"] == "after_finish":
+                for rank in d_ranks:
+                    rank.call(("cancel", rid))
+            elif plan["abort"] == "late":
+                late.append((dispatched[rid] + plan["abort_after_s"], rid))
+        late.sort()
+        return _collect(cfg, plans, dispatched, late, p_ranks, d_ranks, say)
+    finally:
+        _stop(ranks)
+        p_server.close()
+        d_server.close()
+
+
+def _collect(
+    cfg: SoakConfig,
+    plans: list[dict[str, Any]],
+    dispatched: dict[str, float],
+    late: list[tuple[float, str]],
+    p_ranks: list[_Rank],
+    d_ranks: list[_Rank],
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    rids = [p["rid"] for p in plans]
+    d_outcome: dict[str, dict[RankKey, tuple[str, Any]]] = {rid: {} for rid in rids}
+    p_outcome: dict[str, dict[RankKey, str | None]] = {rid: {} for rid in rids}
+    resolved_at: dict[str, float] = {}
+    deadline = time.monotonic() + cfg.timeout_s
+    reported = -1
+    while True:
+        now = time.monotonic()
+        while late and late[0][0] <= now:
+            _, rid = late.pop(0)
+            for rank in d_ranks:
+                rank.call(("cancel", rid))
+        for rank in d_ranks:
+            polled = rank.call(("poll",))
+            for rid, result in polled["done"].items():
+                d_outcome[rid][rank.key] = ("done", result)
+            for rid, reason in polled["failed"].items():
+                d_outcome[rid][rank.key] = ("failed", reason)
+            for rid, reason in polled["cancelled"].items():
+                d_outcome[rid][rank.key] = ("cancelled", reason)
+        for rank in p_ranks:
+            polled = rank.call(("poll",))
+            for rid in polled["sent"]:
+                p_outcome[rid][rank.key] = None
+            for rid, reason in polled["failed"].items():
+                p_outcome[rid][rank.key] = reason
+        now = time.monotonic()
+        for rid in rids:
+            if rid not in resolved_at and len(d_outcome[rid]) == len(d_ranks):
+                resolved_at[rid] = now
+        p_done = sum(1 for rid in rids if len(p_outcome[rid]) == len(p_ranks))
+        if len(resolved_at) != reported:
+            reported = len(resolved_at)
+            say(f"[soak] D resolved {reported}/{len(rids)}, P reported {p_done}/{len(rids)}")
+        if (len(resolved_at) == len(rids) and p_done == len(rids) and not late) or now > deadline:
+            break
+        time.sleep(0.02)
+
+    verified = failed = aborted = unresolved = 0
+    reasons: collections.Counter[str] = collections.Counter()
+    bad_outcomes: dict[str, str] = {}
+    for rid in rids:
+        per_rank = d_outcome[rid]
+        if len(per_rank) != len(d_ranks):
+            unresolved += 1
+            continue
+        kinds = {kind for kind, _ in per_rank.values()}
+        if "cancelled" in kinds:
+            aborted += 1
+        elif kinds == {"done"}:
+            misses = [r["miss"] for _, r in per_rank.values() if not r["ok"]]
+            if misses:
+                bad_outcomes[rid] = misses[0]
+            else:
+                verified += 1
+        else:
+            failed += 1
+            for kind, reason in per_rank.values():
+                if kind == "failed":
+                    if not reason:
+                        bad_outcomes[rid] = "failed without a reason"
+                    reasons[_reason_kind(reason)] += 1
+    freed_bad: dict[str, str] = {}
+    for rank in d_ranks:
+        freed_bad.update(rank.call(("check_freed",), timeout_s=120))
+    health = {
+        str(rank.key) + ("P" if rank in p_ranks else "D"): rank.call(("health",))
+        for rank in [*p_ranks, *d_ranks]
+    }
+    leaked_handles = sum(h["outstanding_handles"] for h in health.values())
+    held = sum(
+        h.get("finished", 0) + h.get("inflight", 0) + h.get("waiting_handshake", 0) + h.get("pending", 0)
+        for h in health.values()
+    )
+    p_unreported = sum(1 for rid in rids if len(p_outcome[rid]) != len(p_ranks))
+    waits = [resolved_at[rid] - dispatched[rid] for rid in resolved_at]
+    return {
+        "requests": len(rids),
+        "verified": verified,
+        "failed_with_reason": failed,
+        "aborted": aborted,
+        "writes_into_freed_blocks": len(freed_bad),
+        "leaked_handles": leaked_handles,
+        "leaked_blocks": held + p_unreported + unresolved,
+        "max_wait_s": round(max(waits), 3) if waits else None,
+        "unresolved": unresolved,
+        "wrong_bytes_or_no_reason": len(bad_outcomes),
+        "failure_reasons": dict(reasons.most_common()),
+        "examples": {**dict(list(bad_outcomes.items())[:5]), **dict(list(freed_bad.items())[:5])},
+        "health": health,
+        "config": attrs.asdict(cfg),
+    }
+
+
+def soak_ok(report: dict[str, Any]) -> bool:
+    """No write into a freed block, no leak, and every request accounted for with a reason."""
+    return (
+        report["writes_into_freed_blocks"] == 0
+        and report["leaked_handles"] == 0
+        and report["leaked_blocks"] == 0
+        and report["wrong_bytes_or_no_reason"] == 0
+        and report["verified"] + report["failed_with_reason"] + report["aborted"] == report["requests"]
+    )
+
+
+KEYS = (
+    "requests",
+    "verified",
+    "failed_with_reason",
+    "aborted",
+    "writes_into_freed_blocks",
+    "leaked_handles",
+    "leaked_blocks",
+    "max_wait_s",
+)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``kvpush demo --soak N`` (flags: --abort-rate, --fault-rate, --seed, --json)."""
+    cfg = SoakConfig(
+        requests=args.soak,
+        abort_rate=args.abort_rate,
+        fault_rate=args.fault_rate,
+        seed=args.seed,
+        prefill_pp=args.prefill_pp,
+        decode_tp=args.decode_tp,
+    )
+    started = time.monotonic()
+    try:
+        report = run_soak(cfg, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except (WaitTimeout, RuntimeError) as err:
+        print(f"soak failed: {err}", file=sys.stderr)
+        return 2
+    report["elapsed_s"] = round(time.monotonic() - started, 1)
+    ok = soak_ok(report)
+    if args.json:
+        print(json.dumps({"ok": ok, **{k: report[k] for k in KEYS}, "details": report}, indent=2))
+    else:
+        for key in (*KEYS, "failure_reasons", "elapsed_s"):
+            print(f"{key:>26}: {report[key]}")
+        for rid, what in report["examples"].items():
+            print(f"  {rid}: {what}")
+        print(
+            "soak OK" if ok else "SOAK FAILED: a write into a freed block, a leak or an unexplained request"
+        )
+    return 0 if ok else 1
