@@ -61,19 +61,26 @@ def descriptor_ids(regions: Sequence[KVRegion], groups: Sequence[int], block_ids
             f"regions use KV-cache group {int(groups_arr.max())} but block ids were given for "
             f"{len(block_ids)} group(s)"
         )
-    parts = []
-    if len(set(groups)) == 1:  # common case: one broadcast over every region
+    if len(set(groups)) == 1:  # common case: one broadcast over every region, int32 throughout
         ids = np.asarray(block_ids[groups[0]], dtype=np.int64)
         _check_capacity(ids, capacities.min(initial=np.iinfo(np.int64).max), groups[0])
-        parts.append((offsets[:, None] + ids[None, :]).ravel())
-    else:
-        # region order is kept: ids are emitted region by region
-        for i, group in enumerate(groups):
-            ids = np.asarray(block_ids[group], dtype=np.int64)
-            _check_capacity(ids, capacities[i], group)
-            parts.append(offsets[i] + ids)
+        _check_int32(offsets, capacities)
+        out = np.empty((len(offsets), len(ids)), dtype=np.int32)
+        np.add(offsets.astype(np.int32)[:, None], ids.astype(np.int32)[None, :], out=out)
+        return out.ravel()
+    # region order is kept: ids are emitted region by region
+    parts = []
+    for i, group in enumerate(groups):
+        ids = np.asarray(block_ids[group], dtype=np.int64)
+        _check_capacity(ids, capacities[i], group)
+        parts.append(offsets[i] + ids)
     out = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
     return out.astype(np.int32)
+
+
+def _check_int32(offsets: np.ndarray, capacities: np.ndarray) -> None:
+    if len(offsets) and int(offsets[-1] + capacities[-1]) > np.iinfo(np.int32).max:
+        raise ConfigError(f"{int(offsets[-1] + capacities[-1])} descriptors do not fit int32 ids")
 
 
 def _check_capacity(ids: np.ndarray, capacity: int, group: int) -> None:
