@@ -12,7 +12,8 @@ Select it with ``WorkerConfig(transport="faulty", transport_options={...})``. Op
 - ``fail_writes`` (rate): the WRITE is not posted and its handle polls ``FAILED`` (no bytes
   land, no completion notification), as a WRITE that ends in error does.
 - ``notif_prefixes`` (list of str, default all): only notifications starting with one of these
-  are dropped, duplicated or delayed (e.g. ``["DONE:"]``).
+  are dropped, duplicated or delayed (e.g. ``["DONE:"]``); ``drop_prefixes``,
+  ``dup_prefixes`` and ``delay_prefixes`` narrow one kind of fault further.
 
 Faults are counted in ``injected`` (``{"drop": n, "dup": n, "delay": n, "fail_post": n,
 "fail_write": n}``). Everything else is delegated to the inner transport.
@@ -35,7 +36,8 @@ from kvpush.core.transport import TransferState, TransportConfig, TransportCount
 from kvpush.core.types import KVRegion, MemType, TransportProvider
 
 RATES = ("drop_notifs", "dup_notifs", "delay_notifs", "fail_posts", "fail_writes")
-KNOWN_OPTIONS = (*RATES, "inner", "inner_options", "seed", "delay_s", "notif_prefixes")
+PREFIX_OPTIONS = ("notif_prefixes", "drop_prefixes", "dup_prefixes", "delay_prefixes")
+KNOWN_OPTIONS = (*RATES, *PREFIX_OPTIONS, "inner", "inner_options", "seed", "delay_s")
 
 
 class _FailedWrite:
@@ -75,8 +77,12 @@ class FaultyTransport:
         self.delay_s = float(options.get("delay_s", 0.05))
         if self.delay_s < 0:
             raise ConfigError(f"faulty option 'delay_s' must be >= 0, got {self.delay_s}")
-        prefixes = options.get("notif_prefixes")
-        self.prefixes = None if prefixes is None else tuple(p.encode() for p in prefixes)
+        self.prefixes: dict[str, tuple[bytes, ...] | None] = {}
+        for name in PREFIX_OPTIONS:
+            value = options.get(name)
+            if value is not None and (isinstance(value, str) or not all(isinstance(p, str) for p in value)):
+                raise ConfigError(f"faulty option {name!r} must be a list of prefixes, got {value!r}")
+            self.prefixes[name] = None if value is None else tuple(p.encode() for p in value)
         seed = options.get("seed", 0)
         if not isinstance(seed, int):
             raise ConfigError(f"faulty option 'seed' must be an int, got {seed!r}")
@@ -96,6 +102,13 @@ class FaultyTransport:
     def _hit(self, rate: str) -> bool:
         value = self.rates[rate]
         return value > 0 and self._rng.random() < value
+
+    def _hit_notif(self, kind: str, message: bytes) -> bool:
+        for name in ("notif_prefixes", f"{kind}_prefixes"):
+            prefixes = self.prefixes[name]
+            if prefixes is not None and not message.startswith(prefixes):
+                return False
+        return self._hit(f"{kind}_notifs")
 
     # ------------------------------------------------------------------ delegated
 
@@ -170,14 +183,12 @@ class FaultyTransport:
         now = time.monotonic()
         out = []
         for peer, message in self.inner.drain_notifs():
-            if self.prefixes is not None and not message.startswith(self.prefixes):
-                out.append((peer, message))
-            elif self._hit("drop_notifs"):
+            if self._hit_notif("drop", message):
                 self.injected["drop"] += 1
-            elif self._hit("delay_notifs"):
+            elif self._hit_notif("delay", message):
                 self.injected["delay"] += 1
                 heapq.heappush(self._delayed, (now + self.delay_s, next(self._order), peer, message))
-            elif self._hit("dup_notifs"):
+            elif self._hit_notif("dup", message):
                 self.injected["dup"] += 1
                 out += [(peer, message), (peer, message)]
             else:
