@@ -223,7 +223,11 @@ class _RankServer:
             if self.spec.role == "prefill"
             else {"pending": worker.pending_requests}
         )
-        return {"outstanding_handles": worker.transport.outstanding_handles, **held}
+        return {
+            "outstanding_handles": worker.transport.outstanding_handles,
+            **held,
+            "stats": dict(worker.stats),
+        }
 
     def _stats(self) -> dict[str, Any]:
         worker = self.worker

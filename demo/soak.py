@@ -2,7 +2,8 @@
 
 P runs as ``prefill_pp`` stage processes, D as ``decode_tp`` rank processes, all on the
 ``faulty`` transport wrapping NIXL (notifications dropped, duplicated and delayed, posts and
-WRITEs failing, each at ``fault_rate``). Every request is dispatched to both legs at once; a share
+WRITEs failing, each at ``fault_rate``; WRITEs held in flight for 30 ms at 10× that rate, so
+aborts race in-flight WRITEs). Every request is dispatched to both legs at once; a share
 ``abort_rate`` of them is cancelled on D at a random moment (before P finishes, right after, or a
 few milliseconds later). When D reports a request cancelled or failed, its blocks are filled with
 a sentinel (the engine would reuse them); after the run every sentinel must be intact.
@@ -70,6 +71,8 @@ def _fault_options(cfg: SoakConfig) -> dict[str, Any]:
         "delay_s": 0.05,
         "fail_posts": rate,
         "fail_writes": rate,
+        "slow_writes": min(1.0, 10 * rate),
+        "write_delay_s": 0.03,
     }
 
 
@@ -291,6 +294,7 @@ def _collect(
         "leaked_handles": leaked_handles,
         "leaked_blocks": held + p_unreported + unresolved,
         "max_wait_s": round(max(waits), 3) if waits else None,
+        "cancels_racing_a_write": sum(h["stats"].get("cancels_during_write", 0) for h in health.values()),
         "unresolved": unresolved,
         "wrong_bytes_or_no_reason": len(bad_outcomes),
         "failure_reasons": dict(reasons.most_common()),

@@ -11,6 +11,10 @@ Select it with ``WorkerConfig(transport="faulty", transport_options={...})``. Op
 - ``fail_posts`` (rate): ``post_write`` raises ``TransferError`` without posting.
 - ``fail_writes`` (rate): the WRITE is not posted and its handle polls ``FAILED`` (no bytes
   land, no completion notification), as a WRITE that ends in error does.
+- ``slow_writes`` (rate): the WRITE stays in flight for ``write_delay_s`` (default 0.05 s):
+  the inner post happens only then, so its bytes and notification land late, as on a busy
+  fabric. (Host-memory NIXL finishes a WRITE inside ``transfer()``; this opens the window in
+  which a cancel can race a WRITE.)
 - ``notif_prefixes`` (list of str, default all): only notifications starting with one of these
   are dropped, duplicated or delayed (e.g. ``["DONE:"]``); ``drop_prefixes``,
   ``dup_prefixes`` and ``delay_prefixes`` narrow one kind of fault further.
@@ -35,15 +39,26 @@ from kvpush.core.markers import hookimpl
 from kvpush.core.transport import TransferState, TransportConfig, TransportCounters
 from kvpush.core.types import KVRegion, MemType, TransportProvider
 
-RATES = ("drop_notifs", "dup_notifs", "delay_notifs", "fail_posts", "fail_writes")
+RATES = ("drop_notifs", "dup_notifs", "delay_notifs", "fail_posts", "fail_writes", "slow_writes")
 PREFIX_OPTIONS = ("notif_prefixes", "drop_prefixes", "dup_prefixes", "delay_prefixes")
-KNOWN_OPTIONS = (*RATES, *PREFIX_OPTIONS, "inner", "inner_options", "seed", "delay_s")
+KNOWN_OPTIONS = (*RATES, *PREFIX_OPTIONS, "inner", "inner_options", "seed", "delay_s", "write_delay_s")
 
 
 class _FailedWrite:
     """The handle of a WRITE that was never posted and ends in error."""
 
     __slots__ = ()
+
+
+class _SlowWrite:
+    """A WRITE whose inner post is held back until ``due``."""
+
+    __slots__ = ("args", "due", "inner")
+
+    def __init__(self, args: tuple[Any, ...], due: float) -> None:
+        self.args = args
+        self.due = due
+        self.inner: Any = None
 
 
 def _create_inner(name: str, config: TransportConfig) -> Any:
@@ -75,8 +90,9 @@ class FaultyTransport:
                 raise ConfigError(f"faulty option {rate!r} must be a rate in [0, 1], got {value!r}")
             self.rates[rate] = float(value)
         self.delay_s = float(options.get("delay_s", 0.05))
-        if self.delay_s < 0:
-            raise ConfigError(f"faulty option 'delay_s' must be >= 0, got {self.delay_s}")
+        self.write_delay_s = float(options.get("write_delay_s", 0.05))
+        if self.delay_s < 0 or self.write_delay_s < 0:
+            raise ConfigError("faulty options 'delay_s' and 'write_delay_s' must be >= 0")
         self.prefixes: dict[str, tuple[bytes, ...] | None] = {}
         for name in PREFIX_OPTIONS:
             value = options.get(name)
@@ -95,9 +111,10 @@ class FaultyTransport:
             TransportConfig(agent_name=config.agent_name, options=inner_options),
         )
         self._failed: set[_FailedWrite] = set()
+        self._slow: set[_SlowWrite] = set()
         self._delayed: list[tuple[float, int, str, bytes]] = []
         self._order = itertools.count()
-        self.injected = {"drop": 0, "dup": 0, "delay": 0, "fail_post": 0, "fail_write": 0}
+        self.injected = {"drop": 0, "dup": 0, "delay": 0, "fail_post": 0, "fail_write": 0, "slow_write": 0}
 
     def _hit(self, rate: str) -> bool:
         value = self.rates[rate]
@@ -166,16 +183,38 @@ class FaultyTransport:
             handle = _FailedWrite()
             self._failed.add(handle)
             return handle
+        if self._hit("slow_writes"):
+            self.injected["slow_write"] += 1
+            slow = _SlowWrite(
+                (local_list, local_ids, remote_list, remote_ids, notif), time.monotonic() + self.write_delay_s
+            )
+            self._slow.add(slow)
+            return slow
         return self.inner.post_write(local_list, local_ids, remote_list, remote_ids, notif)
 
     def poll(self, handle: Any) -> TransferState:
         if isinstance(handle, _FailedWrite):
             return TransferState.FAILED
+        if isinstance(handle, _SlowWrite):
+            if handle.inner is None:
+                if time.monotonic() < handle.due:
+                    return TransferState.PENDING
+                try:
+                    handle.inner = self.inner.post_write(*handle.args)
+                except TransferError:
+                    self._slow.discard(handle)
+                    return TransferState.FAILED
+            return self.inner.poll(handle.inner)
         return self.inner.poll(handle)
 
     def release(self, handle: Any) -> None:
         if isinstance(handle, _FailedWrite):
             self._failed.discard(handle)
+            return
+        if isinstance(handle, _SlowWrite):
+            self._slow.discard(handle)
+            if handle.inner is not None:
+                self.inner.release(handle.inner)
             return
         self.inner.release(handle)
 
@@ -200,10 +239,12 @@ class FaultyTransport:
 
     @property
     def outstanding_handles(self) -> int:
-        return len(self._failed) + self.inner.outstanding_handles
+        unposted = sum(1 for h in self._slow if h.inner is None)
+        return len(self._failed) + unposted + self.inner.outstanding_handles
 
     def close(self) -> None:
         self._failed.clear()
+        self._slow.clear()
         self._delayed.clear()
         self.inner.close()
 
