@@ -238,8 +238,23 @@ def encode_cancel_ack(request_id: str, producer: RankKey, write_in_flight: bool)
     )
 
 
-def encode_heartbeat(match_keys: list[str]) -> bytes:
-    return HEARTBEAT_PREFIX + pack({"request_ids": list(match_keys)})
+def encode_heartbeat(
+    match_keys: list[str], reg: PushRegistration | None = None, decode_tp_rank: int = 0
+) -> bytes:
+    """HB with match keys; from a D rank also its coordinates (``reg``, blocks not needed) so P
+    can answer with an empty HB, which is P's liveness signal."""
+    body: dict[str, Any] = {"request_ids": list(match_keys)}
+    if reg is not None:
+        body.update(
+            d_request_id="(heartbeat)",
+            decode_engine_id=reg.decode_engine_id,
+            decode_host=reg.decode_host,
+            decode_port=reg.decode_port,
+            decode_tp_size=reg.decode_tp_size,
+            remote_engine_id=reg.remote_engine_id,
+            tp=decode_tp_rank,
+        )
+    return HEARTBEAT_PREFIX + pack(body)
 
 
 def _str_field(body: Mapping[str, Any], name: str, what: str) -> str:
@@ -296,7 +311,24 @@ def decode_notification(message: bytes) -> Notification | None:
         ids = body.get("request_ids")
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise WireError(f"{what} field 'request_ids' must be a list of strings")
-        return Notification(kind=kind, request_ids=ids)
+        if "decode_engine_id" not in body:
+            return Notification(kind=kind, request_ids=ids)
+        try:
+            reg = PushRegistration(
+                request_id="(heartbeat)",
+                match_key="(heartbeat)",
+                decode_engine_id=_str_field(body, "decode_engine_id", what),
+                decode_host=_str_field(body, "decode_host", what),
+                decode_port=_int_field(body, "decode_port", what),
+                decode_tp_size=_int_field(body, "decode_tp_size", what) or 1,
+                block_ids=(),
+                remote_engine_id=_str_field(body, "remote_engine_id", what),
+            )
+        except ValueError as err:
+            raise WireError(f"{what} is malformed: {err}") from None
+        return Notification(
+            kind=kind, request_ids=ids, registration=reg, producer=RankKey(0, _int_field(body, "tp", what))
+        )
     request_id = _str_field(body, "request_id", what)
     if kind is NotificationKind.CANCEL:
         if "d_request_id" not in body:
