@@ -161,6 +161,9 @@ class PushSender(RankWorker):
             self._on_cancel(peer, notification)
         elif notification.kind is NotificationKind.HEARTBEAT:
             self._on_heartbeat(notification.request_ids)
+            reg, tp = notification.registration, notification.producer
+            if reg is not None and tp is not None:  # answer: P's liveness signal for D
+                self._send_to_decode(reg, tp.tp_rank, wire.encode_heartbeat([]))
         else:
             self.dropped_notifications += 1
             logger.warning(
@@ -285,7 +288,7 @@ class PushSender(RankWorker):
             return
         ranks = [RankKey(0, spec.dst_tp_rank) for spec in specs]
         engine = self.peers.connected(reg.decode_engine_id, ranks)
-        if engine is not None:
+        if engine is not None and engine.mode is HandshakeMode.FULL:  # not just notif-loaded
             self._post(finished.request_id, reg, job, specs, engine)
             return
         self._waiting_handshake.add(key)
