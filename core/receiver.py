@@ -90,6 +90,8 @@ class PushReceiver(RankWorker):
         self._cancel_on_connect: dict[str, RequestMetadata] = {}
         self._next_heartbeat = 0.0
         self._next_eviction = 0.0
+        self._unanswered: dict[str, float] = {}
+        """P agent -> when the oldest heartbeat it has not answered (by any notification) went out."""
         self.completion_times: dict[str, float] = {}
         self.stats = {
             "duplicate_notifications": 0,
@@ -254,6 +256,7 @@ class PushReceiver(RankWorker):
             self._fail(request.request_id, "PUSH_REG reached no P rank: " + "; ".join(errors))
 
     def _on_notification(self, peer: str, notification: Notification) -> None:
+        self._unanswered.pop(peer, None)  # any notification shows the P agent is alive
         kind = notification.kind
         if kind is not DONE_KIND and kind is not FAILED_KIND:  # identity: the hot path is DONE
             if kind is NotificationKind.HEARTBEAT:
@@ -376,18 +379,32 @@ class PushReceiver(RankWorker):
 
     # ------------------------------------------------------------------ heartbeats and liveness
 
-    def _send_heartbeats(self) -> None:
-        keys_by_agent: dict[str, list[str]] = {}
+    def _send_heartbeats(self, now: float, interval: float) -> None:
+        """Send each P agent the match keys it holds for us; an agent that has answered nothing
+        for ``peer_silence_s`` (default 3 heartbeats + a handshake) is taken for dead."""
+        keys_by_agent: dict[str, tuple[RequestMetadata, list[str]]] = {}
         for pending in self._pending.values():
             if pending.closing is None:
                 for agent in pending.agents.values():
-                    keys_by_agent.setdefault(agent, []).append(pending.meta.params.match_key)
-        for agent, keys in keys_by_agent.items():
+                    entry = keys_by_agent.setdefault(agent, (pending.meta, []))
+                    entry[1].append(pending.meta.params.match_key)
+        silence = self.config.peer_silence_s or 3 * interval + self.config.handshake_timeout_s
+        for agent, (meta, keys) in keys_by_agent.items():
+            since = self._unanswered.get(agent)
+            if since is not None and now - since > silence:
+                self._unanswered.pop(agent, None)
+                self._peer_dead(agent, KvpushError(f"no answer to heartbeats for {silence:g}s"))
+                continue
+            reg = self._registration(meta)
             for start in range(0, len(keys), 256):
                 try:
                     assert self.transport is not None
-                    self.transport.send_notif(agent, wire.encode_heartbeat(keys[start : start + 256]))
+                    chunk = keys[start : start + 256]
+                    self.transport.send_notif(
+                        agent, wire.encode_heartbeat(chunk, reg, self.config.parallel.tp_rank)
+                    )
                     self.stats["heartbeats_sent"] += 1
+                    self._unanswered.setdefault(agent, now)
                 except KvpushError as err:
                     self._peer_dead(agent, err)
                     break
@@ -445,7 +462,7 @@ class PushReceiver(RankWorker):
         interval = self.config.heartbeat_interval_s or self.config.lease_s / 6
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + interval
-            self._send_heartbeats()
+            self._send_heartbeats(now, interval)
         if now >= self._next_eviction:
             self._next_eviction = now + 1.0
             busy = {p.meta.params.remote_engine_id for p in self._pending.values()}

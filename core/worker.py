@@ -61,6 +61,9 @@ class WorkerConfig:
     cancel_ack_timeout_s: float = 5.0
     """D: a cancelled (or failed) request whose producers have not acknowledged (CANCEL_ACK) or
     reported within this long is freed anyway, and its reason says so."""
+    peer_silence_s: float | None = None
+    """D: a P agent that answers no heartbeat this long is dead (its requests fail at once);
+    None means three heartbeat intervals plus ``handshake_timeout_s``."""
     engine_ttl_s: float = 3600.0
     """Remote engines idle this long (and with no request in progress) are evicted; <= 0 never."""
     busy_poll_s: float = 0.0002
