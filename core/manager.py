@@ -39,6 +39,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "tp_mapping": "kvpush.plugins.tp_mapping",
     "pp_slicing": "kvpush.plugins.pp_slicing",
     "mla_replication": "kvpush.plugins.mla_replication",
+    "strategy": "kvpush.plugins.strategy",
     "nixl": "kvpush.transports.nixl",
     "faulty": "kvpush.transports.faulty",
     "uniform": "kvpush.layouts.uniform",

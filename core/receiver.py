@@ -83,6 +83,8 @@ class PushReceiver(RankWorker):
         self._pending: dict[str, PendingReceive] = {}
         self._early: dict[str, list[tuple[float, Notification]]] = {}
         self._results_lock = threading.Lock()
+        self._staging_reserved: dict[str, int] = {}
+        """Staging offset reserved per request (packed strategy)."""
         self._results_ready = threading.Condition(self._results_lock)
         self._done: list[str] = []
         self._failed: dict[str, str] = {}
@@ -159,6 +161,7 @@ class PushReceiver(RankWorker):
     # ------------------------------------------------------------------ writer thread
 
     def _report(self, request_id: str, failure: str | None, cancelled: bool = False) -> None:
+        self._release_staging(request_id, failure is None and not cancelled)
         with self._results_ready:
             if cancelled:
                 self._cancelled[request_id] = failure or "cancelled"
@@ -240,6 +243,8 @@ class PushReceiver(RankWorker):
             decode_tp_size=cfg.parallel.tp_size,
             block_ids=request.block_ids,
             remote_engine_id=request.params.remote_engine_id,
+            decode_tp_rank=cfg.parallel.tp_rank,
+            staging_offset=self._reserve_staging(request),
         )
         message = wire.encode_push_reg(reg)
         errors = []
@@ -284,12 +289,57 @@ class PushReceiver(RankWorker):
             self._fail(rid, f"P rank {notification.producer} reported: {notification.reason}")
             return
         assert notification.producer is not None
+        if notification.packing is not None and not self._unpack(rid, pending, notification):
+            return
         outcome = count_producer(pending.producers, pending.expected, notification.producer)
         if outcome == DUPLICATE:
             self.stats["duplicate_notifications"] += 1
         elif outcome == COMPLETE:
             del self._pending[rid]
             self._report(rid, None)
+
+    # ------------------------------------------------------------------ packed strategy
+
+    def _reserve_staging(self, request: RequestMetadata) -> int:
+        """Reserve the request's packed bytes in the staging area; -1 when packing is off or
+        the area is full (P then writes directly into the blocks)."""
+        if self.staging is None or self.metadata is None:
+            return -1
+        rid = request.request_id
+        if rid not in self._staging_reserved:
+            from kvpush.core.packing import staging_layout
+
+            _, total = staging_layout(self.metadata.regions, request.block_ids)
+            offset = self.staging.alloc(total)
+            if offset is None:
+                return -1
+            self._staging_reserved[rid] = offset
+        return self._staging_reserved[rid]
+
+    def _unpack(self, rid: str, pending: Any, notification: Notification) -> bool:
+        """Scatter a packed WRITE into the request's blocks; False (request failed) on error."""
+        from kvpush.core.packing import unpack
+
+        manifest = notification.packing
+        assert manifest is not None and self.metadata is not None
+        if self._staging_reserved.get(rid) != manifest.staging_offset:
+            self._fail(rid, f"P rank {notification.producer} packed into a staging range D did not reserve")
+            return False
+        try:
+            unpack(self.packer, self.staging, self.metadata.regions, pending.meta.block_ids, manifest)
+        except Exception as err:
+            self._fail(rid, f"scattering the packed bytes of P rank {notification.producer} failed: {err}")
+            return False
+        return True
+
+    def _release_staging(self, rid: str, settled: bool) -> None:
+        """Free a request's reservation; after a failure a WRITE may still land, so wait first."""
+        offset = self._staging_reserved.pop(rid, None)
+        if offset is not None:
+            if settled:
+                self.staging.free(offset)
+            else:
+                self.staging.free_later(offset, self.config.early_notification_ttl_s)
 
     def _fail(self, request_id: str, reason: str) -> None:
         pending = self._pending.get(request_id)

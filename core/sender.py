@@ -94,6 +94,10 @@ class PushSender(RankWorker):
         self._tombstones: dict[str, float] = {}
         self._waiting_handshake: set[str] = set()
         self._inflight: dict[str, InflightPush] = {}
+        self._staging_offsets: dict[str, dict[int, int]] = {}
+        """D's staging reservation per match key and D TP rank (packed strategy)."""
+        self._packed: dict[Any, Any] = {}
+        """Packed WRITEs in flight by transfer handle (:class:`kvpush.core.packing.PackedWrite`)."""
         self._cancelled: dict[str, float] = {}
         """Match keys D cancelled (until expiry): a prefill finishing for one is released at once."""
         self._dead_engines: set[str] = set()
@@ -259,6 +263,8 @@ class PushSender(RankWorker):
 
     def _on_registration(self, reg: PushRegistration) -> None:
         key = reg.match_key
+        if reg.staging_offset >= 0:  # every D rank reserves its own staging; keep each offset
+            self._staging_offsets.setdefault(key, {})[reg.decode_tp_rank] = reg.staging_offset
         if key in self._tombstones or key in self._inflight or key in self._waiting_handshake:
             # Every D rank registers; the first registration already fans out to all of them.
             self.stats["duplicate_registrations"] += 1
@@ -339,13 +345,18 @@ class PushSender(RankWorker):
                 remote_ids = descriptor_ids(engine.ranks[rank].aligned_regions, groups, spec.remote_block_ids)
                 if len(local_ids) != len(remote_ids):
                     raise KvpushError(f"{len(local_ids)} local descriptors vs {len(remote_ids)} remote ones")
-                handle = self.transport.post_write(
-                    self.local_list(spec.local_part),
-                    local_ids,
-                    self.peers.remote_list(engine, rank, spec.remote_part),
-                    remote_ids,
-                    notif,
-                )
+                handle = None
+                strategy = self.pm.transfer_strategy(job, spec, len(local_ids))
+                if strategy == "packed" and self.staging is not None:
+                    handle = self._post_packed(reg, spec, engine, rank)
+                if handle is None:
+                    handle = self.transport.post_write(
+                        self.local_list(spec.local_part),
+                        local_ids,
+                        self.peers.remote_list(engine, rank, spec.remote_part),
+                        remote_ids,
+                        notif,
+                    )
             except KvpushError as err:
                 push.failure = f"WRITE to D rank {spec.dst_tp_rank} failed: {err}"
                 self._notify_failure(reg, producer, push.failure, [agent])
@@ -356,8 +367,49 @@ class PushSender(RankWorker):
                 r.block_len // spec.local_part[1] * len(spec.local_block_ids[r.kv_group]) for r in regions
             )
         self.stats["writes"] += len(push.handles)
+        self._staging_offsets.pop(reg.match_key, None)
         self._inflight[reg.match_key] = push  # all handles of the request at once
         self._settle(reg.match_key, push)
+
+    # ------------------------------------------------------------------ packed strategy
+
+    def _post_packed(self, reg: PushRegistration, spec: ReadSpec, engine: PeerEngine, rank: RankKey) -> Any:
+        """Post one destination's blocks as a packed WRITE; None means go direct."""
+        from kvpush.core import packing
+
+        assert self.transport is not None and self.metadata is not None
+        peer = engine.ranks[rank]
+        offset = self._staging_offsets.get(reg.match_key, {}).get(spec.dst_tp_rank, -1)
+        assert peer.alignment is not None
+        producer, ptp = self.metadata.rank, self.config.parallel.tp_size
+        written = packing.post_packed(
+            transport=self.transport,
+            pool=self.staging,
+            packer=self.packer,
+            local_regions=self.metadata.regions,
+            peer_meta=peer.meta,
+            peer_agent=peer.agent,
+            remote_indices=peer.alignment.remote_indices,
+            decode_block_ids=reg.block_ids,
+            decode_offset=offset,
+            spec=spec,
+            encode_notif=lambda manifest: wire.encode_done(reg.request_id, producer, ptp, manifest),
+        )
+        if written is None:
+            self.stats["packed_fallbacks"] = self.stats.get("packed_fallbacks", 0) + 1
+            return None
+        self._packed[written.handle] = written
+        self.stats["packed_writes"] = self.stats.get("packed_writes", 0) + 1
+        return written.handle
+
+    def _packed_settled(self, handle: Any) -> None:
+        """A WRITE settled: release a packed WRITE's descriptor lists and staging bytes."""
+        written = self._packed.pop(handle, None)
+        if written is not None:
+            assert self.transport is not None
+            self.transport.release_list(written.local_list)
+            self.transport.release_list(written.remote_list)
+            self.staging.free(written.local_offset)
 
     def _fail_before_write(self, request_id: str, reg: PushRegistration, reason: str) -> None:
         """Report a push that failed before any WRITE, and tell every D rank why.
@@ -406,6 +458,7 @@ class PushSender(RankWorker):
                 pending.append((handle, dst, agent))
                 continue
             self.transport.release(handle)
+            self._packed_settled(handle)
             if state is TransferState.FAILED:
                 push.failure = push.failure or f"WRITE to D rank {dst} ended in error"
                 self._notify_failure(push.registration, self.metadata.rank, push.failure, [agent])

@@ -345,6 +345,10 @@ class PushRegistration:
     block_ids: BlockIds = field(converter=to_block_ids)
     remote_engine_id: str
     """P's engine id, as D knows it."""
+    decode_tp_rank: int = 0
+    """The D rank that sent this registration."""
+    staging_offset: int = -1
+    """Where D reserved this request's packed bytes in its staging area; -1: none (direct)."""
 
 
 @frozen(kw_only=True)
@@ -382,6 +386,18 @@ class NotificationKind(enum.Enum):
 
 
 @frozen(kw_only=True)
+class PackManifest:
+    """What one producer's packed WRITE holds (see :mod:`kvpush.core.packing`)."""
+
+    staging_offset: int
+    """D's reservation for the request in its staging area."""
+    regions: tuple[int, ...] = field(converter=tuple)
+    """D region indices written, in order."""
+    part: tuple[int, int] = (0, 1)
+    """Byte slice ``(index, count)`` of each D block written (the read spec's remote part)."""
+
+
+@frozen(kw_only=True)
 class Notification:
     """A decoded notification."""
 
@@ -394,6 +410,8 @@ class Notification:
     request_ids: tuple[str, ...] = field(default=(), converter=tuple)
     write_in_flight: bool = False
     """CANCEL_ACK: a WRITE of the request was in flight when the cancel arrived (now settled)."""
+    packing: PackManifest | None = None
+    """DONE of a packed WRITE: where in D's staging the producer's bytes are, to scatter."""
 
 
 @frozen(kw_only=True)

@@ -28,6 +28,7 @@ from kvpush.core.types import (
     ModelSpec,
     Notification,
     NotificationKind,
+    PackManifest,
     ParallelConfig,
     PushRegistration,
     RankKey,
@@ -195,14 +196,37 @@ def encode_push_reg(reg: PushRegistration) -> bytes:
             "decode_tp_size": reg.decode_tp_size,
             "local_block_ids": [list(g) for g in reg.block_ids],
             "remote_engine_id": reg.remote_engine_id,
+            "dtp": reg.decode_tp_rank,
+            "staging": reg.staging_offset,
         }
     )
 
 
-def encode_done(request_id: str, producer: RankKey, producer_tp_size: int) -> bytes:
-    return DONE_PREFIX + pack(
-        {"request_id": request_id, "pp": producer.pp_rank, "tp": producer.tp_rank, "ptp": producer_tp_size}
-    )
+def encode_done(
+    request_id: str, producer: RankKey, producer_tp_size: int, packing: PackManifest | None = None
+) -> bytes:
+    body: dict[str, Any] = {
+        "request_id": request_id,
+        "pp": producer.pp_rank,
+        "tp": producer.tp_rank,
+        "ptp": producer_tp_size,
+    }
+    if packing is not None:
+        body["pk"] = [packing.staging_offset, list(packing.regions), *packing.part]
+    return DONE_PREFIX + pack(body)
+
+
+def _manifest(body: Mapping[str, Any], what: str) -> PackManifest | None:
+    value = body.get("pk")
+    if value is None:
+        return None
+    try:
+        offset, regions, index, count = value
+        if not (isinstance(offset, int) and offset >= 0 and 0 <= index < count):
+            raise ValueError(f"bad offset or part {value!r}")
+        return PackManifest(staging_offset=offset, regions=[int(r) for r in regions], part=(index, count))
+    except (TypeError, ValueError) as err:
+        raise WireError(f"{what} field 'pk' (packing manifest) is malformed: {err}") from None
 
 
 def encode_failed(request_id: str, producer: RankKey, reason: str) -> bytes:
@@ -303,8 +327,10 @@ def decode_notification(message: bytes) -> Notification | None:
                 decode_tp_size=_int_field(body, "decode_tp_size", what) or 1,
                 block_ids=to_block_ids(body.get("local_block_ids")),
                 remote_engine_id=_str_field(body, "remote_engine_id", what),
+                decode_tp_rank=int(body.get("dtp", 0)),
+                staging_offset=int(body.get("staging", -1)),
             )
-        except ValueError as err:
+        except (TypeError, ValueError) as err:
             raise WireError(f"{what} is malformed: {err}") from None
         return Notification(kind=kind, request_id=reg.request_id, registration=reg)
     if kind is NotificationKind.HEARTBEAT:
@@ -363,6 +389,7 @@ def decode_notification(message: bytes) -> Notification | None:
             request_id=request_id,
             producer=producer,
             producer_tp_size=_int_field(body, "ptp", what) or 1,
+            packing=_manifest(body, what),
         )
     reason = body.get("reason")
     return Notification(kind=kind, request_id=request_id, producer=producer, reason=str(reason or "unknown"))

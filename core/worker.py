@@ -23,6 +23,7 @@ from kvpush.core.planning import region_descriptors
 from kvpush.core.transport import Transport, TransportConfig
 from kvpush.core.types import (
     AgentMetadata,
+    KVRegion,
     ModelSpec,
     Notification,
     ParallelConfig,
@@ -70,6 +71,9 @@ class WorkerConfig:
     idle_poll_s: float = 0.002
     cuda_device: int | None = None
     """CUDA device the writer thread makes current (UCX needs it for CUDA IPC); None on CPU."""
+    staging_bytes: int = 64 << 20
+    """Registered staging area for packed transfers (P gathers into it, D receives into it);
+    0 disables packing. A request that does not fit goes direct."""
 
 
 class RankWorker:
@@ -96,6 +100,9 @@ class RankWorker:
         self.metadata: AgentMetadata | None = None
         self.peers: PeerRegistry | None = None
         self.dropped_notifications = 0
+        self.staging: Any = None
+        """Packed-transfer staging pool (:class:`kvpush.core.packing.StagingPool`), once started."""
+        self.packer: Any = None
 
     # ------------------------------------------------------------------ start-up
 
@@ -127,6 +134,7 @@ class RankWorker:
             TransportConfig(agent_name=self.agent_name, options=dict(self.config.transport_options))
         )
         self.transport.register_regions(regions)
+        staging = self._start_staging(regions)
         meta = AgentMetadata(
             engine_id=self.config.engine_id,
             role=self.role,
@@ -138,7 +146,7 @@ class RankWorker:
             agent_blob=self.transport.metadata(),
             regions=regions,
         )
-        self.metadata = attrs.evolve(meta, extensions=self.pm.metadata_extensions(meta))
+        self.metadata = attrs.evolve(meta, extensions={**self.pm.metadata_extensions(meta), **staging})
         self.peers = PeerRegistry(
             pm=self.pm,
             local=self.metadata,
@@ -151,6 +159,20 @@ class RankWorker:
         )
         self._thread.start()
         return self.metadata
+
+    def _start_staging(self, regions: tuple[KVRegion, ...]) -> dict[str, Any]:
+        """Allocate and register the packed-transfer staging area; its metadata extension."""
+        from kvpush.core import packing
+
+        if self.config.staging_bytes <= 0:
+            return {}
+        first = regions[0]
+        device = f"cuda:{first.device_id}" if first.mem_type == "VRAM" else "cpu"
+        pool = packing.StagingPool(self.config.staging_bytes, device)
+        assert self.transport is not None
+        self.transport.register_buffer(pool.addr, pool.size, first.mem_type, first.device_id)
+        self.staging, self.packer = pool, packing.Packer(regions)
+        return {packing.STAGING_KEY: {"addr": pool.addr, "len": pool.size, "dev": first.device_id}}
 
     def handshake_payload(self) -> bytes:
         """The bytes this rank's engine serves on its side channel for this rank."""
