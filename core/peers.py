@@ -126,7 +126,7 @@ class PeerRegistry:
         """A future resolved (on the writer thread) once ``ranks`` of the engine are loaded."""
         ranks = sorted(set(ranks))
         engine = self.connected(engine_id, ranks)
-        if engine is not None:
+        if engine is not None and (mode is HandshakeMode.NOTIF_ONLY or engine.mode is HandshakeMode.FULL):
             done: Future[PeerEngine] = Future()
             done.set_result(engine)
             return done
@@ -207,7 +207,10 @@ class PeerRegistry:
             self._finish(key, future, error=err)
             return
         engine = self.engines.get(engine_id)
-        if engine is None or engine.mode is not mode:
+        if engine is not None and engine.mode is HandshakeMode.FULL and mode is HandshakeMode.NOTIF_ONLY:
+            # Never downgrade a fully loaded engine (its descriptor lists are in use).
+            fetched = {rank: peer for rank, peer in fetched.items() if rank not in engine.ranks}
+        elif engine is None or engine.mode is not mode:
             engine = PeerEngine(engine_id=engine_id, host=host, port=port, mode=mode)
             self.engines[engine_id] = engine
         engine.ranks.update(fetched)

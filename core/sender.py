@@ -236,8 +236,10 @@ class PushSender(RankWorker):
         if engine is not None and rank in engine.ranks:
             send(engine.ranks[rank].agent)
             return
-        mode = engine.mode if engine is not None else HandshakeMode.NOTIF_ONLY
-        future = self.peers.ensure(reg.decode_engine_id, reg.decode_host, reg.decode_port, [rank], mode)
+        # FULL: P will write to this D anyway, and a notif-only engine must not shadow a full one.
+        future = self.peers.ensure(
+            reg.decode_engine_id, reg.decode_host, reg.decode_port, [rank], HandshakeMode.FULL
+        )
 
         def after(done: Future[PeerEngine]) -> None:
             if done.exception() is None:
