@@ -281,6 +281,8 @@ class PushReceiver(RankWorker):
             return
         if pending.closing is not None:
             assert notification.producer is not None
+            if kind is DONE_KIND and notification.producer in pending.awaiting:
+                pending.write_in_flight = True  # it landed after the cancel went out
             self._settled(rid, pending, notification.producer)
             return
         if kind is FAILED_KIND:
@@ -408,7 +410,7 @@ class PushReceiver(RankWorker):
             return
         del self._pending[rid]
         how = (
-            "a WRITE was in flight and settled before every producer acknowledged"
+            "a WRITE was in flight and settled before the blocks were released"
             if pending.write_in_flight
             else "no WRITE in flight; every producer acknowledged or had reported"
         )
