@@ -1,14 +1,640 @@
-"""``kvpush bench``: sweep transfer shapes and compare kvpush with raw NIXL and a plain copy."""
+"""``kvpush bench``: sweep transfer shapes, P and D in two processes over real NIXL, and compare
+kvpush (``direct`` and ``packed``) with raw NIXL writing the same descriptors and with a plain
+in-process copy of the same bytes.
+
+This process is P: a real :class:`~kvpush.core.sender.PushSender` plus a raw ``nixl_agent``
+over the same KV memory. A spawned process is D: a real
+:class:`~kvpush.core.receiver.PushReceiver` plus a raw agent. Every time is P-side wall clock
+from the start of the request to D's acknowledgement over a pipe (so every method pays the same
+pipe hop), with D waiting for the data the way each method needs:
+
+- ``raw_nixl``: ``make_prepped_xfer`` of the prepared whole-pool lists with the request's
+  descriptor ids (computed beforehand), ``transfer``, poll to DONE; D polls ``get_new_notifs``
+  every ``poll_s`` for the notification;
+- ``direct`` / ``packed``: D has registered the request (``PUSH_REG`` already stashed on P);
+  P calls ``request_finished``, its writer thread plans and posts; D's writer (polling every
+  ``poll_s``) counts the DONE (and, packed, scatters first); D reports the request done;
+- ``copy``: one ``index_select`` of the same blocks into a buffer, in P's process (the memory
+  bandwidth the bytes would need without any transfer).
+
+Buffers are pre-touched, no NIXL progress thread runs, reps of the methods are interleaved, and
+the foreign CPU load of each row is recorded (cores busy outside these two processes).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+import numpy as np
+
+BLOCK_BYTES = (4096, 32768)
+BLOCK_COUNTS = (16, 128, 512)
+PATTERNS = ("scattered", "contiguous")
+METHODS = ("raw_nixl", "direct", "packed", "copy")
+STRATEGIES = ("direct", "packed")
+HEAD_DIM, TOKENS = 128, 16
+
+
+def bench_model(block_bytes: int, layers: int) -> Any:
+    """A GQA model whose K (or V) block of one layer is ``block_bytes`` (bf16, 16 tokens)."""
+    from kvpush.core.types import ModelSpec
+
+    per_head = TOKENS * HEAD_DIM * 2
+    if block_bytes % per_head:
+        raise ValueError(f"block size must be a multiple of {per_head} bytes, got {block_bytes}")
+    return ModelSpec(
+        name=f"bench-{block_bytes}",
+        num_layers=layers,
+        num_kv_heads=block_bytes // per_head,
+        head_dim=HEAD_DIM,
+        block_size=TOKENS,
+    )
+
+
+def block_tables(blocks: int, pool: int, pattern: str, seed: int) -> tuple[list[int], list[int]]:
+    """P's and D's block ids. ``scattered``: random even ids (no two adjacent, so nothing
+    merges); ``contiguous``: ``0..blocks-1`` on both sides (NIXL merges them per region)."""
+    if pattern == "contiguous":
+        return list(range(blocks)), list(range(blocks))
+    rng = np.random.default_rng(seed)
+    evens = np.arange(0, pool, 2)
+    return rng.permutation(evens)[:blocks].tolist(), rng.permutation(evens)[:blocks].tolist()
+
+
+def foreign_cores(since: tuple[float, float, float], pids: Sequence[int]) -> float:
+    """Cores busy with processes other than ``pids`` since ``since`` (from ``snapshot``)."""
+    now = snapshot(pids)
+    wall = now[2] - since[2]
+    return max(0.0, ((now[0] - since[0]) - (now[1] - since[1])) / wall) if wall > 0 else 0.0
+
+
+def snapshot(pids: Sequence[int]) -> tuple[float, float, float]:
+    """(busy CPU seconds of the machine, CPU seconds of ``pids``, monotonic time)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        fields = [float(x) for x in f.readline().split()[1:8]]
+    busy = (sum(fields) - fields[3] - fields[4]) / hz
+    own = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parts = f.read().rsplit(")", 1)[1].split()
+            own += (float(parts[11]) + float(parts[12])) / hz
+        except OSError:
+            pass
+    return busy, own, time.monotonic()
+
+
+# ------------------------------------------------------------------------------ raw NIXL
+
+
+class RawAgent:
+    """A bare ``nixl_agent`` (no progress thread, UCX, err mode none) over the KV regions."""
+
+    def __init__(self, name: str, regions: Sequence[Any]) -> None:
+        from kvpush.core.planning import region_descriptors
+        from kvpush.transports.nixl import _merge_spans
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        self.agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
+        self.mem = regions[0].mem_type
+        spans = _merge_spans([(r.base_addr, r.end_addr, r.device_id) for r in regions])
+        reg = np.array([(s, e - s, d) for s, e, d in spans], dtype=np.uint64)
+        self.registration = self.agent.register_memory(self.agent.get_reg_descs(reg, self.mem))
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", region_descriptors(regions), self.mem)
+        self.remote: Any = None
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def connect(self, blob: bytes, peer_regions: Sequence[Any] | None = None) -> None:
+        from kvpush.core.planning import region_descriptors
+
+        peer = self.agent.add_remote_agent(blob)
+        peer = peer.decode() if isinstance(peer, bytes) else peer
+        if peer_regions is not None:
+            self.remote = self.agent.prep_xfer_dlist(peer, region_descriptors(peer_regions), self.mem)
+
+    def write(self, local_ids: np.ndarray, remote_ids: np.ndarray, notif: bytes, timeout_s: float) -> None:
+        handle = self.agent.make_prepped_xfer("WRITE", self.local, local_ids, self.remote, remote_ids, notif)
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"raw NIXL WRITE not done within {timeout_s}s")
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL WRITE ended in {state}")
+        finally:
+            self.agent.release_xfer_handle(handle)
+
+    def wait_notif(self, tag: bytes, poll_s: float, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for messages in self.agent.get_new_notifs().values():
+                if tag in messages:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"raw NIXL notification {tag!r} not seen within {timeout_s}s")
+            time.sleep(poll_s)
+
+
+# ------------------------------------------------------------------------------ the two sides
+
+
+@attrs.frozen(kw_only=True)
+class PairSpec:
+    block_bytes: int
+    layers: int = 16
+    pool_blocks: int = 1024
+    device: str = "cpu"
+    poll_s: float = 50e-6
+    staging_bytes: int = 0
+    side_channel_port: int = 0
+    timeout_s: float = 60.0
+
+
+def _worker_config(spec: PairSpec, engine: str, model: Any) -> Any:
+    from kvpush.core.types import ParallelConfig
+    from kvpush.core.worker import WorkerConfig
+
+    cuda = int(spec.device.split(":")[1]) if spec.device.startswith("cuda:") else None
+    return WorkerConfig(
+        engine_id=engine,
+        parallel=ParallelConfig(tp_size=1, num_layers=model.num_layers),
+        model=model,
+        side_channel_port=spec.side_channel_port,
+        busy_poll_s=spec.poll_s,
+        staging_bytes=spec.staging_bytes,
+        request_timeout_s=spec.timeout_s,
+        cuda_device=cuda,
+    )
+
+
+def _block_sums(caches: dict[str, Any], ids: Sequence[int]) -> Any:
+    """Per-block int64 sums of every layer's K and V blocks ``ids`` (order-sensitive)."""
+    import torch
+    from kvpush.layouts.uniform import natural_key
+
+    index = torch.tensor(list(ids), device=next(iter(caches.values())).device)
+    out = []
+    for name in sorted(caches, key=natural_key):
+        words = caches[name].view(torch.int32).flatten(2)
+        out.append(words.index_select(1, index).sum(-1, dtype=torch.int64).cpu())
+    return torch.stack(out)
+
+
+def _decode_main(spec: PairSpec, conn: Connection) -> None:
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    try:
+        import torch
+        from kvpush.core.receiver import PushReceiver
+        from kvpush.core.types import RequestMetadata, TransferParams
+        from kvpush.layouts.uniform import allocate_kv_caches
+
+        if spec.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(spec.device))
+        model = bench_model(spec.block_bytes, spec.layers)
+        config = _worker_config(spec, "bench-D", model)
+        caches = allocate_kv_caches(model, config.parallel, spec.pool_blocks, device=spec.device)
+        receiver = PushReceiver(config, caches)
+        receiver.start()
+        assert receiver.metadata is not None
+        raw = RawAgent("bench-raw-D", receiver.metadata.regions)
+        conn.send(("ready", (receiver.handshake_payload(), raw.metadata())))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    done: set[str] = set()
+    failed: dict[str, str] = {}
+    try:
+        while conn.poll(600):
+            message = conn.recv()
+            kind = message[0]
+            try:
+                if kind == "stop":
+                    conn.send(("ok", None))
+                    break
+                if kind == "connect":
+                    raw.connect(message[1])
+                    reply: Any = None
+                elif kind == "add":
+                    _, rid, ids, params = message
+                    meta = RequestMetadata(
+                        request_id=rid, block_ids=[ids], params=TransferParams.from_dict(params)
+                    )
+                    receiver.add_request(meta)
+                    reply = None
+                elif kind == "wait":
+                    _, rid, timeout_s = message
+                    deadline = time.monotonic() + timeout_s
+                    while rid not in done and rid not in failed:
+                        got = receiver.wait_finished(max(0.001, deadline - time.monotonic()))
+                        done.update(got.done)
+                        failed.update(got.failed)
+                    if rid in failed:
+                        raise RuntimeError(f"D failed {rid}: {failed.pop(rid)}")
+                    done.discard(rid)
+                    reply = None
+                elif kind == "raw_wait":
+                    raw.wait_notif(message[1], spec.poll_s, message[2])
+                    reply = None
+                elif kind == "zero":
+                    index = torch.tensor(message[1], device=spec.device)
+                    for tensor in caches.values():
+                        tensor.index_fill_(1, index, 0)
+                    reply = None
+                elif kind == "sums":
+                    reply = _block_sums(caches, message[1]).numpy()
+                elif kind == "stats":
+                    reply = {"staging_in_use": receiver.staging.bytes_in_use if receiver.staging else 0}
+                else:
+                    raise ValueError(f"unknown message {kind!r}")
+                conn.send(("ok", reply))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        receiver.close()
+
+
+class BenchPair:
+    """P (this process) and D (a child process) for one block size."""
+
+    def __init__(self, spec: PairSpec) -> None:
+        import torch
+        from kvpush.core.manager import get_plugin_manager
+        from kvpush.core.sender import PushSender
+        from kvpush.core.sidechannel import SideChannelServer
+        from kvpush.core.types import RankKey
+        from kvpush.layouts.uniform import allocate_kv_caches
+        from kvpush.plugins.strategy import ForcedStrategy
+
+        os.environ.setdefault("UCX_LOG_LEVEL", "error")
+        self.p_server = SideChannelServer("bench-P")
+        self.d_server = SideChannelServer("bench-D")
+        self.spec = spec
+        self.model = bench_model(spec.block_bytes, spec.layers)
+        d_spec = attrs.evolve(spec, side_channel_port=self.d_server.port)
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_decode_main, args=(d_spec, child), daemon=True, name="kvpush-bench-D"
+        )
+        self.process.start()
+        self.sender: Any = None
+        try:
+            self.force = ForcedStrategy(None)
+            self.pm = get_plugin_manager(plugins=[("bench_forced_strategy", self.force)])
+            config = _worker_config(
+                attrs.evolve(spec, side_channel_port=self.p_server.port), "bench-P", self.model
+            )
+            self.caches = allocate_kv_caches(
+                self.model, config.parallel, spec.pool_blocks, device=spec.device
+            )
+            self._fill()
+            self.sender = PushSender(config, self.caches, pm=self.pm)
+            self.sender.start()
+            assert self.sender.metadata is not None
+            self.regions = self.sender.metadata.regions
+            self.p_server.publish(RankKey(0, 0), self.sender.handshake_payload())
+            self.raw = RawAgent("bench-raw-P", self.regions)
+            d_payload, d_raw = self._reply(("start",), 180)
+            self.d_server.publish(RankKey(0, 0), d_payload)
+            self.raw.connect(d_raw, self._decode_regions(d_payload))
+            self._call(("connect", self.raw.metadata()))
+            from kvpush.core.packing import Packer
+
+            self.packer = Packer(self.regions)
+            self.copy_buffer = torch.zeros(spec.staging_bytes or 1, dtype=torch.uint8, device=spec.device)
+        except BaseException:
+            self.close()
+            raise
+        self._ids = itertools.count()
+        self._sent: set[str] = set()
+        self._unsettled: str | None = None
+        self.params = {
+            "remote_engine_id": "bench-P",
+            "remote_host": "127.0.0.1",
+            "remote_port": self.p_server.port,
+        }
+
+    def _fill(self) -> None:
+        import torch
+        from kvpush.layouts.uniform import natural_key
+
+        names = sorted(self.caches, key=natural_key)
+        first = self.caches[names[0]].view(torch.int16)
+        first.copy_(torch.randint(-30_000, 30_000, first.shape, dtype=torch.int16, device=first.device))
+        for layer, name in enumerate(names[1:], 1):
+            self.caches[name].view(torch.int16).copy_(first).add_(layer)
+
+    def _decode_regions(self, payload: bytes) -> Any:
+        from kvpush.core import wire
+
+        return wire.decode_metadata(payload, expected_hash=None, source="bench D").regions
+
+    # ---------------------------------------------------------------- pipe to D
+
+    def _reply(self, message: tuple[Any, ...], timeout_s: float) -> Any:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"bench D did not answer {message[0]!r} within {timeout_s}s")
+        status, value = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(f"bench D failed on {message[0]!r}:\n{value}")
+        return value
+
+    def _call(self, message: tuple[Any, ...], timeout_s: float = 60.0) -> Any:
+        self.conn.send(message)
+        return self._reply(message, timeout_s)
+
+    # ---------------------------------------------------------------- methods
+
+    def request_bytes(self, blocks: int) -> int:
+        return sum(r.block_len for r in self.regions) * blocks
+
+    def strategy_for(self, p_ids: list[int], d_ids: list[int]) -> str:
+        """What the built-in strategy rule picks for this request."""
+        from kvpush.core.types import PushJob, ReadSpec
+        from kvpush.plugins.strategy import choose
+
+        assert self.sender.metadata is not None
+        job = PushJob(
+            local=self.sender.metadata, decode_tp_size=1, local_block_ids=[p_ids], remote_block_ids=[d_ids]
+        )
+        return choose(job, ReadSpec(dst_tp_rank=0, local_block_ids=[p_ids], remote_block_ids=[d_ids]))
+
+    def prepare(self, method: str, p_ids: list[int], d_ids: list[int]) -> Callable[[], float]:
+        """Everything a rep needs before its clock starts; returns the timed part."""
+        self.settle()
+        timeout = self.spec.timeout_s
+        if method == "raw_nixl":
+            from kvpush.core.planning import descriptor_ids
+
+            groups = [0] * len(self.regions)
+            lids = descriptor_ids(self.regions, groups, (tuple(p_ids),))
+            rids = descriptor_ids(self.regions, groups, (tuple(d_ids),))
+            tag = f"raw-{next(self._ids)}".encode()
+            self.conn.send(("raw_wait", tag, timeout))
+
+            def raw() -> float:
+                start = time.perf_counter()
+                self.raw.write(lids, rids, tag, timeout)
+                self._reply(("raw_wait",), timeout)
+                return time.perf_counter() - start
+
+            return raw
+        if method == "copy":
+            packer = self.packer
+            size = self.regions[0].block_len * len(p_ids)
+            offsets = [i * size for i in range(len(self.regions))]
+            packer.copy(self.copy_buffer, offsets, self.regions, (tuple(p_ids),), (0, 1), gather=True)
+
+            def copy() -> float:
+                start = time.perf_counter()
+                packer.copy(self.copy_buffer, offsets, self.regions, (tuple(p_ids),), (0, 1), gather=True)
+                return time.perf_counter() - start
+
+            return copy
+        if method not in STRATEGIES:
+            raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+        rid = f"{method}-{next(self._ids)}"
+        key = f"x-{rid}"
+        self._call(("add", rid, d_ids, {**self.params, "transfer_id": key, "remote_request_id": rid}))
+        self._until(lambda: self.sender.call_on_writer(lambda: key in self.sender._registrations), "PUSH_REG")
+        self.force.name = method
+        self.conn.send(("wait", rid, timeout))
+
+        def push() -> float:
+            start = time.perf_counter()
+            self.sender.request_finished(rid, [p_ids], match_key=key)
+            self._reply(("wait",), timeout + 5)
+            elapsed = time.perf_counter() - start
+            self._unsettled = rid
+            return elapsed
+
+        return push
+
+    def settle(self) -> None:
+        """Wait (bounded) until P reported the last push sent (its staging is free again)."""
+        rid, self._unsettled = self._unsettled, None
+        if rid is not None:
+            self._until(lambda: self._sender_done(rid), f"P to report {rid} sent")
+
+    def _sender_done(self, rid: str) -> bool:
+        got = self.sender.get_finished()
+        if got.failed:
+            raise RuntimeError(f"P failed: {got.failed}")
+        self._sent.update(got.sent)
+        if rid in self._sent:
+            self._sent.discard(rid)
+            return True
+        return False
+
+    def _until(self, predicate: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.spec.timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bench: no {what} within {self.spec.timeout_s}s")
+            time.sleep(0.0005)
+
+    def run(self, method: str, p_ids: list[int], d_ids: list[int]) -> float:
+        """One rep of ``method``: seconds from the request's start to D's acknowledgement."""
+        return self.prepare(method, p_ids, d_ids)()
+
+    def verify(self, method: str, p_ids: list[int], d_ids: list[int]) -> None:
+        """Zero D's blocks, run one rep, and check every block's bytes arrived (sums per block)."""
+        self._call(("zero", d_ids))
+        self.run(method, p_ids, d_ids)
+        self.settle()
+        want = _block_sums(self.caches, p_ids).numpy()
+        got = self._call(("sums", d_ids))
+        if not np.array_equal(want, got):
+            bad = int(np.argwhere(want != got)[0][0])
+            raise AssertionError(f"{method}: D's blocks do not hold P's bytes (first bad layer {bad})")
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(Exception):
+                self._call(("stop",), 10)
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.kill()
+        if self.sender is not None:
+            self.sender.close()
+        self.p_server.close()
+        self.d_server.close()
+
+    def __enter__(self) -> BenchPair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [os.getpid(), self.process.pid or 0]
+
+
+# ------------------------------------------------------------------------------ sweep
+
+
+def sweep(
+    *,
+    device: str = "cpu",
+    block_bytes: Sequence[int] = BLOCK_BYTES,
+    block_counts: Sequence[int] = BLOCK_COUNTS,
+    patterns: Sequence[str] = PATTERNS,
+    methods: Sequence[str] = METHODS,
+    layers: int = 16,
+    reps: int = 5,
+    seed: int = 0,
+    say: Callable[[str], None] = lambda _msg: None,
+) -> list[dict[str, Any]]:
+    """Measure every shape; one row per (block size, blocks, pattern), medians of ``reps``."""
+    rows = []
+    max_blocks = max(block_counts)
+    for size in block_bytes:
+        staging = 2 * layers * size * max_blocks + (1 << 20)
+        spec = PairSpec(
+            block_bytes=size, layers=layers, pool_blocks=2 * max_blocks, device=device, staging_bytes=staging
+        )
+        say(f"block {size // 1024} KiB: starting P and D ({2 * layers} regions x {2 * max_blocks} blocks)")
+        with BenchPair(spec) as pair:
+            for blocks, pattern in itertools.product(block_counts, patterns):
+                p_ids, d_ids = block_tables(blocks, spec.pool_blocks, pattern, seed)
+                for method in methods:
+                    if method != "copy":
+                        pair.verify(method, p_ids, d_ids)  # also the warm-up rep
+                times: dict[str, list[float]] = {m: [] for m in methods}
+                since = snapshot(pair.pids)
+                for _ in range(reps):
+                    for method in methods:
+                        times[method].append(pair.run(method, p_ids, d_ids))
+                load = foreign_cores(since, pair.pids)
+                nbytes = pair.request_bytes(blocks)
+                row: dict[str, Any] = {
+                    "block_bytes": size,
+                    "blocks": blocks,
+                    "pattern": pattern,
+                    "bytes": nbytes,
+                    "descriptors": blocks * len(pair.regions),
+                }
+                for method in METHODS:
+                    med = statistics.median(times[method]) if times.get(method) else None
+                    row[f"{method}_gbps"] = nbytes / med / 1e9 if med else None
+                    row[f"{method}_ms"] = med * 1e3 if med else None
+                chosen = pair.strategy_for(p_ids, d_ids)
+                row["strategy"] = chosen
+                row["default_gbps"] = row.get(f"{chosen}_gbps")
+                row["foreign_cores"] = round(load, 2)
+                rows.append(row)
+                say(_row_line(row))
+    return rows
+
+
+def ratios(row: dict[str, Any]) -> dict[str, float | None]:
+    def div(a: Any, b: Any) -> float | None:
+        return a / b if a and b else None
+
+    best = max((row.get(f"{s}_gbps") or 0.0) for s in STRATEGIES) or None
+    return {
+        "direct_vs_raw": div(row.get("direct_gbps"), row.get("raw_nixl_gbps")),
+        "packed_vs_raw": div(row.get("packed_gbps"), row.get("raw_nixl_gbps")),
+        "default_vs_best": div(row.get("default_gbps"), best),
+        "packed_vs_copy": div(row.get("packed_gbps"), row.get("copy_gbps")),
+    }
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+HEADER = (
+    f"{'block':>6}{'blocks':>7}{'pattern':>11}{'MiB':>8}{'raw GB/s':>10}{'direct':>8}{'packed':>8}"
+    f"{'copy':>8}{'dir/raw':>9}{'pk/raw':>8}{'default':>9}{'def/best':>9}{'load':>6}"
+)
+
+
+def _row_line(row: dict[str, Any]) -> str:
+    r = ratios(row)
+    return (
+        f"{row['block_bytes'] // 1024:>5}K{row['blocks']:>7}{row['pattern']:>11}{row['bytes'] / 2**20:>8.1f}"
+        f"{_fmt(row['raw_nixl_gbps'], '.2f'):>10}{_fmt(row['direct_gbps'], '.2f'):>8}"
+        f"{_fmt(row['packed_gbps'], '.2f'):>8}{_fmt(row['copy_gbps'], '.2f'):>8}"
+        f"{_fmt(r['direct_vs_raw'], '.2f'):>9}{_fmt(r['packed_vs_raw'], '.2f'):>8}{row['strategy']:>9}"
+        f"{_fmt(r['default_vs_best'], '.2f'):>9}{row['foreign_cores']:>6.2f}"
+    )
+
+
+def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
+    print(HEADER, file=out)
+    print("-" * len(HEADER), file=out)
+    for row in rows:
+        print(_row_line(row), file=out)
+
+
+# ------------------------------------------------------------------------------ CLI
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the KV caches live")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default=None,
+        help="measure only this kvpush strategy (default: both, and report the built-in choice)",
+    )
+    parser.add_argument(
+        "--block-bytes", type=int, action="append", help=f"repeatable (default {BLOCK_BYTES})"
+    )
+    parser.add_argument("--blocks", type=int, action="append", help=f"repeatable (default {BLOCK_COUNTS})")
+    parser.add_argument("--pattern", choices=PATTERNS, action="append", help="repeatable (default: both)")
+    parser.add_argument("--layers", type=int, default=16, help="model layers; 2 regions each (default 16)")
+    parser.add_argument("--reps", type=int, default=5, help="timed reps per method and shape (default 5)")
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def main(args: argparse.Namespace) -> int:
-    raise SystemExit("kvpush bench is not built yet")
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    methods = [m for m in METHODS if args.strategy is None or m not in STRATEGIES or m == args.strategy]
+    started = time.monotonic()
+    try:
+        rows = sweep(
+            device=device,
+            block_bytes=args.block_bytes or BLOCK_BYTES,
+            block_counts=args.blocks or BLOCK_COUNTS,
+            patterns=args.pattern or PATTERNS,
+            methods=methods,
+            layers=args.layers,
+            reps=args.reps,
+            seed=args.seed,
+            say=lambda msg: print(msg, file=sys.stderr, flush=True),
+        )
+    except Exception as err:
+        print(f"kvpush bench failed: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"device": device, "rows": rows}, indent=2))
+    else:
+        print_table(rows)
+        print(
+            f"\n{len(rows)} shapes in {time.monotonic() - started:.0f}s on {device}; GB/s = request bytes / "
+            f"(start of request -> D acknowledges); load = foreign CPU cores busy"
+        )
+    return 0
