@@ -1,0 +1,337 @@
+"""Leases, heartbeats, cancellation, failure paths and peer death (docs/reliability.md).
+
+The protocol logic runs in process on the loopback transport (wrapped in the ``faulty``
+transport where a fault is needed); every failure path also runs for real: rank processes on
+NIXL, killed with SIGKILL, cancelled before and after registration and during a WRITE.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cluster import Cluster, settle, wait_until
+from engines import Engines
+from kvpush.core import wire
+from kvpush.core.errors import WaitTimeout
+from kvpush.core.types import RankKey
+from test_push_flow import assert_pushed
+
+P0 = RankKey(0, 0)
+
+
+def faulty(**options: object) -> dict[str, object]:
+    return {"transport": "faulty", "transport_options": {"inner": "loopback", **options}}
+
+
+def cancelled_reason(cluster: Cluster, rid: str, tp: int = 0, timeout_s: float = 10.0) -> str:
+    receiver = cluster.receivers[tp]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = receiver.wait_finished(timeout_s)
+        assert not got.done and not got.failed, (got.done, got.failed)
+        if rid in got.cancelled:
+            return got.cancelled[rid]
+    raise AssertionError(f"{rid} was not reported cancelled within {timeout_s}s")
+
+
+# ---------------------------------------------------------------------------- leases and heartbeats
+
+
+def test_heartbeat_by_match_key_renews_the_lease_and_by_request_id_does_not() -> None:
+    """Upstream #53095: heartbeats named the wrong id, so they never renewed P's lease."""
+    with Cluster(lease_s=0.4) as cluster:
+        sender = cluster.senders[P0]
+        cluster.finish("p-1", [[1]], "x-1")
+        cluster.finish("p-2", [[2]], "x-2")
+        deadline = time.monotonic() + 1.2  # three leases
+        while time.monotonic() < deadline:
+            sender.transport.inject("D-decode-pp0-tp0", wire.encode_heartbeat(["x-1", "p-2"]))
+            time.sleep(0.05)
+        results = cluster.wait_prefill("p-2", timeout_s=5)
+        assert "lease of 0.4s expired" in results[P0]  # "p-2" is P's request id, not the key
+        assert "p-1" not in cluster.p_results[P0]  # renewed by its match key
+        assert sender.stats["heartbeat_renewals"] > 0
+        assert "lease" in cluster.wait_prefill("p-1", timeout_s=5)[P0]  # no heartbeats: expires
+
+
+def test_decode_heartbeats_keep_unclaimed_blocks_until_decode_cancels() -> None:
+    # P never sees the PUSH_REG (dropped), so its finished blocks stay unclaimed: only D's
+    # heartbeats keep them; D's cancel then releases them at once.
+    with Cluster(
+        lease_s=0.3, heartbeat_interval_s=0.05, **faulty(drop_notifs=1.0, drop_prefixes=["PUSH_REG:"])
+    ) as cluster:
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[5]], "x-1")
+        cluster.finish("p-1", [[6]], "x-1")
+        time.sleep(1.0)
+        cluster.poll()
+        assert cluster.p_results[P0] == {}, "the lease expired although D sent heartbeats"
+        assert sender.stats["heartbeat_renewals"] >= 5
+        cluster.receivers[0].cancel("d-1")
+        assert "before any PUSH_REG" not in cancelled_reason(cluster, "d-1")
+        assert "cancelled by D before the push started" in cluster.wait_prefill("p-1")[P0]
+
+
+def test_heartbeats_renew_a_stashed_registration() -> None:
+    with Cluster(registration_ttl_s=0.3, heartbeat_interval_s=0.05) as cluster:
+        cluster.add("d-1", [[10, 11]], "x-1")
+        time.sleep(1.0)  # three registration TTLs
+        cluster.finish("p-1", [[3, 4]], "x-1")
+        assert cluster.wait_decode("d-1") == {0: None}
+        assert_pushed(cluster, [3, 4], [10, 11])
+
+
+def test_decode_watchdog_fails_with_a_named_reason_and_releases_prefill() -> None:
+    # D's watchdog fires (P's DONE is lost); D cancels at P, so P's state is released too.
+    with Cluster(request_timeout_s=0.3, **faulty(drop_notifs=1.0, drop_prefixes=["DONE:"])) as cluster:
+        cluster.add("d-1", [[1]], "x-1")
+        cluster.finish("p-1", [[2]], "x-1")
+        reason = cluster.wait_decode("d-1", timeout_s=5)[0]
+        assert reason is not None and "no completion within 0.3s" in reason and "(pp=0, tp=0)" in reason
+
+
+# ---------------------------------------------------------------------------- cancellation
+
+
+def test_cancel_before_registration_reports_at_once_and_releases_prefill() -> None:
+    with Cluster() as cluster:
+        cluster.add("d-1", [[1]], "x-1")
+        cluster.receivers[0].cancel("d-1")  # the handshake with P is still running
+        assert "before any PUSH_REG was sent" in cancelled_reason(cluster, "d-1")
+        cluster.finish("p-1", [[2]], "x-1")
+        assert "cancelled by D" in cluster.wait_prefill("p-1")[P0]
+        assert cluster.senders[P0].stats["writes"] == 0
+
+
+def test_cancel_after_registration_is_acknowledged_and_prefill_never_writes() -> None:
+    with Cluster() as cluster:
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[1, 2]], "x-1")
+        wait_until(lambda: sender.transport.counters.notifs_received >= 1, what="PUSH_REG at P")
+        cluster.receivers[0].cancel("d-1")
+        reason = cancelled_reason(cluster, "d-1")
+        assert "no WRITE in flight" in reason
+        cluster.finish("p-1", [[7, 8]], "x-1")
+        assert "cancelled by D before the prefill finished" in cluster.wait_prefill("p-1")[P0]
+        assert sender.stats["writes"] == 0 and sender.stats["cancels"] == 1
+        assert cluster.receivers[0].stats["cancel_acks"] == 1
+
+
+def test_cancel_racing_an_in_flight_write_is_reported_only_after_it_settles() -> None:
+    with Cluster(**faulty(slow_writes=1.0, write_delay_s=0.3)) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[20, 21]], "x-1")
+        cluster.finish("p-1", [[5, 6]], "x-1")
+        wait_until(lambda: sender.stats["writes"] == 1, what="the WRITE to be posted")
+        started = time.monotonic()
+        receiver.cancel("d-1")
+        with pytest.raises(WaitTimeout):
+            receiver.wait_finished(0.15)  # the WRITE is still in flight: nothing may be freed
+        reason = cancelled_reason(cluster, "d-1")
+        assert time.monotonic() - started >= 0.2
+        assert "a WRITE was in flight and settled" in reason
+        assert_pushed(cluster, [5, 6], [20, 21])  # the bytes landed before the report
+        assert "cancelled by D while a WRITE was in flight" in cluster.wait_prefill("p-1")[P0]
+        assert sender.stats["cancels_during_write"] == 1
+        assert sender.transport.outstanding_handles == 0
+
+
+def test_lost_cancel_frees_on_the_ack_timeout_and_says_so() -> None:
+    with Cluster(
+        cancel_ack_timeout_s=0.3, lease_s=0.5, **faulty(drop_notifs=1.0, drop_prefixes=["CANCEL:"])
+    ) as cluster:
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[1]], "x-1")
+        wait_until(lambda: sender.transport.counters.notifs_received >= 1, what="PUSH_REG at P")
+        cluster.receivers[0].cancel("d-1")
+        reason = cancelled_reason(cluster, "d-1")
+        assert "freed after 0.3s without an acknowledgement from P rank(s) (pp=0, tp=0)" in reason
+        assert cluster.receivers[0].stats["cancel_ack_timeouts"] == 1
+
+
+def test_cancel_of_a_finished_or_unknown_request_changes_nothing() -> None:
+    with Cluster() as cluster:
+        cluster.add("d-1", [[1]], "x-1")
+        cluster.finish("p-1", [[2]], "x-1")
+        assert cluster.wait_decode("d-1") == {0: None}
+        receiver = cluster.receivers[0]
+        receiver.cancel("d-1")
+        receiver.cancel("never-added")
+        settle(receiver)
+        got = receiver.get_finished()
+        assert got.cancelled == {} and got.failed == {}
+
+
+def test_failure_from_one_stage_waits_for_the_other_stage_to_settle() -> None:
+    # Stage 1's DONE is lost and its WRITE stays in flight for a while; stage 0 reports a failure.
+    # D must not report (and free) before stage 1 has settled its WRITE and acknowledged.
+    with Cluster(prefill_pp=2, **faulty(slow_writes=1.0, write_delay_s=0.3)) as cluster:
+        cluster.add("d-1", [[1, 2]], "x-1")
+        cluster.senders[RankKey(1, 0)].request_finished("p-1", [[3, 4]], match_key="x-1")
+        wait_until(lambda: cluster.senders[RankKey(1, 0)].stats["writes"] == 1, what="stage 1's WRITE")
+        started = time.monotonic()
+        cluster.receivers[0].transport.inner.inject(
+            "P-prefill-pp0-tp0", wire.encode_failed("d-1", RankKey(0, 0), "injected stage-0 failure")
+        )
+        reason = cluster.wait_decode("d-1", timeout_s=5)[0]
+        assert time.monotonic() - started >= 0.2
+        assert reason is not None and "injected stage-0 failure" in reason
+
+
+# ---------------------------------------------------------------------------- idle engines
+
+
+def test_idle_engines_are_evicted_but_not_while_a_request_is_active() -> None:
+    with Cluster(engine_ttl_s=0.3) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[1]], "x-1")
+        wait_until(lambda: sender.transport.counters.notifs_received >= 1, what="PUSH_REG at P")
+        time.sleep(1.5)  # five TTLs with the request pending: D keeps P
+        assert "P" in receiver.peers.engines
+        cluster.finish("p-1", [[2]], "x-1")
+        assert cluster.wait_decode("d-1") == {0: None}
+        wait_until(lambda: not receiver.peers.engines and not sender.peers.engines, what="eviction")
+        assert receiver.transport.counters.peers_removed >= 1
+        assert sender.transport.counters.peers_removed >= 1
+        cluster.add("d-2", [[3]], "x-2")  # evicted engines are loaded again on demand
+        cluster.finish("p-2", [[4]], "x-2")
+        assert cluster.wait_decode("d-2") == {0: None}
+        assert_pushed(cluster, [4], [3])
+
+
+# ---------------------------------------------------------------------------- real processes, NIXL
+
+
+def _blocks(index: int, n: int = 2) -> list[int]:
+    return [8 + n * index + i for i in range(n)]
+
+
+def test_sigkill_decode_mid_transfer_fails_requests_and_a_restarted_decode_is_reloaded() -> None:
+    with Engines(prefill_pp=1, decode_tp=1, lease_s=2.0, heartbeat_interval_s=0.2) as engines:
+        engines.plan("warm", [0], [0])
+        engines.add("warm")
+        engines.finish("warm")
+        engines.wait_decode(["warm"])
+        engines.plan("stashed", [1, 2], [1, 2])
+        engines.add("stashed")
+        engines.wait(
+            "P to stash the registration",
+            lambda: engines.health(engines.p_ranks)[0]["stashed_registrations"] == 1,
+            10,
+        )
+        rids = [f"b{i}" for i in range(40)]
+        for i, rid in enumerate(rids):
+            engines.plan(rid, _blocks(i), _blocks(i))
+        for rid in rids:
+            engines.add(rid)
+            engines.finish(rid)
+        engines.kill(engines.d_ranks[0])  # mid-stream: some pushed, some in flight, some not
+        engines.finish("stashed")  # P now writes to a dead D
+        took = engines.wait_prefill(["stashed", *rids], timeout_s=2.0 + 10)
+        p_key = engines.p_ranks[0].key
+        # Its registration is dropped with the dead engine: the lease releases its blocks.
+        assert engines.p_results[p_key]["stashed"] is not None
+        assert any("WRITE to D rank 0 failed" in (r or "") for r in engines.p_results[p_key].values())
+        assert all(
+            reason is None or "failed" in reason or "ended in error" in reason or "lease" in reason
+            for reason in engines.p_results[p_key].values()
+        )
+        health = engines.health(engines.p_ranks)[0]
+        assert health["outstanding_handles"] == 0
+        assert health["finished"] == health["inflight"] == health["waiting_handshake"] == 0
+        assert health["stats"]["dead_engines"] == 1
+        assert took < 2.0 + 5
+        engines.restart_decode()  # same agent name: P must have removed the dead one
+        engines.plan("after", [200, 201], [200, 201])
+        engines.add("after")
+        engines.finish("after")
+        engines.wait_decode(["after"])
+        kind, result = engines.decode_outcome("after")[RankKey(0, 0)]
+        assert kind == "done" and result["ok"], result
+
+
+def test_sigkill_prefill_stage_mid_transfer_fails_decode_requests_within_the_bound() -> None:
+    with Engines(
+        prefill_pp=2,
+        decode_tp=2,
+        request_timeout_s=30.0,
+        heartbeat_interval_s=0.2,
+        peer_silence_s=1.0,
+        cancel_ack_timeout_s=1.0,
+    ) as engines:
+        engines.plan("warm", [0], [0])
+        engines.add("warm")
+        engines.finish("warm")
+        engines.wait_decode(["warm"])
+        rids = [f"b{i}" for i in range(30)]
+        for i, rid in enumerate(rids):
+            engines.plan(rid, _blocks(i), _blocks(i))
+        for i, rid in enumerate(rids):
+            engines.add(rid)
+            engines.finish(rid, stages=[0] if i < 20 else None)  # stage 1 still busy on 20
+        engines.kill(engines.p_ranks[1])
+        took = engines.wait_decode(rids, timeout_s=1.0 + 1.0 + 10)
+        assert took < 1.0 + 0.2 + 1.0 + 3, (
+            f"D took {took:.1f}s to notice the dead stage"
+        )  # not the 30s watchdog
+        for rid in rids[:20]:
+            for kind, reason in engines.decode_outcome(rid).values():
+                assert kind == "failed" and "prefill-0-prefill-pp1-tp0" in reason and "unreachable" in reason
+        for health in engines.health(engines.d_ranks):
+            assert health["outstanding_handles"] == 0 and health["pending"] == 0
+            assert health["stats"]["dead_peers"] >= 1
+
+
+def test_cancel_before_and_after_registration_and_during_a_write_across_processes() -> None:
+    options = {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 0.4}
+    with Engines(transport="faulty", transport_options=options, decode_tp=2) as engines:
+        d_keys = [rank.key for rank in engines.d_ranks]
+        # before registration: the first request's handshake is still running
+        engines.plan("before", [1], [1])
+        engines.add("before")
+        engines.cancel("before")
+        engines.wait_decode(["before"])
+        for kind, reason in engines.decode_outcome("before").values():
+            assert kind == "cancelled" and "before any PUSH_REG" in reason
+        engines.finish("before")
+        engines.wait_prefill(["before"])
+        assert "cancelled by D" in engines.p_results[RankKey(0, 0)]["before"]
+
+        # after registration, before P finished
+        engines.plan("after", [2, 3], [2, 3])
+        engines.add("after")
+        engines.wait(
+            "P to stash", lambda: engines.health(engines.p_ranks)[0]["stashed_registrations"] == 1, 10
+        )
+        engines.cancel("after")
+        engines.wait_decode(["after"])
+        for kind, reason in engines.decode_outcome("after").values():
+            assert kind == "cancelled" and "no WRITE in flight" in reason
+        engines.finish("after")
+        engines.wait_prefill(["after"])
+        assert "cancelled by D before the prefill finished" in engines.p_results[RankKey(0, 0)]["after"]
+
+        # during a WRITE (held in flight 0.4 s)
+        engines.plan("during", [4, 5, 6], [4, 5, 6])
+        engines.add("during")
+        engines.wait(
+            "P to stash", lambda: engines.health(engines.p_ranks)[0]["stashed_registrations"] == 1, 10
+        )
+        engines.finish("during")
+        engines.wait(
+            "the WRITE to be in flight", lambda: engines.health(engines.p_ranks)[0]["inflight"] == 1, 10
+        )
+        engines.cancel("during")
+        engines.wait_decode(["during"])
+        outcome = engines.decode_outcome("during")
+        assert set(outcome) == set(d_keys)
+        for kind, reason in outcome.values():
+            assert kind == "cancelled" and "a WRITE was in flight and settled" in reason
+        engines.wait_prefill(["during"])
+        assert "while a WRITE was in flight" in engines.p_results[RankKey(0, 0)]["during"]
+        time.sleep(0.5)  # nothing may land after D freed (and filled) the blocks
+        for rank in engines.d_ranks:
+            assert rank.call(("check_freed",)) == {}
+        for health in engines.health([*engines.p_ranks, *engines.d_ranks]):
+            assert health["outstanding_handles"] == 0
