@@ -4,11 +4,22 @@ and a REQ client with a bounded wait.
 Request (msgpack array): ``["GET_META", wire_version, pp_rank, tp_rank]``.
 Reply (msgpack map): ``{"payload": bytes | None, "error": str | None}``.
 A bad request gets an error reply and a log line; the server keeps serving.
+
+Optional shared secret (``secret=`` argument, else the ``KVPUSH_SIDE_CHANNEL_SECRET``
+environment variable): every request and reply is then wrapped as
+``b"KVPA" + HMAC-SHA256(secret, direction + nonce + body) + nonce + body`` (the reply's MAC
+covers the request's 16-byte nonce, so a reply cannot be replayed to another request). A server
+with a secret answers a request without a valid MAC with a plain error reply naming the
+problem; a client with a secret refuses a reply without a valid MAC. The server binds
+127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -22,14 +33,60 @@ logger = logging.getLogger(__name__)
 
 GET_META = "GET_META"
 DEFAULT_HOST = "127.0.0.1"
+SECRET_ENV = "KVPUSH_SIDE_CHANNEL_SECRET"
+AUTH_MAGIC = b"KVPA"
+NONCE_BYTES = 16
+AUTH_OVERHEAD = len(AUTH_MAGIC) + hashlib.sha256().digest_size + NONCE_BYTES
+
+
+def _secret(secret: bytes | str | None) -> bytes | None:
+    """The shared secret: the argument, else ``KVPUSH_SIDE_CHANNEL_SECRET``; None when unset."""
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV) or None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    return secret or None
+
+
+def _mac(secret: bytes, direction: bytes, nonce: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, direction + nonce + body, hashlib.sha256).digest()
+
+
+def seal(secret: bytes, direction: bytes, nonce: bytes, body: bytes) -> bytes:
+    """Wrap ``body`` with its HMAC (``direction`` is ``b"req"`` or ``b"rep"``)."""
+    return AUTH_MAGIC + _mac(secret, direction, nonce, body) + nonce + body
+
+
+def unseal(secret: bytes, direction: bytes, frame: bytes, nonce: bytes | None = None) -> tuple[bytes, bytes]:
+    """``(nonce, body)`` of a sealed frame; raises ``HandshakeError`` if it is not sealed with
+    ``secret`` (or, for a reply, not for ``nonce``)."""
+    digest = hashlib.sha256().digest_size
+    if not frame.startswith(AUTH_MAGIC) or len(frame) < AUTH_OVERHEAD:
+        raise HandshakeError(
+            f"the side channel needs authentication (HMAC-SHA256 with the shared secret in "
+            f"{SECRET_ENV}) and this message carries none; set the same secret on both engines"
+        )
+    mac = frame[len(AUTH_MAGIC) : len(AUTH_MAGIC) + digest]
+    got_nonce = frame[len(AUTH_MAGIC) + digest : AUTH_OVERHEAD]
+    body = frame[AUTH_OVERHEAD:]
+    if (nonce is not None and got_nonce != nonce) or not hmac.compare_digest(
+        mac, _mac(secret, direction, got_nonce, body)
+    ):
+        raise HandshakeError(
+            f"side-channel message failed HMAC authentication; the engines do not share the same {SECRET_ENV}"
+        )
+    return got_nonce, body
 
 
 class SideChannelServer:
     """Serves the handshake payload of every ``(pp_rank, tp_rank)`` of one engine."""
 
-    def __init__(self, engine_id: str, host: str = DEFAULT_HOST, port: int = 0) -> None:
+    def __init__(
+        self, engine_id: str, host: str = DEFAULT_HOST, port: int = 0, *, secret: bytes | str | None = None
+    ) -> None:
         self.engine_id = engine_id
         self.host = host
+        self._secret = _secret(secret)
         self._payloads: dict[RankKey, bytes] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -68,7 +125,7 @@ class SideChannelServer:
         for rank, payload in payloads.items():
             # A reply over MAX_FRAME_BYTES would be dropped by the client's MAXMSGSIZE and
             # surface there as a misleading "no answer" timeout: refuse it here instead.
-            size = len(wire.pack({"payload": payload, "error": None}))
+            size = len(wire.pack({"payload": payload, "error": None})) + AUTH_OVERHEAD * bool(self._secret)
             if size > wire.MAX_FRAME_BYTES:
                 raise WireError(
                     f"handshake payload of engine {self.engine_id!r} rank {rank} is {size} bytes; "
@@ -76,6 +133,25 @@ class SideChannelServer:
                 )
         with self._lock:
             self._payloads.update(payloads)
+
+    def _authenticated_reply_for(self, frame: bytes) -> tuple[bytes, bool]:
+        """Check the request's HMAC (when a secret is set) and seal the reply."""
+        if self._secret is None:
+            if frame.startswith(AUTH_MAGIC):
+                return wire.pack(
+                    {
+                        "payload": None,
+                        "error": f"engine {self.engine_id!r} has no side-channel secret but the request "
+                        f"is authenticated; set {SECRET_ENV} on both engines or on neither",
+                    }
+                ), False
+            return self._reply_for(frame)
+        try:
+            nonce, body = unseal(self._secret, b"req", frame)
+        except HandshakeError as err:
+            return wire.pack({"payload": None, "error": f"engine {self.engine_id!r} refused: {err}"}), False
+        reply, ok = self._reply_for(body)
+        return seal(self._secret, b"rep", nonce, reply), ok
 
     def _reply_for(self, frame: bytes) -> tuple[bytes, bool]:
         try:
@@ -141,16 +217,13 @@ class SideChannelServer:
                     self._send(frames[0], reply)
                 continue
             identity, _, frame = frames
-            reply, ok = self._reply_for(frame)
+            reply, ok = self._authenticated_reply_for(frame)
             if ok:
                 self.requests_served += 1
             else:
                 self.requests_rejected += 1
-                logger.warning(
-                    "side channel of %s: rejected a request: %s",
-                    self.engine_id,
-                    wire.unpack(reply, "reply")["error"],
-                )
+                error = wire.unpack(reply[AUTH_OVERHEAD:] if reply.startswith(AUTH_MAGIC) else reply, "reply")
+                logger.warning("side channel of %s: rejected a request: %s", self.engine_id, error["error"])
             self._send(identity, reply)
 
     def _send(self, identity: bytes, reply: bytes) -> None:
@@ -166,10 +239,20 @@ class SideChannelServer:
 
 
 def fetch_metadata(
-    host: str, port: int, rank: RankKey, *, timeout_s: float = 5.0, engine_id: str = "?"
+    host: str,
+    port: int,
+    rank: RankKey,
+    *,
+    timeout_s: float = 5.0,
+    engine_id: str = "?",
+    secret: bytes | str | None = None,
 ) -> bytes:
     """Ask an engine's side channel for one rank's payload; raises ``HandshakeError`` on a
-    timeout or an error reply, naming the address, the rank and what was waited for."""
+    timeout or an error reply, naming the address, the rank and what was waited for. With a
+    secret (argument or ``KVPUSH_SIDE_CHANNEL_SECRET``) the request is sealed and the reply must
+    be sealed for it."""
+    key = _secret(secret)
+    nonce = os.urandom(NONCE_BYTES)
     ctx = zmq.Context.instance()
     socket = ctx.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
@@ -181,7 +264,8 @@ def fetch_metadata(
     started = time.perf_counter()
     try:
         socket.connect(address)
-        socket.send(wire.pack([GET_META, wire.WIRE_VERSION, rank.pp_rank, rank.tp_rank]))
+        request = wire.pack([GET_META, wire.WIRE_VERSION, rank.pp_rank, rank.tp_rank])
+        socket.send(seal(key, b"req", nonce, request) if key else request)
         reply = socket.recv()
     except zmq.Again:
         raise HandshakeError(
@@ -193,6 +277,18 @@ def fetch_metadata(
         raise HandshakeError(f"side channel {address} failed for rank {rank}: {err}") from err
     finally:
         socket.close(linger=0)
+    if key is not None:
+        if not reply.startswith(AUTH_MAGIC):  # a plain reply: the server refused us, or has no secret
+            plain = wire.unpack(reply, f"side-channel reply from {address}")
+            error = plain.get("error") if isinstance(plain, Mapping) else None
+            raise HandshakeError(
+                f"side channel {address} answered rank {rank} without authentication"
+                + (f": {error}" if error else f"; set the same {SECRET_ENV} on both engines")
+            )
+        try:
+            reply = unseal(key, b"rep", reply, nonce)[1]
+        except HandshakeError as err:
+            raise HandshakeError(f"reply from side channel {address} for rank {rank}: {err}") from None
     body = wire.unpack(reply, f"side-channel reply from {address}")
     if not isinstance(body, Mapping):
         raise WireError(f"side-channel reply from {address} is not a map")
