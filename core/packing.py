@@ -30,6 +30,7 @@ are adjacent and merge into one descriptor.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import math
 import threading
@@ -312,15 +313,37 @@ def merge_pairs(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> l
     return out
 
 
-@attrs.define
+CHUNK_BYTES = 4 << 20
+"""DRAM: a destination's packed bytes go as WRITEs of about this size (at most ``MAX_CHUNKS``),
+so D scatters chunk i while P gathers and writes chunk i+1 (P and D each keep a core busy)."""
+MAX_CHUNKS = 8
+
+
+@attrs.define(eq=False)
+class PackedGroup:
+    """One destination's staging bytes on P, freed once every chunk's WRITE settled."""
+
+    offset: int
+    remaining: int
+
+
+@attrs.define(eq=False)
 class PackedWrite:
-    """A posted packed WRITE and what to release once it settled."""
+    """A posted packed WRITE (one chunk) and what to release once it settled."""
 
     handle: Any
     local_list: int
     remote_list: int
-    local_offset: int
-    bytes: int
+    group: PackedGroup
+
+
+def chunk_regions(chunks: np.ndarray, mem_type: str) -> list[tuple[int, int]]:
+    """Split consecutive regions into ``[lo, hi)`` runs of about ``CHUNK_BYTES``."""
+    total = int(chunks.sum())
+    count = 1 if mem_type == "VRAM" else max(1, min(MAX_CHUNKS, len(chunks), total // CHUNK_BYTES))
+    bounds = np.searchsorted(np.cumsum(chunks), [total * k / count for k in range(1, count)], side="left")
+    edges = sorted({0, *[int(b) + 1 for b in bounds], len(chunks)})
+    return [(lo, hi) for lo, hi in itertools.pairwise(edges) if hi > lo]
 
 
 def post_packed(
@@ -336,12 +359,14 @@ def post_packed(
     decode_offset: int,
     spec: ReadSpec,
     encode_notif: Any,
-) -> PackedWrite | None:
-    """Gather one destination's blocks into ``pool`` and WRITE them into D's reservation.
+    settle_timeout_s: float = 5.0,
+) -> list[PackedWrite] | None:
+    """Gather one destination's blocks into ``pool`` and WRITE them into D's reservation, in
+    chunks (each with its own notification naming the regions it holds).
 
     Returns None (the caller goes direct) when D advertises no staging area, reserved none
-    for this request, or this rank's pool has no room. Raises ``KvpushError`` when the WRITE
-    cannot be posted (after releasing what it took).
+    for this request, or this rank's pool has no room. Raises ``KvpushError`` when a WRITE
+    cannot be posted, after the chunks already posted settled and everything was released.
     """
     staging = peer_meta.extensions.get(STAGING_KEY)
     if staging is None or decode_offset < 0:
@@ -360,32 +385,58 @@ def post_packed(
     remote = decode_offset + area[targets] + index * chunks
     if int((remote + chunks).max()) > decode_offset + d_total or decode_offset + d_total > staging["len"]:
         raise ConfigError(
-            f"packed bytes for D regions {list(targets)} overflow D's reservation of {d_total} bytes"
+            f"packed bytes for D regions {targets.tolist()} overflow D's reservation of {d_total} bytes"
         )
     offset = pool.alloc(nbytes)
     if offset is None:
         return None
     local = offset + np.concatenate(([0], np.cumsum(chunks)[:-1]))
     mem, dev = local_regions[0].mem_type, local_regions[0].device_id
+    parts = chunk_regions(chunks, mem)
+    group = PackedGroup(offset=offset, remaining=len(parts))
+    posted: list[PackedWrite] = []
     lists: list[int] = []
     try:
-        packer.copy(pool.tensor, local.tolist(), local_regions, spec.local_block_ids, lpart, gather=True)
-        merged = merge_pairs(local, remote, chunks)
-        ldescs = np.array([(pool.addr + lo, n, dev) for lo, _, n in merged], dtype=np.uint64)
-        rdescs = np.array(
-            [(staging["addr"] + ro, n, staging.get("dev", 0)) for _, ro, n in merged], dtype=np.uint64
-        )
-        lists.append(transport.prepare_local(ldescs, mem))
-        lists.append(transport.prepare_remote(peer_agent, rdescs, mem))
-        ids = np.arange(len(merged), dtype=np.int32)
-        manifest = PackManifest(staging_offset=decode_offset, regions=targets.tolist(), part=spec.remote_part)
-        handle = transport.post_write(lists[0], ids, lists[1], ids, encode_notif(manifest))
+        for number, (lo, hi) in enumerate(parts):
+            regions = local_regions[lo:hi]
+            packer.copy(pool.tensor, local[lo:hi].tolist(), regions, spec.local_block_ids, lpart, gather=True)
+            merged = merge_pairs(local[lo:hi], remote[lo:hi], chunks[lo:hi])
+            ldescs = np.array([(pool.addr + lo_, n, dev) for lo_, _, n in merged], dtype=np.uint64)
+            rdev = staging.get("dev", 0)
+            rdescs = np.array([(staging["addr"] + ro, n, rdev) for _, ro, n in merged], dtype=np.uint64)
+            lists = [transport.prepare_local(ldescs, mem)]
+            lists.append(transport.prepare_remote(peer_agent, rdescs, mem))
+            ids = np.arange(len(merged), dtype=np.int32)
+            manifest = PackManifest(
+                staging_offset=decode_offset,
+                regions=targets[lo:hi].tolist(),
+                part=spec.remote_part,
+                chunk=number,
+                chunks=len(parts),
+            )
+            handle = transport.post_write(lists[0], ids, lists[1], ids, encode_notif(manifest))
+            posted.append(PackedWrite(handle, lists[0], lists[1], group))
+            lists = []
     except Exception:
         for handle_ in lists:
             transport.release_list(handle_)
+        _settle_quietly(transport, posted, settle_timeout_s)
         pool.free(offset)
         raise
-    return PackedWrite(handle, lists[0], lists[1], offset, nbytes)
+    return posted
+
+
+def _settle_quietly(transport: Any, posted: list[PackedWrite], timeout_s: float) -> None:
+    """Wait (bounded) for chunks already posted, then release them (error path only)."""
+    from kvpush.core.transport import TransferState
+
+    deadline = time.monotonic() + timeout_s
+    for write in posted:
+        while transport.poll(write.handle) is TransferState.PENDING and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        transport.release(write.handle)
+        transport.release_list(write.local_list)
+        transport.release_list(write.remote_list)
 
 
 def unpack(

@@ -84,6 +84,8 @@ class PushReceiver(RankWorker):
         self._early: dict[str, list[tuple[float, Notification]]] = {}
         self._results_lock = threading.Lock()
         self._staging_reserved: dict[str, int] = {}
+        self._chunks_seen: dict[tuple[str, Any], set[int]] = {}
+        """Packed chunks scattered per (request, producer)."""
         """Staging offset reserved per request (packed strategy)."""
         self._results_ready = threading.Condition(self._results_lock)
         self._done: list[str] = []
@@ -319,7 +321,8 @@ class PushReceiver(RankWorker):
         return self._staging_reserved[rid]
 
     def _unpack(self, rid: str, pending: Any, notification: Notification) -> bool:
-        """Scatter a packed WRITE into the request's blocks; False (request failed) on error."""
+        """Scatter a packed WRITE into the request's blocks; True once the producer's last chunk
+        landed (count it), False before that or when the request failed."""
         from kvpush.core.packing import unpack
 
         manifest = notification.packing
@@ -332,11 +335,17 @@ class PushReceiver(RankWorker):
         except Exception as err:
             self._fail(rid, f"scattering the packed bytes of P rank {notification.producer} failed: {err}")
             return False
-        return True
+        if manifest.chunks == 1:
+            return True
+        seen = self._chunks_seen.setdefault((rid, notification.producer), set())
+        seen.add(manifest.chunk)
+        return len(seen) == manifest.chunks  # the producer counts once all its chunks landed
 
     def _release_staging(self, rid: str, settled: bool) -> None:
         """Free a request's reservation; after a failure a WRITE may still land, so wait first."""
         offset = self._staging_reserved.pop(rid, None)
+        for key in [k for k in self._chunks_seen if k[0] == rid] if self._chunks_seen else ():
+            del self._chunks_seen[key]
         if offset is not None:
             if settled:
                 self.staging.free(offset)

@@ -347,24 +347,26 @@ class PushSender(RankWorker):
                 remote_ids = descriptor_ids(engine.ranks[rank].aligned_regions, groups, spec.remote_block_ids)
                 if len(local_ids) != len(remote_ids):
                     raise KvpushError(f"{len(local_ids)} local descriptors vs {len(remote_ids)} remote ones")
-                handle = None
+                handles = None
                 strategy = self.pm.transfer_strategy(job, spec, len(local_ids))
                 if strategy == "packed" and self.staging is not None:
-                    handle = self._post_packed(reg, spec, engine, rank)
-                if handle is None:
-                    handle = self.transport.post_write(
-                        self.local_list(spec.local_part),
-                        local_ids,
-                        self.peers.remote_list(engine, rank, spec.remote_part),
-                        remote_ids,
-                        notif,
-                    )
+                    handles = self._post_packed(reg, spec, engine, rank)
+                if handles is None:
+                    handles = [
+                        self.transport.post_write(
+                            self.local_list(spec.local_part),
+                            local_ids,
+                            self.peers.remote_list(engine, rank, spec.remote_part),
+                            remote_ids,
+                            notif,
+                        )
+                    ]
             except KvpushError as err:
                 push.failure = f"WRITE to D rank {spec.dst_tp_rank} failed: {err}"
                 self._notify_failure(reg, producer, push.failure, [agent])
                 self._probe_decode(reg.decode_engine_id, agent)
                 continue
-            push.handles.append((handle, spec.dst_tp_rank, agent))
+            push.handles.extend((handle, spec.dst_tp_rank, agent) for handle in handles)
             push.bytes += sum(
                 r.block_len // spec.local_part[1] * len(spec.local_block_ids[r.kv_group]) for r in regions
             )
@@ -375,8 +377,10 @@ class PushSender(RankWorker):
 
     # ------------------------------------------------------------------ packed strategy
 
-    def _post_packed(self, reg: PushRegistration, spec: ReadSpec, engine: PeerEngine, rank: RankKey) -> Any:
-        """Post one destination's blocks as a packed WRITE; None means go direct."""
+    def _post_packed(
+        self, reg: PushRegistration, spec: ReadSpec, engine: PeerEngine, rank: RankKey
+    ) -> list[Any] | None:
+        """Post one destination's blocks as packed WRITEs (chunks); None means go direct."""
         from kvpush.core import packing
 
         assert self.transport is not None and self.metadata is not None
@@ -400,9 +404,10 @@ class PushSender(RankWorker):
         if written is None:
             self.stats["packed_fallbacks"] = self.stats.get("packed_fallbacks", 0) + 1
             return None
-        self._packed[written.handle] = written
+        for chunk in written:
+            self._packed[chunk.handle] = chunk
         self.stats["packed_writes"] = self.stats.get("packed_writes", 0) + 1
-        return written.handle
+        return [chunk.handle for chunk in written]
 
     def _packed_settled(self, handle: Any) -> None:
         """A WRITE settled: release a packed WRITE's descriptor lists and staging bytes."""
@@ -411,7 +416,9 @@ class PushSender(RankWorker):
             assert self.transport is not None
             self.transport.release_list(written.local_list)
             self.transport.release_list(written.remote_list)
-            self.staging.free(written.local_offset)
+            written.group.remaining -= 1
+            if written.group.remaining == 0:
+                self.staging.free(written.group.offset)
 
     def _fail_before_write(self, request_id: str, reg: PushRegistration, reason: str) -> None:
         """Report a push that failed before any WRITE, and tell every D rank why.

@@ -395,6 +395,10 @@ class PackManifest:
     """D region indices written, in order."""
     part: tuple[int, int] = (0, 1)
     """Byte slice ``(index, count)`` of each D block written (the read spec's remote part)."""
+    chunk: int = 0
+    chunks: int = 1
+    """This WRITE is chunk ``chunk`` of the producer's ``chunks``; D counts the producer once
+    it has scattered all of them."""
 
 
 @frozen(kw_only=True)

@@ -212,7 +212,13 @@ def encode_done(
         "ptp": producer_tp_size,
     }
     if packing is not None:
-        body["pk"] = [packing.staging_offset, list(packing.regions), *packing.part]
+        body["pk"] = [
+            packing.staging_offset,
+            list(packing.regions),
+            *packing.part,
+            packing.chunk,
+            packing.chunks,
+        ]
     return DONE_PREFIX + pack(body)
 
 
@@ -221,10 +227,16 @@ def _manifest(body: Mapping[str, Any], what: str) -> PackManifest | None:
     if value is None:
         return None
     try:
-        offset, regions, index, count = value
-        if not (isinstance(offset, int) and offset >= 0 and 0 <= index < count):
-            raise ValueError(f"bad offset or part {value!r}")
-        return PackManifest(staging_offset=offset, regions=[int(r) for r in regions], part=(index, count))
+        offset, regions, index, count, chunk, chunks = value
+        if not (isinstance(offset, int) and offset >= 0 and 0 <= index < count and 0 <= chunk < chunks):
+            raise ValueError(f"bad offset, part or chunk {value!r}")
+        return PackManifest(
+            staging_offset=offset,
+            regions=[int(r) for r in regions],
+            part=(index, count),
+            chunk=chunk,
+            chunks=chunks,
+        )
     except (TypeError, ValueError) as err:
         raise WireError(f"{what} field 'pk' (packing manifest) is malformed: {err}") from None
 

@@ -161,3 +161,19 @@ def test_strategy_rule_prefers_direct_for_adjacent_or_few_blocks() -> None:
         assert choose(*spec([1, 5, 9])) == "direct"  # few descriptors
         scattered = list(range(0, 64, 2))
         assert choose(*spec(scattered)) == "packed"  # 8 regions x 32 small scattered blocks
+
+
+@pytest.mark.parametrize(
+    "shape", [{}, {"prefill_pp": 2, "prefill_tp": 2, "decode_tp": 1}], ids=["tp1", "pp2xtp2"]
+)
+def test_chunked_packed_writes_complete_once_every_chunk_landed(monkeypatch, shape: dict) -> None:
+    from kvpush.core import packing
+
+    _, want = push("direct", MHA, **dict(shape))
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 1024)  # several chunks per destination
+    cluster, got = push("packed", MHA, **dict(shape))
+    assert _stat(cluster, "writes") > _stat(cluster, "packed_writes") > 0
+    for layer in want[0]:
+        assert torch.equal(got[0][layer], want[0][layer])
+    receiver = cluster.receivers[0]
+    assert receiver._chunks_seen == {} and receiver.staging.bytes_in_use == 0
