@@ -47,6 +47,8 @@ class RankSpec:
     log_level: str = "WARNING"
     worker_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
     """Extra ``WorkerConfig`` fields (e.g. ``heartbeat_interval_s``, ``cancel_ack_timeout_s``)."""
+    strategy: str | None = None
+    """Force the transfer strategy (``direct``/``packed``); None: the strategy plugin picks."""
 
 
 def allocate(spec: RankSpec) -> dict[str, Any]:
@@ -115,7 +117,13 @@ class _RankServer:
             cuda_device=cuda_index,
         )
         worker_cls = PushSender if spec.role == "prefill" else PushReceiver
-        self.worker = worker_cls(config, self.caches)
+        pm = None
+        if spec.strategy is not None:
+            from kvpush.core.manager import get_plugin_manager
+            from kvpush.plugins.strategy import ForcedStrategy
+
+            pm = get_plugin_manager(plugins=[("forced_strategy", ForcedStrategy(spec.strategy))])
+        self.worker = worker_cls(config, self.caches, pm=pm)
         self.worker.start()
         assert self.worker.metadata is not None
         self.regions = self.worker.metadata.regions

@@ -69,6 +69,8 @@ class RunConfig:
     seed: int = 0
     timeout_s: float = 120.0
     num_layers: int = 8
+    strategy: str | None = None
+    """Force the transfer strategy (``direct`` or ``packed``); None lets the strategy plugin pick."""
 
 
 @attrs.define
@@ -162,6 +164,7 @@ def run_config(cfg: RunConfig, progress: Callable[[str], None] | None = None) ->
             "layout": layout,
             "blocks_per_group": blocks,
             "request_timeout_s": cfg.timeout_s,
+            "strategy": cfg.strategy,
         }
         p_specs = [
             RankSpec(
@@ -349,6 +352,7 @@ def _summarise(
         "latency_ms_p99": _percentile(latencies, 99),
         "remote_lists_prepared_by_decode": sum(s["counters"]["remote_lists_prepared"] for s in d_stats),
         "writes": sum(s["counters"]["writes_posted"] for s in p_stats),
+        "packed_destinations": sum(s["stats"].get("packed_writes", 0) for s in p_stats),
     }
 
 
@@ -406,6 +410,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="per-request bound in seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument(
+        "--strategy", choices=["direct", "packed"], default=None, help="force a transfer strategy"
+    )
+    parser.add_argument(
         "--soak", type=int, default=0, metavar="N", help="soak: N concurrent requests with aborts and faults"
     )
     parser.add_argument("--abort-rate", type=float, default=0.1, help="soak: share of requests D aborts")
@@ -432,6 +439,7 @@ def main(args: argparse.Namespace) -> int:
             decode_device=args.decode_device,
             seed=args.seed,
             timeout_s=args.timeout,
+            strategy=args.strategy,
         )
         try:
             row = run_config(cfg, progress=lambda msg: print(msg, file=sys.stderr, flush=True))

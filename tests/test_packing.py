@@ -177,3 +177,30 @@ def test_chunked_packed_writes_complete_once_every_chunk_landed(monkeypatch, sha
         assert torch.equal(got[0][layer], want[0][layer])
     receiver = cluster.receivers[0]
     assert receiver._chunks_seen == {} and receiver.staging.bytes_in_use == 0
+
+
+# ---------------------------------------------------------------------------- real NIXL
+
+
+@pytest.mark.parametrize(
+    ("layout", "pp", "ptp", "dtp"),
+    [("mha", 2, 1, 2), ("mha", 1, 2, 1), ("mla", 2, 1, 2), ("hma", 2, 1, 1)],
+    ids=["mha-pp2-tp1-to-tp2", "mha-tp2-to-tp1", "mla-pp2-fanout", "hma-pp2"],
+)
+def test_packed_multiprocess_nixl_verifies_every_byte(layout: str, pp: int, ptp: int, dtp: int) -> None:
+    from kvpush.demo.runner import RunConfig, run_config
+
+    cfg = RunConfig(
+        layout=layout,
+        prefill_pp=pp,
+        prefill_tp=ptp,
+        decode_tp=dtp,
+        requests=6,
+        max_blocks=8,
+        strategy="packed",
+        timeout_s=60.0,
+    )
+    row = run_config(cfg)
+    assert row["failures"] == {}
+    assert row["verified_requests"] == cfg.requests
+    assert row["packed_destinations"] > 0  # a destination whose registration came late goes direct
