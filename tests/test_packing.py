@@ -148,7 +148,9 @@ def test_layout_helpers() -> None:
     assert merged == [(0, 100, 30), (30, 200, 5)]
 
 
-def test_strategy_rule_prefers_direct_for_adjacent_or_few_blocks() -> None:
+def test_strategy_rule_prefers_direct_for_adjacent_or_few_blocks(monkeypatch) -> None:
+    from kvpush.plugins import strategy
+
     with Cluster(MHA, num_blocks=64) as cluster:
         meta = next(iter(cluster.senders.values())).metadata
         assert meta is not None
@@ -160,7 +162,9 @@ def test_strategy_rule_prefers_direct_for_adjacent_or_few_blocks() -> None:
         assert choose(*spec(list(range(60)))) == "direct"  # adjacent: merges into one per region
         assert choose(*spec([1, 5, 9])) == "direct"  # few descriptors
         scattered = list(range(0, 64, 2))
-        assert choose(*spec(scattered)) == "packed"  # 8 regions x 32 small scattered blocks
+        assert choose(*spec(scattered)) == "direct"  # 8 regions x 32 = 256 descriptors: too few
+        monkeypatch.setattr(strategy, "DRAM_PACK_MIN_DESCRIPTORS", 256)
+        assert choose(*spec(scattered)) == "packed"  # many small scattered descriptors
 
 
 @pytest.mark.parametrize(
