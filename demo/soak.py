@@ -174,9 +174,11 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
             "pp_size": cfg.prefill_pp,
         }
         say(f"[soak] dispatching {cfg.requests} requests (abort {cfg.abort_rate}, faults {cfg.fault_rate})")
-        dispatched: dict[str, float] = {}
-        late: list[tuple[float, str]] = []
-        for plan in plans:
+        tracker = _Tracker([p["rid"] for p in plans], p_ranks, d_ranks)
+        dispatched, late = tracker.dispatched, tracker.late
+        for index, plan in enumerate(plans):
+            if index % 25 == 0:
+                tracker.poll()
             rid = plan["rid"]
             request_params = {**params, "transfer_id": f"xfer-{rid}", "remote_request_id": rid}
             dispatched[rid] = time.monotonic()
@@ -192,53 +194,63 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
                     rank.call(("cancel", rid))
             elif plan["abort"] == "late":
                 late.append((dispatched[rid] + plan["abort_after_s"], rid))
-        late.sort()
-        return _collect(cfg, plans, dispatched, late, p_ranks, d_ranks, say)
+        return _collect(cfg, tracker, say)
     finally:
         _stop(ranks)
         p_server.close()
         d_server.close()
 
 
-def _collect(
-    cfg: SoakConfig,
-    plans: list[dict[str, Any]],
-    dispatched: dict[str, float],
-    late: list[tuple[float, str]],
-    p_ranks: list[_Rank],
-    d_ranks: list[_Rank],
-    say: Callable[[str], None],
-) -> dict[str, Any]:
-    rids = [p["rid"] for p in plans]
-    d_outcome: dict[str, dict[RankKey, tuple[str, Any]]] = {rid: {} for rid in rids}
-    p_outcome: dict[str, dict[RankKey, str | None]] = {rid: {} for rid in rids}
-    resolved_at: dict[str, float] = {}
+@attrs.define
+class _Tracker:
+    """Outcomes per request and rank, polled from the rank processes (also during dispatch, so
+    a request's wait is measured from its own dispatch)."""
+
+    rids: list[str]
+    p_ranks: list[_Rank]
+    d_ranks: list[_Rank]
+    late: list[tuple[float, str]] = attrs.field(factory=list)
+    dispatched: dict[str, float] = attrs.field(factory=dict)
+    d_outcome: dict[str, dict[RankKey, tuple[str, Any]]] = attrs.field(factory=dict)
+    p_outcome: dict[str, dict[RankKey, str | None]] = attrs.field(factory=dict)
+    resolved_at: dict[str, float] = attrs.field(factory=dict)
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        self.late.sort()
+        while self.late and self.late[0][0] <= now:
+            _, rid = self.late.pop(0)
+            for rank in self.d_ranks:
+                rank.call(("cancel", rid))
+        for rank in self.d_ranks:
+            polled = rank.call(("poll",))
+            for kind in ("done", "failed", "cancelled"):
+                for rid, value in polled[kind].items():
+                    self.d_outcome.setdefault(rid, {})[rank.key] = (kind, value)
+        for rank in self.p_ranks:
+            polled = rank.call(("poll",))
+            for rid in polled["sent"]:
+                self.p_outcome.setdefault(rid, {})[rank.key] = None
+            for rid, reason in polled["failed"].items():
+                self.p_outcome.setdefault(rid, {})[rank.key] = reason
+        now = time.monotonic()
+        for rid, per_rank in self.d_outcome.items():
+            if rid not in self.resolved_at and len(per_rank) == len(self.d_ranks):
+                self.resolved_at[rid] = now
+
+
+def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> dict[str, Any]:
+    rids, late, dispatched, resolved_at = tracker.rids, tracker.late, tracker.dispatched, tracker.resolved_at
+    p_ranks, d_ranks = tracker.p_ranks, tracker.d_ranks
+    for rid in rids:
+        tracker.d_outcome.setdefault(rid, {})
+        tracker.p_outcome.setdefault(rid, {})
+    d_outcome, p_outcome = tracker.d_outcome, tracker.p_outcome
     deadline = time.monotonic() + cfg.timeout_s
     reported = -1
     while True:
+        tracker.poll()
         now = time.monotonic()
-        while late and late[0][0] <= now:
-            _, rid = late.pop(0)
-            for rank in d_ranks:
-                rank.call(("cancel", rid))
-        for rank in d_ranks:
-            polled = rank.call(("poll",))
-            for rid, result in polled["done"].items():
-                d_outcome[rid][rank.key] = ("done", result)
-            for rid, reason in polled["failed"].items():
-                d_outcome[rid][rank.key] = ("failed", reason)
-            for rid, reason in polled["cancelled"].items():
-                d_outcome[rid][rank.key] = ("cancelled", reason)
-        for rank in p_ranks:
-            polled = rank.call(("poll",))
-            for rid in polled["sent"]:
-                p_outcome[rid][rank.key] = None
-            for rid, reason in polled["failed"].items():
-                p_outcome[rid][rank.key] = reason
-        now = time.monotonic()
-        for rid in rids:
-            if rid not in resolved_at and len(d_outcome[rid]) == len(d_ranks):
-                resolved_at[rid] = now
         p_done = sum(1 for rid in rids if len(p_outcome[rid]) == len(p_ranks))
         if len(resolved_at) != reported:
             reported = len(resolved_at)
@@ -348,7 +360,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ok": ok, **{k: report[k] for k in KEYS}, "details": report}, indent=2))
     else:
-        for key in (*KEYS, "failure_reasons", "elapsed_s"):
+        for key in (*KEYS, "cancels_racing_a_write", "failure_reasons", "elapsed_s"):
             print(f"{key:>26}: {report[key]}")
         for rid, what in report["examples"].items():
             print(f"  {rid}: {what}")
