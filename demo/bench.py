@@ -17,8 +17,9 @@ pipe hop), with D waiting for the data the way each method needs:
 - ``copy``: one ``index_select`` of the same blocks into a buffer, in P's process (the memory
   bandwidth the bytes would need without any transfer).
 
-Buffers are pre-touched, no NIXL progress thread runs, reps of the methods are interleaved, and
-the foreign CPU load of each row is recorded (cores busy outside these two processes).
+Buffers are pre-touched, no NIXL progress thread runs, each process runs torch with one
+intra-op thread, reps of the methods are interleaved, and the foreign CPU load of each row is
+recorded (cores busy outside these two processes).
 """
 
 from __future__ import annotations
@@ -167,6 +168,9 @@ class PairSpec:
     staging_bytes: int = 0
     side_channel_port: int = 0
     timeout_s: float = 60.0
+    torch_threads: int = 1
+    """Intra-op threads of P and of D: they share the cores, and a 2-thread op stalls on its
+    barrier whenever another job holds the second core (bimodal timings on a shared box)."""
 
 
 def _worker_config(spec: PairSpec, engine: str, model: Any) -> Any:
@@ -209,6 +213,7 @@ def _decode_main(spec: PairSpec, conn: Connection) -> None:
 
         if spec.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(spec.device))
+        torch.set_num_threads(spec.torch_threads)
         model = bench_model(spec.block_bytes, spec.layers)
         config = _worker_config(spec, "bench-D", model)
         caches = allocate_kv_caches(model, config.parallel, spec.pool_blocks, device=spec.device)
@@ -285,6 +290,7 @@ class BenchPair:
         from kvpush.plugins.strategy import ForcedStrategy
 
         os.environ.setdefault("UCX_LOG_LEVEL", "error")
+        torch.set_num_threads(spec.torch_threads)
         self.p_server = SideChannelServer("bench-P")
         self.d_server = SideChannelServer("bench-D")
         self.spec = spec
