@@ -164,6 +164,8 @@ class PairSpec:
     layers: int = 16
     pool_blocks: int = 1024
     device: str = "cpu"
+    decode_device: str | None = None
+    """Where D's caches live (default: ``device``); another GPU measures NVLink."""
     poll_s: float = 50e-6
     staging_bytes: int = 0
     side_channel_port: int = 0
@@ -295,7 +297,9 @@ class BenchPair:
         self.d_server = SideChannelServer("bench-D")
         self.spec = spec
         self.model = bench_model(spec.block_bytes, spec.layers)
-        d_spec = attrs.evolve(spec, side_channel_port=self.d_server.port)
+        d_spec = attrs.evolve(
+            spec, side_channel_port=self.d_server.port, device=spec.decode_device or spec.device
+        )
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
@@ -502,6 +506,7 @@ class BenchPair:
 def sweep(
     *,
     device: str = "cpu",
+    decode_device: str | None = None,
     block_bytes: Sequence[int] = BLOCK_BYTES,
     block_counts: Sequence[int] = BLOCK_COUNTS,
     patterns: Sequence[str] = PATTERNS,
@@ -517,7 +522,12 @@ def sweep(
     for size in block_bytes:
         staging = 2 * layers * size * max_blocks + (1 << 20)
         spec = PairSpec(
-            block_bytes=size, layers=layers, pool_blocks=2 * max_blocks, device=device, staging_bytes=staging
+            block_bytes=size,
+            layers=layers,
+            pool_blocks=2 * max_blocks,
+            device=device,
+            decode_device=decode_device,
+            staging_bytes=staging,
         )
         say(f"block {size // 1024} KiB: starting P and D ({2 * layers} regions x {2 * max_blocks} blocks)")
         with BenchPair(spec) as pair:
@@ -599,6 +609,11 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the KV caches live")
+    parser.add_argument(
+        "--decode-device",
+        default=None,
+        help="D's device, e.g. cuda:1 to push across NVLink (default: the same as P's)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument(
         "--strategy",
@@ -623,6 +638,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         rows = sweep(
             device=device,
+            decode_device=args.decode_device,
             block_bytes=args.block_bytes or BLOCK_BYTES,
             block_counts=args.blocks or BLOCK_COUNTS,
             patterns=args.pattern or PATTERNS,
@@ -636,7 +652,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvpush bench failed: {err}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"device": device, "rows": rows}, indent=2))
+        print(
+            json.dumps(
+                {"device": device, "decode_device": args.decode_device or device, "rows": rows}, indent=2
+            )
+        )
     else:
         print_table(rows)
         print(
