@@ -9,9 +9,11 @@ Cost model, from ``kvpush bench`` on the 2-vCPU CPU box (see docs/performance.md
   extra memory copies (gather on P, scatter on D, each ~5-10 GB/s here); packing wins while
   the merged descriptors are small (``DRAM_PACK_MAX_BYTES``) and numerous
   (``DRAM_PACK_MIN_DESCRIPTORS``);
-- in VRAM a non-adjacent descriptor costs ~6-11 µs on cuda_ipc while a device gather runs at
-  hundreds of GB/s, so packing wins from a handful of descriptors on
-  (``VRAM_PACK_MIN_DESCRIPTORS``; gpu-nixl-measurements.md, probe 3).
+- in VRAM a non-adjacent descriptor costs ~9 µs on cuda_ipc while packing costs a fixed
+  ~1.25 ms more per request plus ~11 ps per byte (gather and scatter at device speed), fitted
+  to ``kvpush bench --device cuda`` on an H200 (docs/performance.md): packed wins when
+  ``descriptors × 9.3 µs > 1.25 ms + bytes × 11 ps`` — scattered tables from ~150 descriptors
+  on, never the merged one-descriptor-per-region contiguous case.
 
 :class:`ForcedStrategy` pins one strategy (``--strategy`` on ``kvpush demo``/``bench``).
 """
@@ -28,7 +30,10 @@ DRAM_PACK_MAX_BYTES = 8 * 1024
 lose at every count (CMA moves 32 KiB descriptors at 4-6 GB/s, packing copies 3 times)."""
 DRAM_PACK_MIN_DESCRIPTORS = 8192
 """Measured: 4 KiB x 16,384 descriptors packed ~1.3x direct; x 4,096 even; x 512 ~0.6x."""
-VRAM_PACK_MIN_DESCRIPTORS = 8
+VRAM_DESCRIPTOR_S = 9.3e-6
+"""H200, 4 KiB scattered blocks: 32 MiB as 8192 descriptors took 76 ms by raw NIXL."""
+VRAM_PACKED_FIXED_S = 1.25e-3
+VRAM_PACKED_S_PER_BYTE = 11e-12
 
 
 def merged_descriptors(spec: ReadSpec, job: PushJob) -> tuple[int, int]:
@@ -59,7 +64,9 @@ def choose(job: PushJob, spec: ReadSpec) -> str:
     if descriptors == 0:
         return "direct"
     if job.local.regions[0].mem_type == "VRAM":
-        return "packed" if descriptors >= VRAM_PACK_MIN_DESCRIPTORS else "direct"
+        direct_extra = descriptors * VRAM_DESCRIPTOR_S
+        packed_extra = VRAM_PACKED_FIXED_S + nbytes * VRAM_PACKED_S_PER_BYTE
+        return "packed" if direct_extra > packed_extra else "direct"
     per_descriptor = nbytes / descriptors
     if descriptors >= DRAM_PACK_MIN_DESCRIPTORS and per_descriptor <= DRAM_PACK_MAX_BYTES:
         return "packed"

@@ -31,10 +31,15 @@ LOCAL_AGENT = "NIXL_INIT_AGENT"
 
 
 def _merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """Merge overlapping or touching ``(start, end, device)`` spans per device."""
+    """Merge overlapping ``(start, end, device)`` spans per device.
+
+    Spans that merely touch stay separate: two tensors can be adjacent in virtual memory yet
+    come from different device allocations, and one registration across an allocation
+    boundary fails on CUDA IPC ("Input/output error" at the first post).
+    """
     merged: list[tuple[int, int, int]] = []
     for start, end, device in sorted(spans, key=lambda s: (s[2], s[0])):
-        if merged and merged[-1][2] == device and start <= merged[-1][1]:
+        if merged and merged[-1][2] == device and start < merged[-1][1]:
             last = merged[-1]
             merged[-1] = (last[0], max(last[1], end), device)
         else:
