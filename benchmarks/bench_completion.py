@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from _helpers import ForeignLoad
+
 from kvpush.core.completion import count_producer
 from kvpush.core.receiver import PendingReceive, PushReceiver
 from kvpush.core.types import (

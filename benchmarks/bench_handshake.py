@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
+
 from kvpush.core.peers import PeerRegistry
 from kvpush.core.transport import TransportConfig
 from kvpush.core.types import AgentMetadata, HandshakeMode, ModelSpec, ParallelConfig, RankKey, Role

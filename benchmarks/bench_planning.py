@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _helpers import ForeignLoad
+
 from kvpush.core.planning import descriptor_ids, region_descriptors
 from kvpush.core.types import KVRegion
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from kvpush.demo.bench import BLOCK_BYTES, BLOCK_COUNTS, PATTERNS, BenchPair, PairSpec, block_tables
 
 LAYERS = 16

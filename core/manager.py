@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 import pluggy
+
 from kvpush.core import hookspecs
 from kvpush.core.errors import ConfigError, HandshakeError, PluginError
 from kvpush.core.markers import PROJECT_NAME

@@ -40,6 +40,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+
 from kvpush.core.errors import ConfigError
 from kvpush.core.types import BlockIds, KVRegion, PackManifest, ReadSpec
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
+
 from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, KvpushError
 from kvpush.core.manager import KvpushPluginManager

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import attrs
+
 from kvpush.core import wire
 from kvpush.core.completion import COMPLETE, DONE_KIND, DUPLICATE, FAILED_KIND, count_producer
 from kvpush.core.errors import ConfigError, KvpushError, WaitTimeout
@@ -84,9 +85,9 @@ class PushReceiver(RankWorker):
         self._early: dict[str, list[tuple[float, Notification]]] = {}
         self._results_lock = threading.Lock()
         self._staging_reserved: dict[str, int] = {}
+        """Staging offset reserved per request (packed strategy)."""
         self._chunks_seen: dict[tuple[str, Any], set[int]] = {}
         """Packed chunks scattered per (request, producer)."""
-        """Staging offset reserved per request (packed strategy)."""
         self._results_ready = threading.Condition(self._results_lock)
         self._done: list[str] = []
         self._failed: dict[str, str] = {}

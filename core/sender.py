@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import attrs
+
 from kvpush.core import wire
 from kvpush.core.errors import KvpushError
 from kvpush.core.peers import PeerEngine

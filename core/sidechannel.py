@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 
 import zmq
+
 from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, WireError
 from kvpush.core.types import RankKey

@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
+
 from kvpush.core.types import KVRegion, MemType
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import attrs
 from attrs import field, frozen
+
 from kvpush.core.errors import ConfigError
 
 MemType = Literal["DRAM", "VRAM"]

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgpack
+
 from kvpush.core.errors import HandshakeError, WireError
 from kvpush.core.types import (
     AgentMetadata,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+
 from kvpush.core import wire
 from kvpush.core.errors import ConfigError, WaitTimeout, WireError
 from kvpush.core.manager import KvpushPluginManager, get_plugin_manager

@@ -106,9 +106,10 @@ class RawAgent:
     """A bare ``nixl_agent`` (no progress thread, UCX, err mode none) over the KV regions."""
 
     def __init__(self, name: str, regions: Sequence[Any]) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
         from kvpush.core.planning import region_descriptors
         from kvpush.transports.nixl import _merge_spans
-        from nixl._api import nixl_agent, nixl_agent_config
 
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
         self.agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
@@ -195,6 +196,7 @@ def _worker_config(spec: PairSpec, engine: str, model: Any) -> Any:
 def _block_sums(caches: dict[str, Any], ids: Sequence[int]) -> Any:
     """Per-block int64 sums of every layer's K and V blocks ``ids`` (order-sensitive)."""
     import torch
+
     from kvpush.layouts.uniform import natural_key
 
     index = torch.tensor(list(ids), device=next(iter(caches.values())).device)
@@ -209,6 +211,7 @@ def _decode_main(spec: PairSpec, conn: Connection) -> None:
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     try:
         import torch
+
         from kvpush.core.receiver import PushReceiver
         from kvpush.core.types import RequestMetadata, TransferParams
         from kvpush.layouts.uniform import allocate_kv_caches
@@ -284,6 +287,7 @@ class BenchPair:
 
     def __init__(self, spec: PairSpec) -> None:
         import torch
+
         from kvpush.core.manager import get_plugin_manager
         from kvpush.core.sender import PushSender
         from kvpush.core.sidechannel import SideChannelServer
@@ -345,6 +349,7 @@ class BenchPair:
 
     def _fill(self) -> None:
         import torch
+
         from kvpush.layouts.uniform import natural_key
 
         names = sorted(self.caches, key=natural_key)

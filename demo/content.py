@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
 from kvpush.core.types import KVRegion, ModelSpec, ParallelConfig
 
 COMPONENT_CODE = {"K": 1, "V": 2, "KV": 3, "latent": 4}

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import attrs
+
 from kvpush.core.types import ModelSpec, ParallelConfig, RequestMetadata, TransferParams
 
 SENTINEL = 0x5A5A
@@ -92,6 +93,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
 class _RankServer:
     def __init__(self, spec: RankSpec) -> None:
         import torch
+
         from kvpush.core.receiver import PushReceiver
         from kvpush.core.sender import PushSender
         from kvpush.core.worker import WorkerConfig

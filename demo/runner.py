@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+
 from kvpush.core.errors import ConfigError, WaitTimeout
 from kvpush.core.sidechannel import SideChannelServer
 from kvpush.core.types import ModelSpec, ParallelConfig, RankKey

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+
 from kvpush.core.errors import WaitTimeout
 from kvpush.core.sidechannel import SideChannelServer
 from kvpush.core.types import ModelSpec, ParallelConfig, RankKey

@@ -21,6 +21,7 @@ Cost model, from ``kvpush bench`` on the 2-vCPU CPU box (see docs/performance.md
 from __future__ import annotations
 
 import numpy as np
+
 from kvpush.core.markers import hookimpl
 from kvpush.core.packing import STAGING_KEY
 from kvpush.core.types import PushJob, ReadSpec

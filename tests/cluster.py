@@ -10,8 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import kvpush.transports.loopback
 import torch
+
+import kvpush.transports.loopback
 from kvpush.core.manager import get_plugin_manager
 from kvpush.core.receiver import PushReceiver
 from kvpush.core.sender import PushSender

@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kvpush
 import pytest
+
+import kvpush
 from kvpush.cli import main
 from kvpush.core.errors import PluginError
 from kvpush.core.manager import BUILTIN_PLUGINS

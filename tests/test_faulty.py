@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+
 from kvpush.core.errors import ConfigError, TransferError
 from kvpush.core.manager import get_plugin_manager
 from kvpush.core.transport import TransferState, TransportConfig

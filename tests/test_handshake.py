@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from kvpush.core import wire
 from kvpush.core.errors import ConfigError, HandshakeError
 from kvpush.core.manager import KvpushPluginManager

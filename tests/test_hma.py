@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 import pytest
 import torch
+
 from kvpush.core.errors import ConfigError, HandshakeError
 from kvpush.core.manager import get_plugin_manager
 from kvpush.core.peers import check_geometry

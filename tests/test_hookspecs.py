@@ -13,6 +13,7 @@ from pathlib import Path
 import attrs
 import msgpack
 import pytest
+
 from kvpush import hookimpl
 from kvpush.core import hookspecs, wire
 from kvpush.core.errors import ConfigError, HandshakeError, PluginError, WireError

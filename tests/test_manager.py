@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from kvpush import hookimpl
 from kvpush.core.errors import PluginError
 from kvpush.core.manager import BUILTIN_PLUGINS, KvpushPluginManager, get_plugin_manager

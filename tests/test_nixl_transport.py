@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from kvpush.core.errors import ConfigError, TransferError
 from kvpush.core.transport import TransferState, Transport, TransportConfig
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from cluster import MHA, MLA, Cluster, kv_bytes, settle, wait_until
+
 from kvpush.core.packing import Packer, StagingPool, block_addresses, merge_pairs, staging_layout
 from kvpush.core.types import ModelSpec, ParallelConfig, PushJob, ReadSpec
 from kvpush.layouts.uniform import allocate_kv_caches, describe_uniform

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from cluster import MHA, MLA, Cluster
+
 from kvpush.core.types import RankKey
 from kvpush.demo.runner import RunConfig, run_config
 

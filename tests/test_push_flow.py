@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from cluster import MLA, Cluster, kv_bytes, settle, wait_until
+
 from kvpush.core import wire
 from kvpush.core.types import PushRegistration, RankKey, RequestMetadata, TransferParams
 

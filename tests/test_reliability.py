@@ -12,10 +12,11 @@ import time
 import pytest
 from cluster import Cluster, settle, wait_until
 from engines import Engines
+from test_push_flow import assert_pushed
+
 from kvpush.core import wire
 from kvpush.core.errors import WaitTimeout
 from kvpush.core.types import RankKey
-from test_push_flow import assert_pushed
 
 P0 = RankKey(0, 0)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import zmq
+
 from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, WireError
 from kvpush.core.sidechannel import GET_META, SideChannelServer, fetch_metadata

@@ -12,6 +12,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, WireError
 from kvpush.core.sidechannel import (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+
 from kvpush.core.errors import ConfigError
 from kvpush.core.types import (
     KVRegion,

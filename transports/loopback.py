@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from kvpush.core.errors import TransferError
 from kvpush.core.markers import hookimpl
 from kvpush.core.transport import TransferState, TransportConfig, TransportCounters

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from kvpush.core.errors import ConfigError, TransferError
 from kvpush.core.markers import hookimpl
 from kvpush.core.transport import TransferState, TransportConfig, TransportCounters

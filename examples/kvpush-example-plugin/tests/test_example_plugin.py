@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 import kvpush_example_plugin
 import pytest
+
 from kvpush.core.errors import HandshakeError, PluginError
 from kvpush.core.types import HandshakeMode
 from kvpush.testing import make_agent_metadata, register_plugin
