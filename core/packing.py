@@ -186,19 +186,31 @@ def span_tensor(addr: int, nbytes: int, mem_type: str, device_id: int) -> Any:
     return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
+_WIDE_TYPES = ((8, "int64"), (4, "int32"), (2, "int16"), (1, "uint8"))
+
+
 @attrs.define
 class BlockRows:
-    """The blocks of a set of regions as rows of one strided uint8 view (one op per copy)."""
+    """The blocks of a set of regions as rows of one strided view (one op per copy).
+
+    Elements are as wide as the alignment of base, row step and row size allows (8 bytes for
+    real KV layouts): copying rows of int64 runs several times faster than rows of bytes, on
+    the GPU (one thread per element) and on the CPU alike.
+    """
 
     view: Any
-    """``(rows, size)`` uint8 tensor; row ``r`` starts at ``base + r * step``."""
+    """``(rows, size // width)`` tensor; row ``r`` starts at byte ``base + r * step``."""
     base: int
     step: int
     size: int
+    width: int = 1
+    """Bytes per element of ``view``."""
     _np: Any = None
 
     @classmethod
     def over(cls, regions: Sequence[KVRegion], part: tuple[int, int], size: int) -> BlockRows:
+        import torch
+
         index, count = part
         starts = [r.base_addr + index * (r.block_len // count) for r in regions]
         base = min(starts)
@@ -208,9 +220,20 @@ class BlockRows:
         step = step or size
         end = max(r.end_addr for r in regions)
         rows = max(1, (end - size - base) // step + 1)
+        width, dtype = next(
+            (w, t) for w, t in _WIDE_TYPES if base % w == 0 and step % w == 0 and size % w == 0
+        )
         span = span_tensor(base, (rows - 1) * step + size, regions[0].mem_type, regions[0].device_id)
-        view = span.as_strided((rows, size), (step, 1))
-        return cls(view=view, base=base, step=step, size=size)
+        span = span.view(getattr(torch, dtype))
+        view = span.as_strided((rows, size // width), (step // width, 1))
+        return cls(view=view, base=base, step=step, size=size, width=width)
+
+    def staging_rows(self, staging: Any, pos: int, n: int) -> Any:
+        """``n`` rows of ``staging`` from byte ``pos``, in this view's element type."""
+        chunk = staging[pos : pos + n * self.size]
+        if self.width > 1:
+            chunk = chunk.view(self.view.dtype)
+        return chunk.view(n, self.size // self.width)
 
     def numpy(self) -> np.ndarray:
         if self._np is None:
@@ -284,7 +307,12 @@ class Packer:
         for lo, n, pos, size in runs:
             rows = self._rows(part, size)
             idx = rows.rows(addrs[lo : lo + n])
-            chunk = staging[pos : pos + n * size].view(n, size)
+            if (staging.data_ptr() + pos) % rows.width:
+                raise ConfigError(
+                    f"staging byte {pos} is not {rows.width}-byte aligned like the KV blocks; "
+                    f"staging allocations must be aligned to {ALIGN} bytes"
+                )
+            chunk = rows.staging_rows(staging, pos, n)
             if gather:
                 index = torch.from_numpy(idx).to(rows.view.device, non_blocking=True)
                 torch.index_select(rows.view, 0, index, out=chunk)
