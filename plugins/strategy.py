@@ -29,8 +29,9 @@ from kvpush.core.types import PushJob, ReadSpec
 DRAM_PACK_MAX_BYTES = 8 * 1024
 """Measured: scattered 4 KiB blocks gain from packing at 512 blocks x 32 regions; 32 KiB blocks
 lose at every count (CMA moves 32 KiB descriptors at 4-6 GB/s, packing copies 3 times)."""
-DRAM_PACK_MIN_DESCRIPTORS = 8192
-"""Measured: 4 KiB x 16,384 descriptors packed ~1.3x direct; x 4,096 even; x 512 ~0.6x."""
+DRAM_PACK_MIN_DESCRIPTORS = 4096
+"""Measured with int64-row packing (18:31 UTC run in docs/performance.md): 4 KiB x 16,384
+descriptors packed ~1.2x direct; x 4,096 1.0-1.2x; x 512 ~0.75x."""
 VRAM_DESCRIPTOR_S = 9.3e-6
 """H200, 4 KiB scattered blocks: 32 MiB as 8192 descriptors took 76 ms by raw NIXL."""
 VRAM_PACKED_FIXED_S = 1.25e-3
