@@ -346,6 +346,10 @@ CHUNK_BYTES = 4 << 20
 """DRAM: a destination's packed bytes go as WRITEs of about this size (at most ``MAX_CHUNKS``),
 so D scatters chunk i while P gathers and writes chunk i+1 (P and D each keep a core busy)."""
 MAX_CHUNKS = 8
+VRAM_CHUNK_BYTES = 1 << 40
+"""VRAM: chunk size of packed WRITEs; effectively one WRITE per destination. Measured on an
+H200 (256 MiB of scattered 32 KiB blocks): 64 MiB chunks gave 58 GB/s and 32 MiB 37 GB/s against
+94 GB/s unchunked, since each chunk pays its own synchronisations and notification."""
 
 
 @attrs.define(eq=False)
@@ -369,7 +373,8 @@ class PackedWrite:
 def chunk_regions(chunks: np.ndarray, mem_type: str) -> list[tuple[int, int]]:
     """Split consecutive regions into ``[lo, hi)`` runs of about ``CHUNK_BYTES``."""
     total = int(chunks.sum())
-    count = 1 if mem_type == "VRAM" else max(1, min(MAX_CHUNKS, len(chunks), total // CHUNK_BYTES))
+    size = VRAM_CHUNK_BYTES if mem_type == "VRAM" else CHUNK_BYTES
+    count = max(1, min(MAX_CHUNKS, len(chunks), total // size))
     bounds = np.searchsorted(np.cumsum(chunks), [total * k / count for k in range(1, count)], side="left")
     edges = sorted({0, *[int(b) + 1 for b in bounds], len(chunks)})
     return [(lo, hi) for lo, hi in itertools.pairwise(edges) if hi > lo]
