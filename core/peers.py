@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import attrs
 
 from kvpush.core import wire
-from kvpush.core.errors import HandshakeError, KvpushError
+from kvpush.core.errors import HandshakeError, KvpushError, TransferError
 from kvpush.core.manager import KvpushPluginManager
 from kvpush.core.planning import region_descriptors
 from kvpush.core.sidechannel import fetch_metadata
@@ -203,7 +203,7 @@ class PeerRegistry:
         engine_id = key[0]
         try:
             for peer_rank in fetched.values():
-                peer_rank.agent = self._transport.load_peer(peer_rank.meta.agent_blob)
+                peer_rank.agent = self._load_agent(peer_rank.meta)
         except Exception as err:
             self._finish(key, future, error=err)
             return
@@ -226,6 +226,35 @@ class PeerRegistry:
             mode is HandshakeMode.NOTIF_ONLY,
         )
         self._finish(key, future, result=engine)
+
+    def _load_agent(self, meta: AgentMetadata) -> str:
+        """Load a peer's agent; a peer restarted under a loaded name replaces the stale agent.
+
+        NIXL refuses new metadata under a name it already holds. The side channel serves the
+        live peer, so the stale agent (and everything prepared against it) is forgotten and the
+        load is tried once more.
+        """
+        try:
+            return self._transport.load_peer(meta.agent_blob)
+        except TransferError as err:
+            self._forget_agent(meta.agent_name)
+            logger.warning(
+                "agent %s of engine %s was loaded from older metadata (%s); replacing it",
+                meta.agent_name,
+                meta.engine_id,
+                err,
+            )
+            return self._transport.load_peer(meta.agent_blob)
+
+    def _forget_agent(self, agent: str) -> None:
+        """Drop every loaded rank that uses ``agent`` and remove the agent (writer thread)."""
+        for engine_id, engine in list(self.engines.items()):
+            for rank, peer_rank in list(engine.ranks.items()):
+                if peer_rank.agent == agent:
+                    del engine.ranks[rank]
+            if not engine.ranks:
+                del self.engines[engine_id]
+        self._transport.remove_peer(agent)
 
     def _finish(
         self,
