@@ -308,6 +308,25 @@ def _int_field(body: Mapping[str, Any], name: str, what: str) -> int:
     return value
 
 
+def _decode_coordinates(
+    body: Mapping[str, Any], what: str, *, request_id: str, match_key: str
+) -> PushRegistration:
+    """D's coordinates carried by a heartbeat or a cancel, as a block-less registration."""
+    try:
+        return PushRegistration(
+            request_id=request_id,
+            match_key=match_key,
+            decode_engine_id=_str_field(body, "decode_engine_id", what),
+            decode_host=_str_field(body, "decode_host", what),
+            decode_port=_int_field(body, "decode_port", what),
+            decode_tp_size=_int_field(body, "decode_tp_size", what) or 1,
+            block_ids=(),
+            remote_engine_id=_str_field(body, "remote_engine_id", what),
+        )
+    except ValueError as err:
+        raise WireError(f"{what} is malformed: {err}") from None
+
+
 _PREFIXES = (
     (PUSH_REG_PREFIX, NotificationKind.PUSH_REG),
     (DONE_PREFIX, NotificationKind.DONE),
@@ -352,19 +371,7 @@ def decode_notification(message: bytes) -> Notification | None:
             raise WireError(f"{what} field 'request_ids' must be a list of strings")
         if "decode_engine_id" not in body:
             return Notification(kind=kind, request_ids=ids)
-        try:
-            reg = PushRegistration(
-                request_id="(heartbeat)",
-                match_key="(heartbeat)",
-                decode_engine_id=_str_field(body, "decode_engine_id", what),
-                decode_host=_str_field(body, "decode_host", what),
-                decode_port=_int_field(body, "decode_port", what),
-                decode_tp_size=_int_field(body, "decode_tp_size", what) or 1,
-                block_ids=(),
-                remote_engine_id=_str_field(body, "remote_engine_id", what),
-            )
-        except ValueError as err:
-            raise WireError(f"{what} is malformed: {err}") from None
+        reg = _decode_coordinates(body, what, request_id="(heartbeat)", match_key="(heartbeat)")
         return Notification(
             kind=kind, request_ids=ids, registration=reg, producer=RankKey(0, _int_field(body, "tp", what))
         )
@@ -372,19 +379,9 @@ def decode_notification(message: bytes) -> Notification | None:
     if kind is NotificationKind.CANCEL:
         if "d_request_id" not in body:
             return Notification(kind=kind, request_id=request_id)
-        try:
-            reg = PushRegistration(
-                request_id=_str_field(body, "d_request_id", what),
-                match_key=request_id,
-                decode_engine_id=_str_field(body, "decode_engine_id", what),
-                decode_host=_str_field(body, "decode_host", what),
-                decode_port=_int_field(body, "decode_port", what),
-                decode_tp_size=_int_field(body, "decode_tp_size", what) or 1,
-                block_ids=(),
-                remote_engine_id=_str_field(body, "remote_engine_id", what),
-            )
-        except ValueError as err:
-            raise WireError(f"{what} is malformed: {err}") from None
+        reg = _decode_coordinates(
+            body, what, request_id=_str_field(body, "d_request_id", what), match_key=request_id
+        )
         return Notification(
             kind=kind,
             request_id=request_id,
