@@ -248,19 +248,23 @@ def encode_failed(request_id: str, producer: RankKey, reason: str) -> bytes:
     )
 
 
+def _coordinates(reg: PushRegistration, decode_tp_rank: int) -> dict[str, Any]:
+    """The fields that tell P where a D rank is (read back by ``_decode_coordinates``)."""
+    return {
+        "decode_engine_id": reg.decode_engine_id,
+        "decode_host": reg.decode_host,
+        "decode_port": reg.decode_port,
+        "decode_tp_size": reg.decode_tp_size,
+        "remote_engine_id": reg.remote_engine_id,
+        "tp": decode_tp_rank,
+    }
+
+
 def encode_cancel(match_key: str, reg: PushRegistration | None = None, decode_tp_rank: int = 0) -> bytes:
     """CANCEL by match key; with ``reg`` (blocks not needed) P can reach the cancelling D rank."""
     body: dict[str, Any] = {"request_id": match_key}
     if reg is not None:
-        body.update(
-            d_request_id=reg.request_id,
-            decode_engine_id=reg.decode_engine_id,
-            decode_host=reg.decode_host,
-            decode_port=reg.decode_port,
-            decode_tp_size=reg.decode_tp_size,
-            remote_engine_id=reg.remote_engine_id,
-            tp=decode_tp_rank,
-        )
+        body.update(_coordinates(reg, decode_tp_rank), d_request_id=reg.request_id)
     return CANCEL_PREFIX + pack(body)
 
 
@@ -282,15 +286,7 @@ def encode_heartbeat(
     can answer with an empty HB, which is P's liveness signal."""
     body: dict[str, Any] = {"request_ids": list(match_keys)}
     if reg is not None:
-        body.update(
-            d_request_id="(heartbeat)",
-            decode_engine_id=reg.decode_engine_id,
-            decode_host=reg.decode_host,
-            decode_port=reg.decode_port,
-            decode_tp_size=reg.decode_tp_size,
-            remote_engine_id=reg.remote_engine_id,
-            tp=decode_tp_rank,
-        )
+        body.update(_coordinates(reg, decode_tp_rank), d_request_id="(heartbeat)")
     return HEARTBEAT_PREFIX + pack(body)
 
 
