@@ -47,6 +47,11 @@ class WorkerConfig:
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
     """Where this engine's side channel listens (put in PUSH_REG so P can handshake back)."""
+    side_channel_advertise_host: str | None = None
+    """The address peers are told to reach this side channel at (D: in PUSH_REG, HB, CANCEL);
+    None: ``network_interface``'s address, else ``side_channel_host`` (kvpush.core.addresses)."""
+    network_interface: str | None = None
+    """Interface whose IPv4 address is advertised when ``side_channel_host`` is a wildcard."""
     handshake_timeout_s: float = 5.0
     """Bound on each side-channel query of a handshake."""
     request_timeout_s: float = 120.0
