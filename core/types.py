@@ -441,11 +441,30 @@ class TransportProvider:
 
 @frozen(kw_only=True, eq=False)
 class LayoutProvider:
-    """A KV layout offered by a plugin, selected by ``name``."""
+    """A KV layout offered by a plugin, selected by ``name``.
+
+    The regions a layout describes must follow the layout rules (``layer_names``, region order,
+    components, in-block order; :mod:`kvpush.layouts.regions`). :meth:`describe` checks them.
+    """
 
     name: str
     describe_regions: Callable[..., Sequence[KVRegion]]
     """``describe_regions(kv_caches, parallel, model) -> [KVRegion, ...]`` in model-layer order."""
-    uniform_regions_per_layer: bool = True
-    """True when every layer has the same number of regions (what offset PP slicing needs)."""
     description: str = ""
+    allocate: Callable[..., Mapping[str, Any]] | None = None
+    """Optional: ``allocate(model, parallel, blocks_per_group, device) -> kv_caches``, zeroed
+    caches in this layout for the layers a rank owns (``blocks_per_group[g]`` blocks in KV group
+    ``g``). ``kvpush demo --layout NAME`` and :mod:`kvpush.testing.cluster` need it."""
+    demo_model: ModelSpec | None = None
+    """Optional: a small model this layout describes, used by ``kvpush demo --layout NAME``
+    and the test cluster when no model is given."""
+
+    def describe(
+        self, kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec
+    ) -> tuple[KVRegion, ...]:
+        """``describe_regions`` checked against the layout rules; a broken rule is a ``ConfigError``."""
+        from kvpush.layouts.regions import check_regions
+
+        regions = tuple(self.describe_regions(kv_caches, parallel, model))
+        check_regions(regions, parallel, model, layout=self.name)
+        return regions

@@ -38,7 +38,7 @@ from kvpush.core.types import (
     ParallelConfig,
     RegionAlignment,
 )
-from kvpush.layouts.uniform import local_heads, ordered_layers, tensor_region
+from kvpush.layouts.regions import local_heads, ordered_layers, tensor_region
 
 LAYOUT_NAME = "hma"
 MATCHING_KEY = "region_matching"
@@ -118,6 +118,17 @@ def allocate_hma_caches(
     return caches
 
 
+DEMO_MODEL = ModelSpec(
+    name="demo-hybrid",
+    num_layers=8,
+    num_kv_heads=4,
+    head_dim=64,
+    layer_groups=[i % 2 for i in range(8)],
+    layer_kinds=["full" if i % 2 == 0 else "sliding_window" for i in range(8)],
+)
+"""The model ``kvpush demo --layout hma`` pushes: full and sliding-window layers interleaved."""
+
+
 # ------------------------------------------------------------------------------ alignment
 
 
@@ -177,7 +188,8 @@ def kvpush_layouts() -> list[LayoutProvider]:
         LayoutProvider(
             name=LAYOUT_NAME,
             describe_regions=describe_hma,
-            uniform_regions_per_layer=False,
+            allocate=allocate_hma_caches,
+            demo_model=DEMO_MODEL,
             description=(
                 "hybrid (full + sliding-window) MHA/GQA: K and V regions per layer in per-group "
                 "KV caches, matched by layer name, group and component (works under PP)"
@@ -200,8 +212,8 @@ def kvpush_validate_peer(local: AgentMetadata, peer: AgentMetadata, mode: Handsh
     problems = []
     if peer.layout != LAYOUT_NAME:
         problems.append(
-            f"this rank uses the HMA layout but the peer uses {peer.layout!r}; run both sides "
-            f"with --layout hma"
+            f"this rank uses the HMA layout but the peer uses {peer.layout!r}; set "
+            f"WorkerConfig.layout='hma' on both engines (the demo's --layout hma)"
         )
     elif peer.extensions.get(MATCHING_KEY) != SEMANTIC:
         problems.append(

@@ -11,52 +11,22 @@ what PP slicing relies on.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvpush.core.errors import ConfigError
 from kvpush.core.markers import hookimpl
 from kvpush.core.types import KVRegion, LayoutProvider, ModelSpec, ParallelConfig
+from kvpush.layouts.regions import local_heads, natural_key, ordered_layers, tensor_region
 
-
-def natural_key(name: str) -> list[Any]:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def ordered_layers(kv_caches: Mapping[str, Any], parallel: ParallelConfig) -> list[tuple[str, Any]]:
-    names = sorted(kv_caches, key=natural_key)
-    if len(names) != parallel.num_local_layers:
-        raise ConfigError(
-            f"got KV caches for {len(names)} layers, but rank {parallel.rank} owns "
-            f"{parallel.num_local_layers} (layers {parallel.start_layer}-{parallel.end_layer - 1})"
-        )
-    return [(name, kv_caches[name]) for name in names]
-
-
-def local_heads(model: ModelSpec, parallel: ParallelConfig) -> int:
-    if model.num_kv_heads % parallel.tp_size:
-        raise ConfigError(
-            f"{model.num_kv_heads} KV heads cannot be split evenly over TP {parallel.tp_size}; "
-            f"replicated GQA heads are not supported"
-        )
-    return model.num_kv_heads // parallel.tp_size
-
-
-def tensor_region(tensor: Any, **identity: Any) -> KVRegion:
-    """A region over a ``(num_blocks, ...)`` tensor whose blocks are each contiguous."""
-    if not tensor[0].is_contiguous():
-        raise ConfigError(f"blocks of {identity.get('layer_names')} are not contiguous in memory")
-    element = tensor.element_size()
-    return KVRegion(
-        base_addr=tensor.data_ptr(),
-        block_len=tensor[0].numel() * element,
-        block_stride=tensor.stride(0) * element,
-        num_blocks=tensor.shape[0],
-        mem_type="VRAM" if tensor.is_cuda else "DRAM",
-        device_id=tensor.device.index or 0 if tensor.is_cuda else 0,
-        **identity,
-    )
+__all__ = [  # the region helpers are re-exported from kvpush.layouts.regions, where they live
+    "allocate_kv_caches",
+    "describe_uniform",
+    "local_heads",
+    "natural_key",
+    "ordered_layers",
+    "tensor_region",
+]
 
 
 def describe_uniform(
@@ -66,7 +36,7 @@ def describe_uniform(
         raise ConfigError(
             f"the uniform layout cannot pipeline a hybrid model ({model.num_groups} KV-cache "
             f"groups) with PP={parallel.pp_size}: offset slicing would pair the wrong regions. "
-            f"Use the HMA layout (--layout hma), which matches regions by layer and group"
+            f"Use the 'hma' layout, which matches regions by layer and group"
         )
     regions = []
     heads = local_heads(model, parallel) if model.attention == "mha" else 1
@@ -117,12 +87,24 @@ def allocate_kv_caches(
     return caches
 
 
+def allocate_uniform(
+    model: ModelSpec, parallel: ParallelConfig, blocks_per_group: Sequence[int], device: str = "cpu"
+) -> dict[str, Any]:
+    """:attr:`LayoutProvider.allocate` of the uniform layout: every group uses group 0's count."""
+    return allocate_kv_caches(model, parallel, blocks_per_group[0], device=device)
+
+
+DEMO_MODEL = ModelSpec(name="demo-gqa", num_layers=8, num_kv_heads=4, head_dim=64)
+
+
 @hookimpl
 def kvpush_layouts() -> list[LayoutProvider]:
     return [
         LayoutProvider(
             name="uniform",
             describe_regions=describe_uniform,
+            allocate=allocate_uniform,
+            demo_model=DEMO_MODEL,
             description="MHA/GQA (K and V regions per layer, head-split) or MLA (one latent region)",
         )
     ]

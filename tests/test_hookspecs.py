@@ -157,7 +157,7 @@ def test_hook_kvpush_layouts_uniform_describes_tensors(kvpush_pm):
     from kvpush.layouts.uniform import allocate_kv_caches
 
     provider = kvpush_pm.layout("uniform")
-    assert provider.uniform_regions_per_layer
+    assert provider.allocate is not None and provider.demo_model is not None
     meta = make_agent_metadata(num_layers=4, pp_size=2, pp_rank=1, tp_size=2, tp_rank=1)
     caches = allocate_kv_caches(meta.model, meta.parallel, num_blocks=5)
     regions = provider.describe_regions(caches, meta.parallel, meta.model)

@@ -1,0 +1,208 @@
+"""Building blocks for layout plugins, and the rules every layout's regions must follow.
+
+A layout turns one rank's KV tensors into :class:`~kvpush.core.types.KVRegion`\\ s. The helpers
+here do the common parts:
+
+- :func:`natural_key` / :func:`ordered_layers`: a rank's layers in model order
+  (``layers.10`` after ``layers.2``), checked against the layers the rank owns;
+- :func:`local_heads`: KV heads per TP rank (the model's heads split evenly over TP);
+- :func:`tensor_region`: a region over a ``(num_blocks, ...)`` tensor view, addresses included;
+- :func:`check_regions`: the layout rules below, each broken rule a ``ConfigError`` naming it.
+
+The layout rules (:data:`RULES`), checked by :func:`check_regions` whenever a rank starts:
+
+``layer_names``
+    Every region names the model layer(s) whose KV it holds, with the layer's own name (the key
+    of its tensor in ``kv_caches``). The regions of one layer (K and V, or one latent) carry the
+    *same* ``layer_names``; different layers never share a name. So a rank owning ``n`` layers
+    describes exactly ``n`` distinct ``layer_names``.
+``region order``
+    Regions come layer by layer in model order: all regions of a layer are adjacent, and
+    layers follow the natural order of their names. PP slicing pairs a stage's regions with a
+    window of the decode side's list by position, so both sides must list them alike.
+``components``
+    Inside a layer each region has a distinct ``component`` (``K``, ``V``, ``KV`` or
+    ``latent``), and every layer lists the same components in the same order (a layer of
+    another KV group may differ; semantic matching pairs by ``(layer_names, kv_group,
+    component)``).
+``in-block order``
+    Heads are outermost inside a block (``(heads, tokens, head_dim)``, "HND"), so head ``h`` of
+    ``num_heads`` is the ``h``-th equal byte slice of the block. Heterogeneous TP moves head
+    slices as byte slices, so ``block_len`` must divide by ``num_heads``; a replicated region
+    (MLA latent) has ``num_heads == 1``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvpush.core.errors import ConfigError
+from kvpush.core.types import KVRegion, ModelSpec, ParallelConfig
+
+__all__ = [
+    "RULES",
+    "check_regions",
+    "layer_groups",
+    "local_heads",
+    "natural_key",
+    "ordered_layers",
+    "tensor_region",
+]
+
+RULES = ("layer_names", "region order", "components", "in-block order")
+"""The names layout-rule errors use (see the module docstring)."""
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key putting ``layers.2`` before ``layers.10`` (digit runs compare as numbers)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def ordered_layers(kv_caches: Mapping[str, Any], parallel: ParallelConfig) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` of every layer in natural name order; one entry per layer the rank owns."""
+    names = sorted(kv_caches, key=natural_key)
+    if len(names) != parallel.num_local_layers:
+        raise ConfigError(
+            f"got KV caches for {len(names)} layers, but rank {parallel.rank} owns "
+            f"{parallel.num_local_layers} (layers {parallel.start_layer}-{parallel.end_layer - 1}); "
+            f"pass one tensor per owned layer, keyed by the layer's name"
+        )
+    return [(name, kv_caches[name]) for name in names]
+
+
+def local_heads(model: ModelSpec, parallel: ParallelConfig) -> int:
+    """KV heads one TP rank holds: ``model.num_kv_heads / parallel.tp_size``, which must divide."""
+    if model.num_kv_heads % parallel.tp_size:
+        raise ConfigError(
+            f"ModelSpec.num_kv_heads={model.num_kv_heads} cannot be split evenly over "
+            f"ParallelConfig.tp_size={parallel.tp_size}; replicated GQA heads are not supported"
+        )
+    return model.num_kv_heads // parallel.tp_size
+
+
+def tensor_region(tensor: Any, **identity: Any) -> KVRegion:
+    """A region over a ``(num_blocks, ...)`` tensor whose blocks are each contiguous.
+
+    ``identity`` holds the :class:`KVRegion` fields that say what the region is
+    (``layer_names``, ``component``, ``kv_group``, ``num_heads``, ...); the address, block
+    length and stride, block count, memory type and device come from the tensor. ``tensor[b]``
+    must be block ``b`` laid out heads-outermost (see the in-block order rule).
+    """
+    if not tensor[0].is_contiguous():
+        raise ConfigError(
+            f"blocks of {identity.get('layer_names')} are not contiguous in memory; each block "
+            f"(tensor[b]) must be one contiguous span"
+        )
+    element = tensor.element_size()
+    return KVRegion(
+        base_addr=tensor.data_ptr(),
+        block_len=tensor[0].numel() * element,
+        block_stride=tensor.stride(0) * element,
+        num_blocks=tensor.shape[0],
+        mem_type="VRAM" if tensor.is_cuda else "DRAM",
+        device_id=tensor.device.index or 0 if tensor.is_cuda else 0,
+        **identity,
+    )
+
+
+def layer_groups(regions: Sequence[KVRegion]) -> list[tuple[tuple[str, ...], list[int]]]:
+    """Adjacent regions with equal ``layer_names``: ``[(layer_names, [region indices]), ...]``."""
+    groups: list[tuple[tuple[str, ...], list[int]]] = []
+    for index, region in enumerate(regions):
+        if groups and groups[-1][0] == region.layer_names:
+            groups[-1][1].append(index)
+        else:
+            groups.append((region.layer_names, [index]))
+    return groups
+
+
+def _names(names: Sequence[str], limit: int = 4) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def check_regions(
+    regions: Sequence[KVRegion],
+    parallel: ParallelConfig,
+    model: ModelSpec | None = None,
+    *,
+    layout: str = "?",
+) -> None:
+    """Raise ``ConfigError`` naming the first layout rule the regions break (see :data:`RULES`)."""
+    where = f"layout {layout!r} on rank {parallel.rank}"
+    if not regions:
+        raise ConfigError(f"{where} described no KV regions")
+    groups = layer_groups(regions)
+    unnamed = [i for i, r in enumerate(regions) if not r.layer_names or not all(r.layer_names)]
+    if unnamed:
+        raise ConfigError(
+            f"{where} breaks the layer_names rule: regions {unnamed[:8]} name no layer; set "
+            f"layer_names to the model layer the region belongs to"
+        )
+    seen: dict[str, int] = {}
+    for position, (names, indices) in enumerate(groups):
+        for name in names:
+            if name in seen:
+                earlier = groups[seen[name]]
+                if earlier[0] == names:
+                    raise ConfigError(
+                        f"{where} breaks the region order rule: the regions of layer {name!r} are "
+                        f"not adjacent (regions {earlier[1]} and {indices}); list every region of "
+                        f"a layer together, layer after layer"
+                    )
+                raise ConfigError(
+                    f"{where} breaks the layer_names rule: layer {name!r} appears in regions "
+                    f"{earlier[1]} (layer_names {earlier[0]}) and {indices} (layer_names {names}); "
+                    f"all regions of a layer carry the same layer_names"
+                )
+            seen[name] = position
+    distinct = [names for names, _ in groups]
+    if len(seen) != parallel.num_local_layers:
+        flat = [n for names in distinct for n in names]
+        raise ConfigError(
+            f"{where} breaks the layer_names rule: its regions name {len(seen)} distinct layers "
+            f"({_names(flat)}) but the rank owns {parallel.num_local_layers} (layers "
+            f"{parallel.start_layer}-{parallel.end_layer - 1}). layer_names must be the model "
+            f"layer's name, the same for K and V of that layer (not one name per tensor such as "
+            f"'layers.0.k'/'layers.0.v')"
+        )
+    keys = [natural_key(names[0]) for names in distinct]
+    for i in range(1, len(keys)):
+        if keys[i] < keys[i - 1]:
+            raise ConfigError(
+                f"{where} breaks the region order rule: layer {distinct[i][0]!r} comes after "
+                f"{distinct[i - 1][0]!r}; list layers in model order (natural order of names, "
+                f"layers.2 before layers.10)"
+            )
+    per_group: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    for names, indices in groups:
+        components = tuple(regions[i].component for i in indices)
+        if len(set(components)) != len(components):
+            raise ConfigError(
+                f"{where} breaks the components rule: layer {names[0]!r} has components "
+                f"{list(components)}; each region of a layer needs a distinct component (K, V, "
+                f"KV or latent)"
+            )
+        group = regions[indices[0]].kv_group
+        first = per_group.setdefault(group, (names, components))
+        if first[1] != components:
+            raise ConfigError(
+                f"{where} breaks the components rule: layer {names[0]!r} lists components "
+                f"{list(components)} but layer {first[0][0]!r} of the same KV group lists "
+                f"{list(first[1])}; every layer of a group lists the same components in the same order"
+            )
+    for index, region in enumerate(regions):
+        what = f"region {index} ({region.layer_names[0]} {region.component})"
+        if region.num_heads <= 0 or region.block_len % region.num_heads:
+            raise ConfigError(
+                f"{where} breaks the in-block order rule: {what} has block_len "
+                f"{region.block_len} and num_heads {region.num_heads}; a block holds num_heads "
+                f"equal head slices (heads outermost), so block_len must divide by num_heads"
+            )
+        if region.replicate and region.num_heads != 1:
+            raise ConfigError(
+                f"{where} breaks the in-block order rule: {what} is replicated (every TP rank "
+                f"holds the same bytes) but says num_heads={region.num_heads}; use num_heads=1"
+            )
