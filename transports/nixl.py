@@ -8,15 +8,33 @@ Options (``TransportConfig.options``):
 - ``ucx_error_handling_mode`` (``"none"`` default, or ``"peer"``): ``none`` cuts notification
   round trips to ~10 µs on loopback and still reports dead peers.
 - ``num_threads`` (int, default 0): UCX worker threads.
+- ``ucx_tls`` (str or list, default unset: UCX's own choice, or ``UCX_TLS`` from the
+  environment): the UCX transports this agent may use, e.g. ``"tcp"`` or ``["tcp", "cma"]``
+  (``UCX_TLS`` semantics, ``^`` excludes). Use ``tcp`` (plus ``rc``/``cuda_ipc`` where they
+  apply) when P and D are on different hosts *or* in containers/namespaces that share
+  ``/dev/shm``: UCX otherwise picks shared memory for notifications between "hosts" that only
+  look local (issue 12).
+- ``ucx_net_devices`` (str or list, default unset: every device): the network devices UCX may
+  use (``UCX_NET_DEVICES``, e.g. ``"eth1"`` or ``"mlx5_0:1"``). With ``tcp`` this also restricts
+  UCX's per-agent TCP listener to that interface's address. (NIXL 1.5.1's own UCX parameters do
+  not do this for Ethernet: ``ucx_devices`` left the listener on every interface here, and
+  ``device_list`` appends ``:1`` to each name, so ``eth1`` fails with "No such device".)
+- ``ucx_tcp_port_range`` (str ``"LOW-HIGH"``, default unset: any port): the ports UCX's TCP
+  listeners take (``UCX_TCP_PORT_RANGE``), so a firewall can allow them.
+- ``ucx_env`` (dict, default empty): any other ``UCX_*`` variables for this agent.
+
+The ``UCX_*`` settings are put in the environment only while the backend is created (UCX reads
+its configuration then) and restored afterwards, so agents in one process can differ.
 
 NIXL is imported only when a transport is created, never at plugin import.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,12 +67,83 @@ def _merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]
 
 
 ERROR_MODES = ("none", "peer")
-KNOWN_OPTIONS = ("backends", "progress_thread", "ucx_error_handling_mode", "num_threads")
+KNOWN_OPTIONS = (
+    "backends",
+    "progress_thread",
+    "ucx_error_handling_mode",
+    "num_threads",
+    "ucx_tls",
+    "ucx_net_devices",
+    "ucx_tcp_port_range",
+    "ucx_env",
+)
+
+
+def _name_list(options: dict[str, Any], key: str) -> str | None:
+    """A comma-separated UCX list from a string or a list of names (``ConfigError`` if neither)."""
+    value = options.get(key)
+    if value is None:
+        return None
+    names = value.split(",") if isinstance(value, str) else value
+    if (
+        isinstance(names, (bytes, dict))
+        or not isinstance(names, (list, tuple))
+        or not names
+        or not all(isinstance(n, str) and n.strip() and "," not in n for n in names)
+    ):
+        raise ConfigError(
+            f"nixl option {key!r} must be a comma-separated string or a list of names, got {value!r}"
+        )
+    return ",".join(n.strip() for n in names)
+
+
+def ucx_settings(options: Any) -> dict[str, str]:
+    """The ``UCX_*`` environment for the UCX options of ``TransportConfig.options``."""
+    options = dict(options)
+    env: dict[str, str] = {}
+    extra = options.get("ucx_env", {}) or {}
+    if not isinstance(extra, dict) or not all(
+        isinstance(k, str) and k.startswith("UCX_") and isinstance(v, str) for k, v in extra.items()
+    ):
+        raise ConfigError(f"nixl option 'ucx_env' must map UCX_* names to strings, got {extra!r}")
+    env.update(extra)
+    tls = _name_list(options, "ucx_tls")
+    if tls is not None:
+        env["UCX_TLS"] = tls
+    port_range = options.get("ucx_tcp_port_range")
+    if port_range is not None:
+        low, _, high = str(port_range).partition("-")
+        if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) <= 65535):
+            raise ConfigError(
+                f"nixl option 'ucx_tcp_port_range' must be 'LOW-HIGH' with 0 < LOW <= HIGH <= 65535, "
+                f"got {port_range!r}"
+            )
+        env["UCX_TCP_PORT_RANGE"] = f"{int(low)}-{int(high)}"
+    devices = _name_list(options, "ucx_net_devices")
+    if devices is not None:
+        env["UCX_NET_DEVICES"] = devices
+    return env
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """Set ``env`` for the duration of the block, then restore what was there."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _parse_options(options: Any) -> tuple[list[str], bool, str, int]:
     """Validate ``TransportConfig.options`` before any agent is created (``ConfigError``)."""
     options = dict(options)
+    ucx_settings(options)
     unknown = sorted(set(options) - set(KNOWN_OPTIONS))
     if unknown:
         raise ConfigError(
@@ -90,20 +179,25 @@ class NixlTransport:
             ) from err
         logging.getLogger("nixl").setLevel(logging.WARNING)
         backends, progress, err_mode, num_threads = _parse_options(config.options)
+        ucx_env = ucx_settings(config.options)
         self._agent = nixl_agent(
             config.agent_name, nixl_agent_config(enable_prog_thread=progress, backends=[])
         )
         for backend in backends:
             params: dict[str, str] = {}
+            env: dict[str, str] = {}
             if backend == "UCX":
                 params["ucx_error_handling_mode"] = err_mode
                 if num_threads:
                     params["num_threads"] = str(num_threads)
+                env = ucx_env
             try:
-                self._agent.create_backend(backend, params)
+                with _environment(env):
+                    self._agent.create_backend(backend, params)
             except Exception as err:  # nixlNotFoundError (no such plugin), nixlBackendError, ...
                 raise ConfigError(
-                    f"NIXL could not create backend {backend!r} with {params}: {type(err).__name__}: "
+                    f"NIXL could not create backend {backend!r} with {params}"
+                    f"{f' and environment {env}' if env else ''}: {type(err).__name__}: "
                     f"{err}; available plugins: {sorted(self._agent.get_plugin_list())}"
                 ) from err
         self._agent_name = config.agent_name
