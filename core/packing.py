@@ -41,6 +41,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kvpush.core.block_order import slice_rows
 from kvpush.core.errors import ConfigError
 from kvpush.core.types import BlockIds, KVRegion, PackManifest, ReadSpec
 
@@ -133,21 +134,24 @@ class StagingPool:
 def block_addresses(
     regions: Sequence[KVRegion], block_ids: BlockIds, part: tuple[int, int]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(addr, size)`` uint64 arrays of byte slice ``part`` of every block, region-major."""
-    index, count = part
+    """``(addr, size)`` uint64 arrays of the rows of byte slice ``part`` of every block,
+    region-major: one row per block, or one per token for a sliced ``tokens_outer`` block."""
     addrs, sizes = [], []
+    cuts = [slice_rows(r, part) for r in regions]
     bases = np.fromiter((r.base_addr for r in regions), dtype=np.uint64, count=len(regions))
     strides = np.fromiter((r.block_stride for r in regions), dtype=np.uint64, count=len(regions))
-    size = np.fromiter((r.block_len // count for r in regions), dtype=np.uint64, count=len(regions))
+    size = np.fromiter((c.size for c in cuts), dtype=np.uint64, count=len(regions))
+    first = np.fromiter((c.first for c in cuts), dtype=np.uint64, count=len(regions))
     groups = [r.kv_group for r in regions]
-    if len(set(groups)) == 1 and regions:
+    if len(set(groups)) == 1 and regions and all(c.rows == 1 for c in cuts):
         ids = np.asarray(block_ids[groups[0]], dtype=np.uint64)
-        out = bases[:, None] + strides[:, None] * ids[None, :] + (size * np.uint64(index))[:, None]
+        out = bases[:, None] + strides[:, None] * ids[None, :] + first[:, None]
         return out.ravel(), np.repeat(size, len(ids))
     for i, region in enumerate(regions):
         ids = np.asarray(block_ids[region.kv_group], dtype=np.uint64)
-        addrs.append(bases[i] + strides[i] * ids + size[i] * np.uint64(index))
-        sizes.append(np.full(len(ids), size[i], dtype=np.uint64))
+        within = first[i] + np.arange(cuts[i].rows, dtype=np.uint64) * np.uint64(cuts[i].step)
+        addrs.append((bases[i] + strides[i] * ids[:, None] + within[None, :]).ravel())
+        sizes.append(np.full(len(ids) * cuts[i].rows, size[i], dtype=np.uint64))
     if not addrs:
         return np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.uint64)
     return np.concatenate(addrs), np.concatenate(sizes)
@@ -211,12 +215,12 @@ class BlockRows:
     def over(cls, regions: Sequence[KVRegion], part: tuple[int, int], size: int) -> BlockRows:
         import torch
 
-        index, count = part
-        starts = [r.base_addr + index * (r.block_len // count) for r in regions]
+        cuts = [slice_rows(r, part) for r in regions]
+        starts = [r.base_addr + cut.first for r, cut in zip(regions, cuts)]
         base = min(starts)
         step = 0
-        for region, start in zip(regions, starts):
-            step = math.gcd(step, region.block_stride, start - base)
+        for region, start, cut in zip(regions, starts, cuts):
+            step = math.gcd(step, region.block_stride, start - base, cut.step if cut.rows > 1 else 0)
         step = step or size
         end = max(r.end_addr for r in regions)
         rows = max(1, (end - size - base) // step + 1)
@@ -285,16 +289,19 @@ class Packer:
         """
         import torch
 
-        addrs, _ = block_addresses(regions, block_ids, part)
-        counts = [len(block_ids[r.kv_group]) for r in regions]
+        addrs, sizes = block_addresses(regions, block_ids, part)
+        cuts = [slice_rows(r, part) for r in regions]
+        counts = [len(block_ids[r.kv_group]) * cut.rows for r, cut in zip(regions, cuts)]
+        if rows_on_cuda(staging):
+            return self._copy_cuda(staging, offsets, counts, addrs, sizes, gather=gather)
         total = 0
         first = 0  # first descriptor of the current run
         run_start = run_len = 0
         run_size = -1
         cursor = 0
         runs: list[tuple[int, int, int, int]] = []  # (first desc, descs, staging offset, size)
-        for region, offset, count in zip(regions, offsets, counts):
-            size = region.block_len // part[1]
+        for cut, offset, count in zip(cuts, offsets, counts):
+            size = cut.size
             if count and size == run_size and offset == run_start + run_len * size:
                 run_len += count
             else:
@@ -322,9 +329,37 @@ class Packer:
                 index = torch.from_numpy(idx).to(rows.view.device, non_blocking=True)
                 rows.view.index_copy_(0, index, chunk)
             total += n * size
-        if rows_on_cuda(staging):
-            torch.cuda.current_stream(staging.device).synchronize()
         return total
+
+    def _copy_cuda(
+        self,
+        staging: Any,
+        offsets: Sequence[int],
+        counts: Sequence[int],
+        addrs: np.ndarray,
+        sizes: np.ndarray,
+        *,
+        gather: bool,
+    ) -> int:
+        """CUDA: every block of every region in one kernel launch (``kernels.SpanCopier``) on
+        this writer's own stream, after the engine's stream by event; waits for its event."""
+        from kvpush.core.kernels import copier_for
+
+        if not len(addrs):
+            return 0
+        count = np.asarray(counts, dtype=np.int64)
+        blocks = addrs.astype(np.int64)
+        lengths = sizes.astype(np.int64)
+        first = np.repeat(np.cumsum(count) - count, count)
+        within = np.arange(len(blocks), dtype=np.int64) - first
+        stage = staging.data_ptr() + np.repeat(np.asarray(offsets, dtype=np.int64), count) + within * lengths
+        end = int((stage + lengths).max()) - staging.data_ptr()
+        if int(stage.min()) < staging.data_ptr() or end > staging.numel():
+            raise ConfigError(f"packed bytes end at staging byte {end}, past its {staging.numel()} bytes")
+        copier = copier_for(staging.device)
+        if gather:
+            return copier.copy(blocks, stage, lengths)
+        return copier.copy(stage, blocks, lengths)
 
 
 def rows_on_cuda(tensor: Any) -> bool:

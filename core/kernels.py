@@ -1,0 +1,225 @@
+"""One-launch copies of many byte spans: the gather/scatter of packed transfers and the
+scattered -> scattered copy of the ``cuda_ipc`` transport.
+
+A copy is given as three arrays, ``src`` and ``dst`` addresses and ``lengths`` in bytes (or
+one length for all). On CUDA it is one Triton kernel launch: program ``(i, c)`` copies chunk
+``c`` of span ``i``, in the widest element (8, 4, 2 or 1 bytes) that every address and length
+allows; spans longer than ``PIECE_BYTES`` are cut on the host so the grid stays small. The
+descriptor table goes to the GPU with one pinned host-to-device copy on the copier's own
+stream, which first waits (by event) for the stream the engine writes KV on; the caller waits
+on the event the copy records, never on the device. On the CPU the same call is a loop of
+``memmove`` (tests and reference only; CPU packing uses torch index ops, see ``packing``).
+
+Triton is imported on the first CUDA copy, never at module import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvpush.core.errors import ConfigError
+
+PIECE_BYTES = 1 << 20
+"""Spans longer than this are cut into pieces of this size (grid axis 1 stays <= 16 K)."""
+MAX_BLOCK = 1024
+"""Elements one program copies (8 KiB of int64)."""
+
+_KERNEL: Any = None
+triton: Any = None
+tl: Any = None
+_KERNEL_LOCK = threading.Lock()
+
+
+def _kernel() -> Any:
+    """The Triton kernel, compiled lazily (import of triton happens here)."""
+    global _KERNEL, triton, tl  # module globals: the jitted body resolves ``tl`` there
+    with _KERNEL_LOCK:
+        if _KERNEL is None:
+            import triton
+            import triton.language as tl
+
+            @triton.jit
+            def copy_spans_kernel(table, n, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+                i = tl.program_id(0)
+                c = tl.program_id(1)
+                src_addr = tl.load(table + i)
+                dst_addr = tl.load(table + n + i)
+                length = tl.load(table + 2 * n + i)  # elements
+                if WIDTH == 8:
+                    src = src_addr.to(tl.pointer_type(tl.int64))
+                    dst = dst_addr.to(tl.pointer_type(tl.int64))
+                elif WIDTH == 4:
+                    src = src_addr.to(tl.pointer_type(tl.int32))
+                    dst = dst_addr.to(tl.pointer_type(tl.int32))
+                elif WIDTH == 2:
+                    src = src_addr.to(tl.pointer_type(tl.int16))
+                    dst = dst_addr.to(tl.pointer_type(tl.int16))
+                else:
+                    src = src_addr.to(tl.pointer_type(tl.int8))
+                    dst = dst_addr.to(tl.pointer_type(tl.int8))
+                offs = c * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < length
+                values = tl.load(src + offs, mask=mask)
+                tl.store(dst + offs, values, mask=mask)
+
+            _KERNEL = copy_spans_kernel
+    return _KERNEL
+
+
+def widest(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> int:
+    """The widest element size (8, 4, 2, 1) dividing every address and length."""
+    bits = int(np.bitwise_or.reduce(src)) if len(src) else 0
+    bits |= int(np.bitwise_or.reduce(dst)) if len(dst) else 0
+    bits |= int(np.bitwise_or.reduce(lengths)) if len(lengths) else 0
+    for width in (8, 4, 2):
+        if bits % width == 0:
+            return width
+    return 1
+
+
+def split_long(
+    src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, piece: int = PIECE_BYTES
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut spans longer than ``piece`` bytes into pieces (same bytes, more spans)."""
+    if not len(lengths) or int(lengths.max()) <= piece:
+        return src, dst, lengths
+    counts = -(-lengths // piece)
+    owner = np.repeat(np.arange(len(lengths)), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    k = (np.arange(len(owner)) - starts).astype(np.int64)
+    shift = k * piece
+    return src[owner] + shift, dst[owner] + shift, np.minimum(piece, lengths[owner] - shift)
+
+
+def as_spans(src: Any, dst: Any, lengths: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate and convert to three int64 arrays of equal length (``lengths`` may be one int)."""
+    s = np.asarray(src, dtype=np.int64).ravel()
+    d = np.asarray(dst, dtype=np.int64).ravel()
+    if np.ndim(lengths) == 0:
+        n = np.full(len(s), int(lengths), dtype=np.int64)
+    else:
+        n = np.asarray(lengths, dtype=np.int64).ravel()
+    if not len(s) == len(d) == len(n):
+        raise ConfigError(
+            f"copy_spans: src ({len(s)}), dst ({len(d)}) and lengths ({len(n)}) must be equally long"
+        )
+    if len(n) and int(n.min()) < 0:
+        raise ConfigError("copy_spans: a span length is negative; lengths are byte counts >= 0")
+    return s, d, n
+
+
+def copy_spans_cpu(src: Any, dst: Any, lengths: Any) -> int:
+    """CPU reference: ``memmove`` each span; returns the bytes copied."""
+    s, d, n = as_spans(src, dst, lengths)
+    for a, b, k in zip(s.tolist(), d.tolist(), n.tolist()):
+        ctypes.memmove(b, a, k)
+    return int(n.sum())
+
+
+class SpanCopier:
+    """Copies span lists on one CUDA device with one kernel launch each, on its own stream.
+
+    Not thread-safe: one per writer thread (a ``Packer`` or a transport owns one).
+    """
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ConfigError(f"SpanCopier needs a CUDA device, got {self.device}")
+        self.stream = torch.cuda.Stream(self.device)
+        self._host = torch.empty(0, dtype=torch.int64).pin_memory()
+        self._table = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._uploaded: Any = None  # event: the last table upload finished reading ``_host``
+        self.launches = 0
+
+    def _buffers(self, words: int) -> tuple[Any, Any]:
+        import torch
+
+        if self._host.numel() < words:
+            size = max(words, 2 * self._host.numel(), 3 * 4096)
+            self._host = torch.empty(size, dtype=torch.int64).pin_memory()
+            self._table = torch.empty(size, dtype=torch.int64, device=self.device)
+        return self._host, self._table
+
+    def launch(self, src: Any, dst: Any, lengths: Any, *, after: Any = None) -> Any:
+        """Enqueue the copy; returns a ``torch.cuda.Event`` recorded after it (None if empty).
+
+        The copier's stream first waits for ``after`` (a stream; default: the device's current
+        stream, where the engine wrote the KV) by an event, so the copy reads finished data.
+        """
+        import torch
+
+        s, d, n = as_spans(src, dst, lengths)
+        keep = n > 0
+        if not keep.all():
+            s, d, n = s[keep], d[keep], n[keep]
+        if not len(n):
+            return None
+        s, d, n = split_long(s, d, n)
+        width = widest(s, d, n)
+        elems = n // width
+        count = len(n)
+        host, table = self._buffers(3 * count)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous upload has finished reading ``host``
+        view = host[: 3 * count].numpy()
+        view[:count], view[count : 2 * count], view[2 * count :] = s, d, elems
+        stream = self.stream
+        waited = after if after is not None else torch.cuda.current_stream(self.device)
+        stream.wait_stream(waited)
+        longest = int(elems.max())
+        block = min(MAX_BLOCK, 1 << max(0, (longest - 1).bit_length()))
+        grid = (count, -(-longest // block))
+        with torch.cuda.stream(stream):
+            table[: 3 * count].copy_(host[: 3 * count], non_blocking=True)
+            uploaded = torch.cuda.Event()
+            uploaded.record(stream)
+            _kernel()[grid](table, count, WIDTH=width, BLOCK=block, num_warps=4 if block >= 512 else 2)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._uploaded = uploaded
+        self.launches += 1
+        return done
+
+    def copy(self, src: Any, dst: Any, lengths: Any, *, after: Any = None) -> int:
+        """Copy and wait for the copy's event; returns the bytes copied."""
+        _, _, n = as_spans(src, dst, lengths)
+        event = self.launch(src, dst, lengths, after=after)
+        if event is not None:
+            event.synchronize()
+        return int(n.sum())
+
+
+_COPIERS: dict[tuple[int, int], SpanCopier] = {}
+
+
+def copier_for(device: Any) -> SpanCopier:
+    """This thread's copier for ``device`` (one dedicated stream per writer thread and device)."""
+    import torch
+
+    dev = torch.device(device)
+    key = (threading.get_ident(), dev.index if dev.index is not None else torch.cuda.current_device())
+    copier = _COPIERS.get(key)
+    if copier is None:
+        copier = SpanCopier(torch.device("cuda", key[1]))
+        _COPIERS[key] = copier
+    return copier
+
+
+def triton_available() -> bool:
+    """True when a CUDA device and Triton are both there (the GPU path can run)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
