@@ -40,11 +40,14 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "tp_mapping": "kvpush.plugins.tp_mapping",
     "pp_slicing": "kvpush.plugins.pp_slicing",
     "mla_replication": "kvpush.plugins.mla_replication",
+    "block_order": "kvpush.plugins.block_order",
     "strategy": "kvpush.plugins.strategy",
     "nixl": "kvpush.transports.nixl",
     "faulty": "kvpush.transports.faulty",
+    "cuda_ipc": "kvpush.transports.cuda_ipc",
     "uniform": "kvpush.layouts.uniform",
     "hma": "kvpush.layouts.hma",
+    "token_major": "kvpush.layouts.token_major",
 }
 """Short name → module of every built-in plugin, registered like any third-party plugin."""
 
