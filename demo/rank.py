@@ -50,19 +50,59 @@ class RankSpec:
     """Extra ``WorkerConfig`` fields (e.g. ``heartbeat_interval_s``, ``cancel_ack_timeout_s``)."""
     strategy: str | None = None
     """Force the transfer strategy (``direct``/``packed``); None: the strategy plugin picks."""
+    plugins: tuple[tuple[str, str], ...] = ()
+    """Extra plugins as ``(name, "module[:attr]")``, imported and registered in the rank."""
+    load_entrypoints: bool = True
+    """Load installed plugins (the ``kvpush`` entry points) too."""
+    host: str = "127.0.0.1"
+    """This rank's engine address: its side channel binds (and D advertises) it."""
+    netns: str | None = None
+    """Run in this network namespace (the rank's "host"; :mod:`kvpush.demo.netns`)."""
 
 
-def allocate(spec: RankSpec) -> dict[str, Any]:
-    if spec.layout == "hma":
-        from kvpush.layouts.hma import allocate_hma_caches
+def plugin_manager(spec: RankSpec) -> Any:
+    """The rank's plugin manager: built-ins, ``spec.plugins`` (imported by path), a forced
+    strategy, and the installed entry points when ``spec.load_entrypoints``."""
+    import importlib
 
-        return allocate_hma_caches(spec.model, spec.parallel, spec.blocks_per_group, device=spec.device)
-    from kvpush.layouts.uniform import allocate_kv_caches
+    from kvpush.core.manager import get_plugin_manager
 
-    return allocate_kv_caches(spec.model, spec.parallel, spec.blocks_per_group[0], device=spec.device)
+    plugins: list[tuple[str, object]] = []
+    for name, path in spec.plugins:
+        module, _, attr = path.partition(":")
+        plugin: object = importlib.import_module(module)
+        for part in filter(None, attr.split(".")):
+            plugin = getattr(plugin, part)
+        plugins.append((name, plugin))
+    if spec.strategy is not None:
+        from kvpush.plugins.strategy import ForcedStrategy
+
+        plugins.append(("forced_strategy", ForcedStrategy(spec.strategy)))
+    return get_plugin_manager(plugins=plugins, load_entrypoints=spec.load_entrypoints)
+
+
+def allocate(spec: RankSpec, pm: Any = None) -> dict[str, Any]:
+    """Zeroed caches in the rank's layout, from the layout's ``LayoutProvider.allocate``."""
+    from kvpush.core.errors import ConfigError
+
+    provider = (pm or plugin_manager(spec)).layout(spec.layout)
+    if provider.allocate is None:
+        raise ConfigError(
+            f"layout {spec.layout!r} offers no LayoutProvider.allocate(model, parallel, "
+            f"blocks_per_group, device); the demo and kvpush.testing's cluster need it to allocate caches"
+        )
+    return dict(provider.allocate(spec.model, spec.parallel, spec.blocks_per_group, spec.device))
 
 
 def rank_main(spec: RankSpec, conn: Connection) -> None:
+    if spec.netns is not None:
+        try:
+            from kvpush.demo.netns import enter
+
+            enter(spec.netns)  # before any thread starts
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+            return
     logging.basicConfig(
         level=os.environ.get("KVPUSH_LOG_LEVEL", spec.log_level),
         format=f"%(asctime)s {spec.role}{spec.parallel.rank} %(message)s",
@@ -97,14 +137,15 @@ class _RankServer:
         from kvpush.core.receiver import PushReceiver
         from kvpush.core.sender import PushSender
         from kvpush.core.worker import WorkerConfig
-        from kvpush.demo.content import region_tensors
+        from kvpush.demo.content import region_views
 
         cuda_index = None
         if spec.device.startswith("cuda"):
             cuda_index = torch.device(spec.device).index or 0
             torch.cuda.set_device(cuda_index)
         self.spec = spec
-        self.caches = allocate(spec)
+        pm = plugin_manager(spec)
+        self.caches = allocate(spec, pm)
         config = WorkerConfig(
             engine_id=spec.engine_id,
             parallel=spec.parallel,
@@ -112,6 +153,7 @@ class _RankServer:
             layout=spec.layout,
             transport=spec.transport,
             transport_options=dict(spec.transport_options),
+            side_channel_host=spec.host,
             side_channel_port=spec.side_channel_port,
             request_timeout_s=spec.request_timeout_s,
             lease_s=spec.lease_s,
@@ -119,17 +161,11 @@ class _RankServer:
             cuda_device=cuda_index,
         )
         worker_cls = PushSender if spec.role == "prefill" else PushReceiver
-        pm = None
-        if spec.strategy is not None:
-            from kvpush.core.manager import get_plugin_manager
-            from kvpush.plugins.strategy import ForcedStrategy
-
-            pm = get_plugin_manager(plugins=[("forced_strategy", ForcedStrategy(spec.strategy))])
         self.worker = worker_cls(config, self.caches, pm=pm)
         self.worker.start()
         assert self.worker.metadata is not None
         self.regions = self.worker.metadata.regions
-        self.tensors = region_tensors(self.caches, spec.model)
+        self.tensors = region_views(self.caches, self.regions)
         self.expect: dict[str, tuple[int, Any, Any]] = {}
         self.received_bytes: dict[str, int] = {}
         self.freed: dict[str, Any] = {}
@@ -248,3 +284,37 @@ class _RankServer:
             "stats": dict(worker.stats),
             "dropped_notifications": worker.dropped_notifications,
         }
+
+
+def side_channel_main(engine_id: str, host: str, netns: str | None, conn: Connection) -> None:
+    """An engine's side channel in its own process (its scheduler's role), on ``host`` inside
+    ``netns``: replies ``("ready", port)``, then serves ``("publish", {rank: payload})`` until
+    ``("stop",)`` or the parent is gone."""
+    try:
+        if netns is not None:
+            from kvpush.demo.netns import enter
+
+            enter(netns)
+        from kvpush.core.sidechannel import SideChannelServer
+
+        server = SideChannelServer(engine_id, host=host)
+        conn.send(("ready", server.port))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:  # the parent is gone
+                break
+            if message[0] == "stop":
+                conn.send(("ok", None))
+                break
+            try:
+                server.publish_all(message[1])
+                conn.send(("ok", None))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        server.close()

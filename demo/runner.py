@@ -49,7 +49,23 @@ def model_for(layout: str, num_layers: int = 8) -> tuple[ModelSpec, str]:
             ),
             "hma",
         )
-    raise ConfigError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    return _registered_model(layout)
+
+
+def _registered_model(layout: str) -> tuple[ModelSpec, str]:
+    """Any other name: a registered layout plugin and its ``LayoutProvider.demo_model``."""
+    from kvpush.core.manager import get_plugin_manager
+
+    try:
+        provider = get_plugin_manager().layout(layout)
+    except ConfigError as err:
+        raise ConfigError(f"unknown --layout {layout!r}: choose {', '.join(LAYOUTS)} or {err}") from None
+    if provider.demo_model is None:
+        raise ConfigError(
+            f"layout {layout!r} sets no LayoutProvider.demo_model, so the demo has no model to "
+            f"push with it; give its provider a demo_model (and an allocate)"
+        )
+    return provider.demo_model, layout
 
 
 @attrs.frozen(kw_only=True)
@@ -70,8 +86,30 @@ class RunConfig:
     seed: int = 0
     timeout_s: float = 120.0
     num_layers: int = 8
+    model: ModelSpec | None = None
+    """The model to push; None: the ``--layout`` choice's demo model (then ``layout`` is a
+    registered layout name when it is not mha/mla/hma)."""
+    plugins: tuple[tuple[str, str], ...] = ()
+    """Extra plugins every rank registers, as ``(name, "module[:attr]")``."""
+    load_entrypoints: bool = True
+    """Ranks also load installed plugins (the ``kvpush`` entry points)."""
+    transport: str = "nixl"
     strategy: str | None = None
     """Force the transfer strategy (``direct`` or ``packed``); None lets the strategy plugin pick."""
+    prefill_host: str = "127.0.0.1"
+    """P's address: its side channel binds it and D reaches P there (``remote_host``)."""
+    decode_host: str = "127.0.0.1"
+    """D's address: its side channel binds it and D advertises it to P."""
+    prefill_netns: str | None = None
+    """Run P's processes (ranks and side channel) in this network namespace."""
+    decode_netns: str | None = None
+    """Run D's processes in this network namespace."""
+    netns: bool = False
+    """Build two namespaces joined by a veth pair for this run and place P and D in them
+    (``kvpush.demo.netns``; needs root); UCX is set to ``tcp`` over the link unless
+    ``transport_options`` says otherwise."""
+    transport_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    """NIXL transport options of every rank (e.g. ``{"ucx_tls": "tcp"}``)."""
 
 
 @attrs.define
@@ -94,6 +132,69 @@ class _Rank:
         if status == "error":
             raise RuntimeError(f"rank {self.key} failed on {message[0]!r}:\n{value}")
         return value
+
+
+@attrs.define
+class EngineSideChannel:
+    """One engine's side channel: served from this process, or (``netns``) from a process in
+    the engine's namespace, as the engine's scheduler would on its own host."""
+
+    engine_id: str
+    host: str
+    port: int
+    server: SideChannelServer | None = None
+    process: Any = None
+    conn: Any = None
+
+    def publish_all(self, payloads: dict[RankKey, bytes], timeout_s: float = 30.0) -> None:
+        if self.server is not None:
+            self.server.publish_all(payloads)
+            return
+        self.conn.send(("publish", payloads))
+        if not self.conn.poll(timeout_s):
+            raise WaitTimeout(
+                f"side channel of {self.engine_id} did not confirm a publish within {timeout_s}s"
+            )
+        status, value = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(f"side channel of {self.engine_id} failed to publish:\n{value}")
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            return
+        with contextlib.suppress(Exception):
+            self.conn.send(("stop",))
+            self.conn.poll(5)
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+
+
+def start_side_channel(
+    engine_id: str, host: str = "127.0.0.1", netns: str | None = None, timeout_s: float = 60.0
+) -> EngineSideChannel:
+    """Serve ``engine_id``'s side channel on ``host`` (inside ``netns`` when given)."""
+    if netns is None:
+        server = SideChannelServer(engine_id, host=host)
+        return EngineSideChannel(engine_id, host, server.port, server=server)
+    from kvpush.demo.rank import side_channel_main
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(
+        target=side_channel_main, args=(engine_id, host, netns, child), daemon=True, name="kvpush-sc"
+    )
+    process.start()
+    if not parent.poll(timeout_s):
+        process.kill()
+        raise WaitTimeout(f"side channel of {engine_id} in {netns} did not start within {timeout_s}s")
+    status, value = parent.recv()
+    if status == "error":
+        process.join(timeout=5)
+        raise RuntimeError(f"side channel of {engine_id} in {netns} failed to start:\n{value}")
+    return EngineSideChannel(engine_id, host, value, process=process, conn=parent)
 
 
 def _start_ranks(specs: list[RankSpec], timeout_s: float) -> tuple[list[_Rank], dict[RankKey, bytes]]:
@@ -149,23 +250,62 @@ def _plan_requests(cfg: RunConfig, model: ModelSpec, blocks: tuple[int, ...]) ->
     return plans
 
 
+def placed_in_netns(cfg: RunConfig, pair: Any) -> RunConfig:
+    """``cfg`` with P and D placed in ``pair``'s namespaces (a :class:`NetnsPair`), UCX on TCP
+    over the link between them unless ``cfg.transport_options`` chose otherwise."""
+    options = {"ucx_tls": "tcp", "ucx_net_devices": pair.link, **cfg.transport_options}
+    return attrs.evolve(
+        cfg,
+        netns=False,
+        prefill_host=pair.prefill_host,
+        decode_host=pair.decode_host,
+        prefill_netns=pair.prefill_ns,
+        decode_netns=pair.decode_ns,
+        transport_options=options,
+    )
+
+
+def placement(cfg: RunConfig) -> str:
+    """Where P and D run, in words."""
+    p_where = cfg.prefill_host + (f" (netns {cfg.prefill_netns})" if cfg.prefill_netns else "")
+    d_where = cfg.decode_host + (f" (netns {cfg.decode_netns})" if cfg.decode_netns else "")
+    ucx = ", ".join(f"{k}={v}" for k, v in sorted(cfg.transport_options.items()) if k.startswith("ucx_"))
+    return f"P at {p_where}, D at {d_where}" + (f"; {ucx}" if ucx else "")
+
+
 def run_config(cfg: RunConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run one configuration end to end and return its report row."""
+    if cfg.netns:
+        from kvpush.demo.netns import NetnsPair
+
+        with NetnsPair() as pair:
+            return run_config(placed_in_netns(cfg, pair), progress)
     say = progress or (lambda _msg: None)
-    model, layout = model_for(cfg.layout, cfg.num_layers)
+    model, layout = (
+        (cfg.model, cfg.layout) if cfg.model is not None else model_for(cfg.layout, cfg.num_layers)
+    )
     base = cfg.requests * cfg.max_blocks + 16
     blocks = tuple(base if g == 0 else cfg.requests * cfg.window_blocks + 16 for g in range(model.num_groups))
-    p_server = SideChannelServer("prefill-0")
-    d_server = SideChannelServer("decode-0")
     ranks: list[_Rank] = []
+    servers: list[EngineSideChannel] = []
     label = f"{cfg.layout} PP{cfg.prefill_pp}xTP{cfg.prefill_tp} -> TP{cfg.decode_tp}"
     try:
+        p_server = start_side_channel("prefill-0", cfg.prefill_host, cfg.prefill_netns)
+        servers.append(p_server)
+        d_server = start_side_channel("decode-0", cfg.decode_host, cfg.decode_netns)
+        servers.append(d_server)
+        if cfg.prefill_host != "127.0.0.1" or cfg.decode_host != "127.0.0.1" or cfg.transport_options:
+            say(f"[{label}] {placement(cfg)}")
         common = {
             "model": model,
             "layout": layout,
             "blocks_per_group": blocks,
             "request_timeout_s": cfg.timeout_s,
             "strategy": cfg.strategy,
+            "transport_options": dict(cfg.transport_options),
+            "transport": cfg.transport,
+            "plugins": cfg.plugins,
+            "load_entrypoints": cfg.load_entrypoints,
         }
         p_specs = [
             RankSpec(
@@ -180,6 +320,8 @@ def run_config(cfg: RunConfig, progress: Callable[[str], None] | None = None) ->
                 ),
                 device=cfg.device,
                 side_channel_port=p_server.port,
+                host=cfg.prefill_host,
+                netns=cfg.prefill_netns,
                 **common,
             )
             for pp in range(cfg.prefill_pp)
@@ -192,6 +334,8 @@ def run_config(cfg: RunConfig, progress: Callable[[str], None] | None = None) ->
                 parallel=ParallelConfig(tp_size=cfg.decode_tp, tp_rank=tp, num_layers=model.num_layers),
                 device=cfg.decode_device or cfg.device,
                 side_channel_port=d_server.port,
+                host=cfg.decode_host,
+                netns=cfg.decode_netns,
                 **common,
             )
             for tp in range(cfg.decode_tp)
@@ -209,7 +353,7 @@ def run_config(cfg: RunConfig, progress: Callable[[str], None] | None = None) ->
             rank.call(("prepare", [(p["rid"], p["seed"], p["p_ids"]) for p in plans]), timeout_s=300)
         params = {
             "remote_engine_id": "prefill-0",
-            "remote_host": "127.0.0.1",
+            "remote_host": cfg.prefill_host,
             "remote_port": p_server.port,
             "tp_size": cfg.prefill_tp,
             "pp_size": cfg.prefill_pp,
@@ -225,8 +369,8 @@ def run_config(cfg: RunConfig, progress: Callable[[str], None] | None = None) ->
         return _summarise(cfg, plans, batch or warmup, results, p_ranks, d_ranks)
     finally:
         _stop(ranks)
-        p_server.close()
-        d_server.close()
+        for server in servers:
+            server.close()
 
 
 @attrs.define
@@ -338,6 +482,7 @@ def _summarise(
     notif = [ms for s in d_stats for ms in s["handshake_ms"]["notif_only"]]
     return {
         "layout": cfg.layout,
+        "placement": placement(cfg),
         "prefill_pp": cfg.prefill_pp,
         "prefill_tp": cfg.prefill_tp,
         "decode_tp": cfg.decode_tp,
@@ -386,6 +531,9 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
             file=out,
         )
     for row in rows:
+        where = row.get("placement")
+        if where and not where.startswith("P at 127.0.0.1, D at 127.0.0.1"):
+            print(f"  {row['layout']}: {where}", file=out)
         for rid, reason in row["failures"].items():
             print(f"  {row['layout']} {rid}: {reason}", file=out)
 
@@ -397,8 +545,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layout",
         action="append",
-        choices=LAYOUTS,
-        help="model layout to push; repeatable (default: mha, mla and hma)",
+        metavar="NAME",
+        help="model layout to push: mha, mla, hma or any registered layout with a demo_model "
+        "(see `kvpush plugins`); repeatable (default: mha, mla and hma)",
     )
     parser.add_argument("--requests", type=int, default=32, help="requests per layout (default 32)")
     parser.add_argument("--max-blocks", type=int, default=16, help="largest request in blocks (default 16)")
@@ -418,6 +567,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--abort-rate", type=float, default=0.1, help="soak: share of requests D aborts")
     parser.add_argument("--fault-rate", type=float, default=0.01, help="soak: rate of each injected fault")
+    hosts = parser.add_argument_group("placing P and D on different hosts (docs/deployment.md)")
+    hosts.add_argument("--prefill-host", default="127.0.0.1", help="P's address; its side channel binds it")
+    hosts.add_argument("--decode-host", default="127.0.0.1", help="D's address; bound and advertised to P")
+    hosts.add_argument("--prefill-netns", default=None, help="run P's processes in this network namespace")
+    hosts.add_argument("--decode-netns", default=None, help="run D's processes in this network namespace")
+    hosts.add_argument(
+        "--netns",
+        action="store_true",
+        help="build two network namespaces joined by a veth pair, place P and D in them and push "
+        "across the link (needs root; removed afterwards)",
+    )
+    hosts.add_argument("--ucx-tls", default=None, help="UCX transports, e.g. tcp (nixl option ucx_tls)")
+    hosts.add_argument(
+        "--ucx-net-devices", default=None, help="UCX network devices, e.g. eth1 (nixl option ucx_net_devices)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -441,6 +605,7 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed,
             timeout_s=args.timeout,
             strategy=args.strategy,
+            **placement_options(args),
         )
         try:
             row = run_config(cfg, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -448,6 +613,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"[{layout}] failed: {err}", file=sys.stderr)
             row = {
                 "layout": layout,
+                "placement": placement(cfg),
                 "prefill_pp": cfg.prefill_pp,
                 "prefill_tp": cfg.prefill_tp,
                 "decode_tp": cfg.decode_tp,
@@ -470,6 +636,23 @@ def main(args: argparse.Namespace) -> int:
         print_table(rows)
         print("\nall requests verified byte for byte" if ok else "\nSOME REQUESTS WERE NOT VERIFIED")
     return 0 if ok else 1
+
+
+def placement_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``RunConfig`` fields from the host-placement options of ``kvpush demo``."""
+    transport_options = {}
+    if getattr(args, "ucx_tls", None):
+        transport_options["ucx_tls"] = args.ucx_tls
+    if getattr(args, "ucx_net_devices", None):
+        transport_options["ucx_net_devices"] = args.ucx_net_devices
+    return {
+        "prefill_host": getattr(args, "prefill_host", "127.0.0.1"),
+        "decode_host": getattr(args, "decode_host", "127.0.0.1"),
+        "prefill_netns": getattr(args, "prefill_netns", None),
+        "decode_netns": getattr(args, "decode_netns", None),
+        "netns": bool(getattr(args, "netns", False)),
+        "transport_options": transport_options,
+    }
 
 
 def _available_layouts() -> list[str]:
