@@ -156,6 +156,7 @@ def make_agent_metadata(
                     component=component,
                     replicate=attention == "mla",
                     num_heads=heads,
+                    block_order="heads_outer",
                 )
             )
             base += block_len * num_blocks

@@ -1,8 +1,12 @@
 """Vectorised transfer planning: descriptor lists and descriptor ids (numpy, no per-block loop).
 
-A prepared descriptor list holds, region by region, one descriptor per block of the region
-(region-major). The descriptor id of block ``b`` of region ``i`` is ``offset[i] + b`` where
-``offset`` is the running sum of the regions' block counts. Both sides compute ids over their
+A prepared descriptor list holds, region by region, ``rows_i`` descriptors per block of the
+region (region-major, then block, then row). ``rows_i`` is 1, or ``block_tokens`` for a
+head-split ``tokens_outer`` region, whose head slice is one range per token
+(:mod:`kvpush.core.block_order`); such a region is cut per token in every list, whole blocks
+included, so a sliced side always pairs row for row with an unsliced one. The descriptor id of
+row ``t`` of block ``b`` of region ``i`` is ``offset[i] + b x rows_i + t`` where ``offset`` is
+the running sum of the regions' ``num_blocks x rows``. Both sides compute ids over their
 regions in *local* region order (the remote list is built over the aligned peer regions), so
 entry ``n`` of the local ids pairs with entry ``n`` of the remote ids.
 """
@@ -13,39 +17,35 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpush.core.block_order import slice_rows, token_rows
 from kvpush.core.errors import ConfigError
 from kvpush.core.types import BlockIds, KVRegion
 
 
 def region_descriptors(regions: Sequence[KVRegion], part: tuple[int, int] = (0, 1)) -> np.ndarray:
-    """Nx3 uint64 ``(addr, len, device)`` for every block of every region, region-major.
+    """Nx3 uint64 ``(addr, len, device)`` for every row of every block of every region.
 
-    ``part = (index, count)`` selects byte slice ``index`` of ``count`` equal slices of each
-    block (a head slice for heterogeneous TP).
+    ``part = (index, count)`` selects head slice ``index`` of ``count`` equal slices of each
+    block (heterogeneous TP): one byte range (``heads_outer``), or one per token
+    (``tokens_outer``, see the module docstring).
     """
-    index, count = part
-    if not 0 <= index < count:
-        raise ConfigError(f"block part {part} must satisfy 0 <= index < count")
-    blocks = [np.arange(r.num_blocks, dtype=np.uint64) for r in regions]
-    out = np.empty((sum(r.num_blocks for r in regions), 3), dtype=np.uint64)
+    rows = [slice_rows(r, part, per_token=True) for r in regions]
+    out = np.empty((sum(r.num_blocks * s.rows for r, s in zip(regions, rows)), 3), dtype=np.uint64)
     start = 0
-    for region, ids in zip(regions, blocks):
-        if region.block_len % count:
-            raise ConfigError(
-                f"block of {region.layer_names} ({region.block_len} bytes) cannot be cut into "
-                f"{count} equal slices"
-            )
-        size = region.block_len // count
-        end = start + region.num_blocks
-        out[start:end, 0] = region.base_addr + ids * region.block_stride + index * size
-        out[start:end, 1] = size
+    for region, cut in zip(regions, rows):
+        end = start + region.num_blocks * cut.rows
+        blocks = np.arange(region.num_blocks, dtype=np.uint64) * np.uint64(region.block_stride)
+        within = np.uint64(cut.first) + np.arange(cut.rows, dtype=np.uint64) * np.uint64(cut.step)
+        out[start:end, 0] = (np.uint64(region.base_addr) + blocks[:, None] + within[None, :]).ravel()
+        out[start:end, 1] = cut.size
         out[start:end, 2] = region.device_id
         start = end
     return out
 
 
 def region_offsets(regions: Sequence[KVRegion]) -> np.ndarray:
-    counts = np.fromiter((r.num_blocks for r in regions), dtype=np.int64, count=len(regions))
+    """Descriptor id of each region's first row (the running sum of ``num_blocks x rows``)."""
+    counts = np.fromiter((r.num_blocks * token_rows(r) for r in regions), dtype=np.int64, count=len(regions))
     return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
 
 
@@ -60,18 +60,20 @@ def descriptor_ids(regions: Sequence[KVRegion], groups: Sequence[int], block_ids
         raise ConfigError(
             f"regions use KV-cache group {top} but block ids were given for {len(block_ids)} group(s)"
         )
-    if len(set(groups)) == 1:  # common case: one broadcast over every region, int32 throughout
+    rows = [token_rows(r) for r in regions]
+    if len(set(groups)) == 1 and set(rows) == {1}:  # common case: one broadcast, int32 throughout
         ids = np.asarray(block_ids[groups[0]], dtype=np.int64)
         _check_capacity(ids, capacities.min(initial=np.iinfo(np.int64).max), groups[0])
         out = np.empty((len(offsets), len(ids)), dtype=np.int32)
         np.add(offsets32[:, None], ids.astype(np.int32)[None, :], out=out)
         return out.ravel()
-    # region order is kept: ids are emitted region by region
+    # region order is kept: ids are emitted region by region (then block, then token row)
     parts = []
     for i, group in enumerate(groups):
         ids = np.asarray(block_ids[group], dtype=np.int64)
         _check_capacity(ids, capacities[i], group)
-        parts.append(offsets[i] + ids)
+        n = rows[i]
+        parts.append((offsets[i] + ids[:, None] * n + np.arange(n, dtype=np.int64)[None, :]).ravel())
     out = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
     return out.astype(np.int32)
 
@@ -89,8 +91,10 @@ def _region_table(regions: Sequence[KVRegion]) -> tuple[np.ndarray, np.ndarray, 
         return hit[1], hit[2], hit[3]
     offsets = region_offsets(regions)
     capacities = np.fromiter((r.num_blocks for r in regions), dtype=np.int64, count=len(regions))
-    if len(offsets) and int(offsets[-1] + capacities[-1]) > np.iinfo(np.int32).max:
-        raise ConfigError(f"{int(offsets[-1] + capacities[-1])} descriptors do not fit int32 ids")
+    if len(offsets) and int(offsets[-1] + capacities[-1] * token_rows(regions[-1])) > np.iinfo(np.int32).max:
+        raise ConfigError(
+            f"{int(offsets[-1] + capacities[-1] * token_rows(regions[-1]))} descriptors do not fit int32 ids"
+        )
     if len(_TABLES) >= _TABLES_MAX:
         _TABLES.clear()
     _TABLES[key] = (tuple(regions), offsets, capacities, offsets.astype(np.int32))

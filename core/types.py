@@ -18,6 +18,8 @@ from kvpush.core.errors import ConfigError
 MemType = Literal["DRAM", "VRAM"]
 Component = Literal["K", "V", "KV", "latent"]
 AttentionKind = Literal["full", "sliding_window"]
+BlockOrder = Literal["unspecified", "heads_outer", "tokens_outer"]
+BLOCK_ORDERS: tuple[str, ...] = ("unspecified", "heads_outer", "tokens_outer")
 BlockIds = tuple[tuple[int, ...], ...]
 
 
@@ -190,12 +192,31 @@ class KVRegion:
     attention_kind: AttentionKind = "full"
     num_heads: int = 1
     """Heads this rank holds in the region (1 for a replicated latent)."""
+    block_order: BlockOrder = "unspecified"
+    """How a block is laid out inside (see docs/architecture.md, "In-block order"):
+    ``heads_outer`` (HND, ``[heads, tokens, head_dim]``: a head slice is one byte range),
+    ``tokens_outer`` (NHD, ``[tokens, heads, head_dim]``: a head slice is one range per token)
+    or ``unspecified`` (whole blocks only: heterogeneous TP is refused at handshake)."""
+    block_tokens: int = field(default=0, validator=_non_negative)
+    """Tokens per block; required (> 0) for ``tokens_outer``."""
 
     def __attrs_post_init__(self) -> None:
         if self.block_stride < self.block_len:
             raise ConfigError(
                 f"region of {self.layer_names}: block_stride {self.block_stride} is smaller "
                 f"than block_len {self.block_len}; blocks would overlap"
+            )
+        if self.block_order not in BLOCK_ORDERS:
+            raise ConfigError(
+                f"region of {self.layer_names}: block_order {self.block_order!r} is not one of {BLOCK_ORDERS}"
+            )
+        if self.block_order == "tokens_outer" and (
+            self.block_tokens <= 0 or self.block_len % (self.block_tokens * self.num_heads)
+        ):
+            raise ConfigError(
+                f"region of {self.layer_names}: a tokens_outer block needs block_tokens > 0 with "
+                f"block_len ({self.block_len}) a multiple of block_tokens ({self.block_tokens}) x "
+                f"num_heads ({self.num_heads}); set block_tokens to the tokens per block"
             )
         if self.mem_type not in ("DRAM", "VRAM"):
             raise ConfigError(f"mem_type must be 'DRAM' or 'VRAM', got {self.mem_type!r}")
@@ -208,6 +229,11 @@ class KVRegion:
     @property
     def end_addr(self) -> int:
         return self.base_addr + (self.num_blocks - 1) * self.block_stride + self.block_len
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's row of a ``tokens_outer`` block (all heads of the region)."""
+        return self.block_len // self.block_tokens if self.block_tokens else self.block_len
 
 
 @frozen(kw_only=True)

@@ -98,6 +98,8 @@ def _region_to_map(region: KVRegion) -> dict[str, Any]:
         "replicate": region.replicate,
         "attention_kind": region.attention_kind,
         "num_heads": region.num_heads,
+        "block_order": region.block_order,
+        "block_tokens": region.block_tokens,
     }
 
 

@@ -88,6 +88,7 @@ def describe_hma(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: 
             "attention_kind": model.kind_of(layer),
             "replicate": False,
             "num_heads": heads,
+            "block_order": "heads_outer",
         }
         for index, component in enumerate(("K", "V")):
             regions.append(tensor_region(tensor[index], component=component, **identity))

@@ -46,6 +46,7 @@ def describe_uniform(
             "layer_names": (name,),
             "kv_group": model.group_of(layer),
             "attention_kind": model.kind_of(layer),
+            "block_order": "heads_outer",  # (2, blocks, heads, tokens, dim); a latent has one head
         }
         if model.attention == "mla":
             if tensor.dim() != 3 or tensor.shape[-1] != model.head_dim:

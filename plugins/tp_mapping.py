@@ -1,7 +1,9 @@
 """TP mapping: which D ranks a P rank writes, and which head slice of each block.
 
-Regions split by heads (MHA/GQA) are laid out head-major inside a block, so a head slice is
-one contiguous byte range:
+A head slice is a part ``(index, count)`` of a block; where its bytes lie depends on the
+region's in-block order (:mod:`kvpush.core.block_order`): one byte range for a heads-outer
+(HND) block, one range per token for a tokens-outer (NHD) block. A region that declares no
+order cannot be sliced, so heterogeneous TP over it fails here (and at handshake):
 
 - P_TP == D_TP: rank r writes rank r, whole blocks.
 - P_TP <  D_TP (k = D_TP // P_TP): rank r writes ranks r·k … r·k+k-1; D rank r·k+s gets
@@ -12,6 +14,7 @@ one contiguous byte range:
 
 from __future__ import annotations
 
+from kvpush.core.block_order import check_regions_sliceable
 from kvpush.core.errors import ConfigError
 from kvpush.core.markers import hookimpl
 from kvpush.core.types import PushJob, ReadSpec
@@ -34,6 +37,8 @@ def kvpush_build_read_specs(job: PushJob) -> list[ReadSpec]:
             "built-in TP mapping"
         )
     k = tp_ratio(local.tp_size, job.decode_tp_size)
+    what = f"P TP {local.tp_size} -> D TP {job.decode_tp_size} with layout {job.local.layout!r}"
+    check_regions_sliceable(job.local.regions, k, what)
     common = {"local_block_ids": job.local_block_ids, "remote_block_ids": job.remote_block_ids}
     if local.tp_size == job.decode_tp_size:
         return [ReadSpec(dst_tp_rank=local.tp_rank, **common)]
