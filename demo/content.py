@@ -1,61 +1,86 @@
-"""Deterministic KV content: what P writes into a block and what D must find there.
+"""Deterministic KV content for any layout: what P writes into a block and what D must find.
 
-Every element of a block gets a 16-bit value derived from (request seed, layer, component,
-position of the block in the request, global head, element index), so a block that lands in
-the wrong slot, the wrong layer, or with the wrong head slice never matches.
+Everything works from the regions a layout described, not from its tensor shapes: a region's
+blocks are found by address inside the rank's KV tensors (:func:`region_views`), and every byte
+of a block gets a value derived from (request seed, the region's layer names, KV group and
+component, the block's position in the request, the byte's *global head* and its offset inside
+that head). The head comes from the region's in-block order (``heads_outer``: head-major;
+``tokens_outer``: one head row per token), so a head slice pushed under heterogeneous TP lands
+where D expects it, and a block in the wrong slot, layer, component or head never matches.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from kvpush.core.types import KVRegion, ModelSpec, ParallelConfig
+from kvpush.core.types import KVRegion, ParallelConfig
 
-COMPONENT_CODE = {"K": 1, "V": 2, "KV": 3, "latent": 4}
-
-
-def layer_index(name: str) -> int:
-    digits = "".join(ch if ch.isdigit() else " " for ch in name).split()
-    return int(digits[-1]) if digits else 0
+__all__ = ["fill_request", "region_views", "verify_request"]
 
 
-def block_pattern(
-    seed: int, layer: int, component: str, position: int, heads: range, per_head: int, device: Any
-) -> torch.Tensor:
-    """int16 values of one block: ``len(heads)`` rows of ``per_head`` elements."""
-    base = (seed * 1_000_003 + layer * 7919 + COMPONENT_CODE[component] * 104_729 + position * 31) % 65_536
-    head_ids = torch.tensor(list(heads), dtype=torch.int64, device=device)
-    offsets = head_ids[:, None] * per_head + torch.arange(per_head, dtype=torch.int64, device=device)[None, :]
-    return ((base + offsets) % 65_536 - 32_768).to(torch.int16)
+def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage of ``tensor``."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
-def region_heads(region: KVRegion, parallel: ParallelConfig) -> range:
-    """Global head indices a rank holds in a region (0..0 for a replicated latent)."""
-    if region.replicate:
-        return range(1)
-    start = parallel.tp_rank * region.num_heads
-    return range(start, start + region.num_heads)
+def region_views(kv_caches: Mapping[str, torch.Tensor], regions: Sequence[KVRegion]) -> list[torch.Tensor]:
+    """For each region, a ``(num_blocks, block_len)`` uint8 view of its blocks inside the caches.
+
+    A region must lie inside the storage of one of the tensors of ``kv_caches`` (the tensors the
+    layout described it from); ``ValueError`` names the region otherwise.
+    """
+    storages = []
+    for tensor in kv_caches.values():
+        flat = _storage_bytes(tensor)
+        storages.append((flat.data_ptr(), flat.data_ptr() + flat.numel(), flat))
+    views = []
+    for index, region in enumerate(regions):
+        owner = next((s for s in storages if s[0] <= region.base_addr and region.end_addr <= s[1]), None)
+        if owner is None:
+            raise ValueError(
+                f"region {index} ({region.layer_names} {region.component}) lies in none of the KV "
+                f"cache tensors; a layout must describe regions over the tensors it was given"
+            )
+        start, _, flat = owner
+        views.append(
+            flat.as_strided(
+                (region.num_blocks, region.block_len), (region.block_stride, 1), region.base_addr - start
+            )
+        )
+    return views
 
 
-def _block_view(region: KVRegion, tensor: torch.Tensor, block: int) -> torch.Tensor:
-    return tensor[block].reshape(-1).view(torch.int16)
+def _logical_offsets(region: KVRegion, parallel: ParallelConfig, device: Any) -> torch.Tensor:
+    """For each byte of a block: ``global head x bytes per head + offset inside the head``."""
+    heads = 1 if region.replicate else region.num_heads
+    first = 0 if region.replicate else parallel.tp_rank * region.num_heads
+    offsets = torch.arange(region.block_len, dtype=torch.int64, device=device)
+    per_head = region.block_len // heads
+    tokens = getattr(region, "block_tokens", 0)
+    if getattr(region, "block_order", "heads_outer") == "tokens_outer" and tokens > 0:
+        row = per_head // tokens  # bytes of one head in one token
+        token, rest = offsets // (heads * row), offsets % (heads * row)
+        head, within = rest // row, token * row + rest % row
+    else:
+        head, within = offsets // per_head, offsets % per_head
+    return (first + head) * per_head + within
 
 
-def region_tensors(kv_caches: Mapping[str, torch.Tensor], model: ModelSpec) -> list[torch.Tensor]:
-    """The per-region tensors in region order (K then V per layer for mha/hma; latent for mla)."""
-    from kvpush.layouts.uniform import natural_key
+def _identity(region: KVRegion) -> int:
+    key = f"{'|'.join(region.layer_names)}/{region.kv_group}/{region.component}".encode()
+    return zlib.crc32(key)
 
-    out = []
-    for name in sorted(kv_caches, key=natural_key):
-        tensor = kv_caches[name]
-        if model.attention == "mla":
-            out.append(tensor)
-        else:
-            out.extend([tensor[0], tensor[1]])
-    return out
+
+def _blocks(region: KVRegion, parallel: ParallelConfig, seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """uint8 content of the blocks at ``positions`` of a request: ``(len(positions), block_len)``."""
+    logical = _logical_offsets(region, parallel, positions.device)
+    base = (seed * 1_000_003 + _identity(region) * 7919 + positions * 104_729) % (1 << 31)
+    mixed = (base[:, None] * 31 + logical[None, :]) * 2_654_435_761 % (1 << 32)
+    return (mixed >> 24).to(torch.uint8)
 
 
 def fill_request(
@@ -65,14 +90,15 @@ def fill_request(
     seed: int,
     block_ids: Sequence[Sequence[int]],
 ) -> None:
-    """P: write the request's content into its blocks (per group)."""
-    for region, tensor in zip(regions, tensors, strict=True):
-        heads = region_heads(region, parallel)
-        per_head = region.block_len // 2 // len(heads)
-        layer = layer_index(region.layer_names[0])
-        for position, block in enumerate(block_ids[region.kv_group]):
-            values = block_pattern(seed, layer, region.component, position, heads, per_head, tensor.device)
-            _block_view(region, tensor, block).copy_(values.reshape(-1))
+    """P: write the request's content into its blocks (per group); ``tensors`` from :func:`region_views`."""
+    for region, view in zip(regions, tensors, strict=True):
+        ids = list(block_ids[region.kv_group])
+        if not ids:
+            continue
+        positions = torch.arange(len(ids), dtype=torch.int64, device=view.device)
+        view[torch.tensor(ids, dtype=torch.int64, device=view.device)] = _blocks(
+            region, parallel, seed, positions
+        )
 
 
 def verify_request(
@@ -88,18 +114,20 @@ def verify_request(
     ``position_offset[g]`` shifts positions for a prefix-cache hit (D registered only the
     suffix of group g, so its first block is P's block number ``offset``).
     """
-    for region, tensor in zip(regions, tensors, strict=True):
-        heads = region_heads(region, parallel)
-        per_head = region.block_len // 2 // len(heads)
-        layer = layer_index(region.layer_names[0])
+    for region, view in zip(regions, tensors, strict=True):
+        ids = list(block_ids[region.kv_group])
+        if not ids:
+            continue
         offset = position_offset[region.kv_group] if position_offset else 0
-        for position, block in enumerate(block_ids[region.kv_group]):
-            expected = block_pattern(
-                seed, layer, region.component, position + offset, heads, per_head, tensor.device
+        positions = torch.arange(offset, offset + len(ids), dtype=torch.int64, device=view.device)
+        expected = _blocks(region, parallel, seed, positions)
+        got = view[torch.tensor(ids, dtype=torch.int64, device=view.device)]
+        if not torch.equal(got, expected):
+            row = int((got != expected).any(dim=1).nonzero()[0, 0])
+            byte = int((got[row] != expected[row]).nonzero()[0, 0])
+            return (
+                f"block {ids[row]} (position {row + offset}) of {', '.join(region.layer_names)} "
+                f"{region.component} does not hold the pushed bytes (first wrong byte {byte} of "
+                f"{region.block_len})"
             )
-            if not torch.equal(_block_view(region, tensor, block), expected.reshape(-1)):
-                return (
-                    f"block {block} (position {position + offset}) of {region.layer_names[0]} "
-                    f"{region.component} does not hold the pushed bytes"
-                )
     return None
