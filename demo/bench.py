@@ -14,8 +14,22 @@ pipe hop), with D waiting for the data the way each method needs:
 - ``direct`` / ``packed``: D has registered the request (``PUSH_REG`` already stashed on P);
   P calls ``request_finished``, its writer thread plans and posts; D's writer (polling every
   ``poll_s``) counts the DONE (and, packed, scatters first); D reports the request done;
-- ``copy``: one ``index_select`` of the same blocks into a buffer, in P's process (the memory
+- ``raw_contig``: raw NIXL writing the same number of bytes laid out contiguously (block ids
+  ``0..n-1`` on both sides, which NIXL merges per region): what the hardware path does with
+  the same bytes when nothing is scattered;
+- ``cuda_ipc`` (GPU): kvpush over the ``cuda_ipc`` transport (direct strategy: one kernel from
+  P's blocks into D's blocks through CUDA IPC, then the DONE over NIXL), in a second pair of
+  processes whose transport is ``cuda_ipc`` (UCX and this process must not both map D's memory);
+- ``ceiling`` (GPU): the same one-kernel copy of P's scattered blocks into scattered blocks of
+  a second KV allocation on D's device, in P's process (peer access, no IPC, no host protocol):
+  what one launch can do;
+- ``copy``: one gather of the same blocks into a buffer, in P's process (the memory
   bandwidth the bytes would need without any transfer).
+
+``--shape`` runs named presets (real model geometry) instead of the grid: ``llama70b-tp8``
+(80 layers x K/V = 160 regions, 256 blocks of 4 KiB, a 4k-token prompt at block 16),
+``llama8b`` (64 regions x 256 x 32 KiB), ``scattered-256m`` and ``scattered-1g`` (64 regions
+x 128 / 512 x 32 KiB), or ``issue14`` (all four).
 
 Buffers are pre-touched, no NIXL progress thread runs, each process runs torch with one
 intra-op thread, reps of the methods are interleaved, and the foreign CPU load of each row is
@@ -44,7 +58,16 @@ import numpy as np
 BLOCK_BYTES = (4096, 32768)
 BLOCK_COUNTS = (16, 128, 512)
 PATTERNS = ("scattered", "contiguous")
-METHODS = ("raw_nixl", "direct", "packed", "copy")
+METHODS = ("raw_nixl", "raw_contig", "direct", "packed", "cuda_ipc", "ceiling", "copy")
+GPU_METHODS = ("cuda_ipc", "ceiling")
+SHAPES: dict[str, tuple[int, int, int]] = {
+    "llama70b-tp8": (80, 4096, 256),
+    "llama8b": (32, 32768, 256),
+    "scattered-256m": (32, 32768, 128),
+    "scattered-1g": (32, 32768, 512),
+}
+"""Preset -> (layers, block bytes, blocks per request); each layer has a K and a V region."""
+SHAPE_GROUPS = {"issue14": ("scattered-256m", "scattered-1g", "llama70b-tp8", "llama8b")}
 STRATEGIES = ("direct", "packed")
 HEAD_DIM, TOKENS = 128, 16
 
@@ -174,6 +197,8 @@ class PairSpec:
     torch_threads: int = 1
     """Intra-op threads of P and of D: they share the cores, and a 2-thread op stalls on its
     barrier whenever another job holds the second core (bimodal timings on a shared box)."""
+    transport: str = "nixl"
+    """The kvpush transport of both engines (``cuda_ipc`` for the ``cuda_ipc`` method)."""
 
 
 def _worker_config(spec: PairSpec, engine: str, model: Any) -> Any:
@@ -190,6 +215,7 @@ def _worker_config(spec: PairSpec, engine: str, model: Any) -> Any:
         staging_bytes=spec.staging_bytes,
         request_timeout_s=spec.timeout_s,
         cuda_device=cuda,
+        transport=spec.transport,
     )
 
 
@@ -335,6 +361,9 @@ class BenchPair:
 
             self.packer = Packer(self.regions)
             self.copy_buffer = torch.zeros(spec.staging_bytes or 1, dtype=torch.uint8, device=spec.device)
+            self.ceiling_regions: Any = None
+            if spec.device.startswith("cuda") and spec.transport == "nixl":
+                self._start_ceiling(config)
         except BaseException:
             self.close()
             raise
@@ -346,6 +375,28 @@ class BenchPair:
             "remote_host": "127.0.0.1",
             "remote_port": self.p_server.port,
         }
+
+    def _start_ceiling(self, config: Any) -> None:
+        """A second KV allocation on D's device, written by one kernel from P's blocks."""
+        import torch
+
+        from kvpush.layouts.uniform import allocate_kv_caches, describe_uniform
+
+        target = self.spec.decode_device or self.spec.device
+        if torch.device(target) != torch.device(self.spec.device):  # enable peer access both ways
+            torch.zeros(1, device=target).copy_(torch.zeros(1, device=self.spec.device))
+            torch.zeros(1, device=self.spec.device).copy_(torch.zeros(1, device=target))
+        self.ceiling_caches = allocate_kv_caches(
+            self.model, config.parallel, self.spec.pool_blocks, device=target
+        )
+        self.ceiling_regions = describe_uniform(self.ceiling_caches, config.parallel, self.model)
+
+    def _ceiling_spans(self, p_ids: list[int], d_ids: list[int]) -> tuple[Any, Any, Any]:
+        from kvpush.core.packing import block_addresses
+
+        src, lengths = block_addresses(self.regions, (tuple(p_ids),), (0, 1))
+        dst, _ = block_addresses(self.ceiling_regions, (tuple(d_ids),), (0, 1))
+        return src.astype(np.int64), dst.astype(np.int64), lengths.astype(np.int64)
 
     def _fill(self) -> None:
         import torch
@@ -413,6 +464,36 @@ class BenchPair:
                 return time.perf_counter() - start
 
             return raw
+        if method == "raw_contig":
+            from kvpush.core.planning import descriptor_ids
+
+            groups = [0] * len(self.regions)
+            ids = (tuple(range(len(p_ids))),)
+            lids = descriptor_ids(self.regions, groups, ids)
+            tag = f"rawc-{next(self._ids)}".encode()
+            self.conn.send(("raw_wait", tag, timeout))
+
+            def raw_contig() -> float:
+                start = time.perf_counter()
+                self.raw.write(lids, lids, tag, timeout)
+                self._reply(("raw_wait",), timeout)
+                return time.perf_counter() - start
+
+            return raw_contig
+        if method == "ceiling":
+            from kvpush.core.kernels import copier_for
+
+            if self.ceiling_regions is None:
+                raise ValueError("the ceiling method needs CUDA caches (and the nixl pair)")
+            copier = copier_for(self.spec.device)
+            src, dst, lengths = self._ceiling_spans(p_ids, d_ids)
+
+            def ceiling() -> float:
+                start = time.perf_counter()
+                copier.copy(src, dst, lengths)
+                return time.perf_counter() - start
+
+            return ceiling
         if method == "copy":
             packer = self.packer
             size = self.regions[0].block_len * len(p_ids)
@@ -425,13 +506,13 @@ class BenchPair:
                 return time.perf_counter() - start
 
             return copy
-        if method not in STRATEGIES:
+        if method not in (*STRATEGIES, "cuda_ipc"):
             raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
         rid = f"{method}-{next(self._ids)}"
         key = f"x-{rid}"
         self._call(("add", rid, d_ids, {**self.params, "transfer_id": key, "remote_request_id": rid}))
         self._until(lambda: self.sender.call_on_writer(lambda: key in self.sender._registrations), "PUSH_REG")
-        self.force.name = method
+        self.force.name = "direct" if method == "cuda_ipc" else method
         self.conn.send(("wait", rid, timeout))
 
         def push() -> float:
@@ -473,6 +554,20 @@ class BenchPair:
 
     def verify(self, method: str, p_ids: list[int], d_ids: list[int]) -> None:
         """Zero D's blocks, run one rep, and check every block's bytes arrived (sums per block)."""
+        if method == "ceiling":
+            import torch
+
+            index = torch.tensor(d_ids, device=next(iter(self.ceiling_caches.values())).device)
+            for tensor in self.ceiling_caches.values():
+                tensor.index_fill_(1, index, 0)
+            self.run(method, p_ids, d_ids)
+            if not np.array_equal(
+                _block_sums(self.caches, p_ids).numpy(), _block_sums(self.ceiling_caches, d_ids)
+            ):
+                raise AssertionError("ceiling: the kernel's copy does not hold P's bytes")
+            return
+        if method == "raw_contig":
+            return  # D's blocks 0..n-1 hold P's 0..n-1 (checked by the contiguous rows of raw_nixl)
         self._call(("zero", d_ids))
         self.run(method, p_ids, d_ids)
         self.settle()
@@ -481,6 +576,24 @@ class BenchPair:
         if not np.array_equal(want, got):
             bad = int(np.argwhere(want != got)[0][0])
             raise AssertionError(f"{method}: D's blocks do not hold P's bytes (first bad layer {bad})")
+        if method == "cuda_ipc" and not getattr(self.sender.transport, "ipc_writes", 0):
+            reasons = getattr(self.sender.transport, "fallbacks", {})
+            raise AssertionError(f"cuda_ipc: P posted no IPC copy; it fell back to NIXL: {reasons}")
+
+    def default_strategy(self, p_ids: list[int], d_ids: list[int]) -> str:
+        """What the plugin chain picks for this request (nothing pinned)."""
+        from kvpush.core.types import PushJob, ReadSpec
+
+        assert self.sender.metadata is not None
+        job = PushJob(
+            local=self.sender.metadata, decode_tp_size=1, local_block_ids=[p_ids], remote_block_ids=[d_ids]
+        )
+        spec = ReadSpec(dst_tp_rank=0, local_block_ids=[p_ids], remote_block_ids=[d_ids])
+        saved, self.force.name = self.force.name, None
+        try:
+            return self.pm.transfer_strategy(job, spec, len(p_ids) * len(self.regions))
+        finally:
+            self.force.name = saved
 
     def close(self) -> None:
         if self.process.is_alive():
@@ -508,6 +621,34 @@ class BenchPair:
 # ------------------------------------------------------------------------------ sweep
 
 
+def _group_shapes(
+    shapes: Sequence[str] | None,
+    block_bytes: Sequence[int],
+    block_counts: Sequence[int],
+    patterns: Sequence[str],
+    layers: int,
+) -> list[tuple[int, int, list[tuple[int, str, str]]]]:
+    """``[(layers, block bytes, [(blocks, pattern, label), ...]), ...]``: one pair of
+    processes per (layers, block bytes)."""
+    groups: dict[tuple[int, int], list[tuple[int, str, str]]] = {}
+    if shapes:
+        names: list[str] = []
+        for name in shapes:
+            if name in SHAPE_GROUPS:
+                names += SHAPE_GROUPS[name]
+            elif name in SHAPES:
+                names.append(name)
+            else:
+                raise ValueError(f"unknown --shape {name!r}; choose from {sorted({*SHAPES, *SHAPE_GROUPS})}")
+        for name in dict.fromkeys(names):
+            n_layers, size, blocks = SHAPES[name]
+            groups.setdefault((n_layers, size), []).append((blocks, "scattered", name))
+    else:
+        for size in block_bytes:
+            groups[(layers, size)] = [(b, p, "") for b, p in itertools.product(block_counts, patterns)]
+    return [(n_layers, size, rows) for (n_layers, size), rows in groups.items()]
+
+
 def sweep(
     *,
     device: str = "cpu",
@@ -519,52 +660,93 @@ def sweep(
     layers: int = 16,
     reps: int = 5,
     seed: int = 0,
+    shapes: Sequence[str] | None = None,
+    pipeline_bytes: int = 0,
     say: Callable[[str], None] = lambda _msg: None,
 ) -> list[dict[str, Any]]:
-    """Measure every shape; one row per (block size, blocks, pattern), medians of ``reps``."""
+    """Measure every shape; one row per (block size, blocks, pattern), medians of ``reps``.
+
+    On CUDA the ``cuda_ipc`` method runs in a second pair of processes whose transport is
+    ``cuda_ipc``; every other method in the first (NIXL). ``pipeline_bytes`` adds the
+    ``packed_pipe`` method: packed with VRAM WRITEs cut into chunks of that many bytes (gather
+    of chunk i+1 overlapping the WRITE of chunk i).
+    """
+    from kvpush.core import packing
+
+    if not device.startswith("cuda"):
+        methods = [m for m in methods if m not in GPU_METHODS]
+    methods = list(methods) + (["packed_pipe"] if pipeline_bytes else [])
     rows = []
-    max_blocks = max(block_counts)
-    for size in block_bytes:
-        staging = 2 * layers * size * max_blocks + (1 << 20)
-        spec = PairSpec(
-            block_bytes=size,
-            layers=layers,
-            pool_blocks=2 * max_blocks,
-            device=device,
-            decode_device=decode_device,
-            staging_bytes=staging,
-        )
-        say(f"block {size // 1024} KiB: starting P and D ({2 * layers} regions x {2 * max_blocks} blocks)")
-        with BenchPair(spec) as pair:
-            for blocks, pattern in itertools.product(block_counts, patterns):
-                p_ids, d_ids = block_tables(blocks, spec.pool_blocks, pattern, seed)
-                for method in methods:
-                    if method != "copy":
-                        pair.verify(method, p_ids, d_ids)  # also the warm-up rep
-                times: dict[str, list[float]] = {m: [] for m in methods}
-                since = snapshot(pair.pids)
-                for _ in range(reps):
-                    for method in methods:
-                        times[method].append(pair.run(method, p_ids, d_ids))
-                load = foreign_cores(since, pair.pids)
-                nbytes = pair.request_bytes(blocks)
-                row: dict[str, Any] = {
-                    "block_bytes": size,
-                    "blocks": blocks,
-                    "pattern": pattern,
-                    "bytes": nbytes,
-                    "descriptors": blocks * len(pair.regions),
-                }
-                for method in METHODS:
-                    med = statistics.median(times[method]) if times.get(method) else None
-                    row[f"{method}_gbps"] = nbytes / med / 1e9 if med else None
-                    row[f"{method}_ms"] = med * 1e3 if med else None
-                chosen = pair.strategy_for(p_ids, d_ids)
-                row["strategy"] = chosen
-                row["default_gbps"] = row.get(f"{chosen}_gbps")
-                row["foreign_cores"] = round(load, 2)
-                rows.append(row)
-                say(_row_line(row))
+    for n_layers, size, shapes_ in _group_shapes(shapes, block_bytes, block_counts, patterns, layers):
+        max_blocks = max(b for b, _, _ in shapes_)
+        staging = 2 * n_layers * size * max_blocks + (1 << 20)
+        times: dict[tuple[int, str], dict[str, list[float]]] = {(b, p): {} for b, p, _ in shapes_}
+        picks: dict[tuple[int, str], dict[str, str]] = {(b, p): {} for b, p, _ in shapes_}
+        loads: dict[tuple[int, str], float] = {}
+        by_transport = [("nixl", [m for m in methods if m != "cuda_ipc"])]
+        if "cuda_ipc" in methods:
+            by_transport.append(("cuda_ipc", ["cuda_ipc"]))
+        for transport, pair_methods in by_transport:
+            spec = PairSpec(
+                block_bytes=size,
+                layers=n_layers,
+                pool_blocks=2 * max_blocks,
+                device=device,
+                decode_device=decode_device,
+                staging_bytes=staging,
+                transport=transport,
+            )
+            say(
+                f"block {size // 1024} KiB: starting P and D over {transport} "
+                f"({2 * n_layers} regions x {2 * max_blocks} blocks)"
+            )
+            with BenchPair(spec) as pair:
+                for blocks, pattern, _ in shapes_:
+                    p_ids, d_ids = block_tables(blocks, spec.pool_blocks, pattern, seed)
+                    for method in pair_methods:
+                        if method not in ("copy", "packed_pipe"):
+                            pair.verify(method, p_ids, d_ids)  # also the warm-up rep
+                    got = times[(blocks, pattern)]
+                    since = snapshot(pair.pids)
+                    for _ in range(reps):
+                        for method in pair_methods:
+                            if method == "packed_pipe":
+                                saved, packing.VRAM_CHUNK_BYTES = packing.VRAM_CHUNK_BYTES, pipeline_bytes
+                                try:
+                                    got.setdefault(method, []).append(pair.run("packed", p_ids, d_ids))
+                                    pair.settle()
+                                finally:
+                                    packing.VRAM_CHUNK_BYTES = saved
+                            else:
+                                got.setdefault(method, []).append(pair.run(method, p_ids, d_ids))
+                    key = (blocks, pattern)
+                    loads[key] = max(loads.get(key, 0.0), foreign_cores(since, pair.pids))
+                    picks[key][transport] = pair.default_strategy(p_ids, d_ids)
+        for blocks, pattern, label in shapes_:
+            key = (blocks, pattern)
+            row: dict[str, Any] = {
+                "shape": label or None,
+                "layers": n_layers,
+                "block_bytes": size,
+                "blocks": blocks,
+                "pattern": pattern,
+                "bytes": 2 * n_layers * size * blocks,
+                "descriptors": 2 * n_layers * blocks,
+            }
+            for method in (*METHODS, "packed_pipe"):
+                med = statistics.median(times[key][method]) if times[key].get(method) else None
+                row[f"{method}_gbps"] = row["bytes"] / med / 1e9 if med else None
+                row[f"{method}_ms"] = med * 1e3 if med else None
+            row["pipeline_bytes"] = pipeline_bytes or None
+            chosen = picks[key].get("nixl", "direct")
+            row["strategy"] = chosen
+            row["default_gbps"] = row.get(f"{chosen}_gbps")
+            if "cuda_ipc" in picks[key]:  # the same-host default: the cuda_ipc transport's pick
+                row["strategy_cuda_ipc"] = picks[key]["cuda_ipc"]
+                row["default_gbps"] = row["cuda_ipc_gbps"] if picks[key]["cuda_ipc"] == "direct" else None
+            row["foreign_cores"] = round(loads.get(key, 0.0), 2)
+            rows.append(row)
+            say(_row_line(row))
     return rows
 
 
@@ -572,11 +754,14 @@ def ratios(row: dict[str, Any]) -> dict[str, float | None]:
     def div(a: Any, b: Any) -> float | None:
         return a / b if a and b else None
 
-    best = max((row.get(f"{s}_gbps") or 0.0) for s in STRATEGIES) or None
+    best = max((row.get(f"{s}_gbps") or 0.0) for s in (*STRATEGIES, "cuda_ipc")) or None
     return {
         "direct_vs_raw": div(row.get("direct_gbps"), row.get("raw_nixl_gbps")),
         "packed_vs_raw": div(row.get("packed_gbps"), row.get("raw_nixl_gbps")),
         "default_vs_best": div(row.get("default_gbps"), best),
+        "default_vs_raw": div(row.get("default_gbps"), row.get("raw_nixl_gbps")),
+        "default_vs_contig": div(row.get("default_gbps"), row.get("raw_contig_gbps")),
+        "packed_vs_contig": div(row.get("packed_gbps"), row.get("raw_contig_gbps")),
         "packed_vs_copy": div(row.get("packed_gbps"), row.get("copy_gbps")),
     }
 
@@ -585,19 +770,32 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+COLUMNS = (
+    ("raw", "raw_nixl_gbps"),
+    ("rawC", "raw_contig_gbps"),
+    ("direct", "direct_gbps"),
+    ("packed", "packed_gbps"),
+    ("pipe", "packed_pipe_gbps"),
+    ("ipc", "cuda_ipc_gbps"),
+    ("ceil", "ceiling_gbps"),
+    ("copy", "copy_gbps"),
+)
 HEADER = (
-    f"{'block':>6}{'blocks':>7}{'pattern':>11}{'MiB':>8}{'raw GB/s':>10}{'direct':>8}{'packed':>8}"
-    f"{'copy':>8}{'dir/raw':>9}{'pk/raw':>8}{'default':>9}{'def/best':>9}{'load':>6}"
+    f"{'shape':>15}{'block':>6}{'blocks':>7}{'pattern':>11}{'MiB':>8}"
+    + "".join(f"{name:>8}" for name, _ in COLUMNS)
+    + f"{'dir/raw':>9}{'def/raw':>9}{'def/rawC':>9}{'default':>9}{'def/best':>9}{'load':>6}"
 )
 
 
 def _row_line(row: dict[str, Any]) -> str:
     r = ratios(row)
+    default = row["strategy"] if "strategy_cuda_ipc" not in row else f"ipc:{row['strategy_cuda_ipc']}"
     return (
-        f"{row['block_bytes'] // 1024:>5}K{row['blocks']:>7}{row['pattern']:>11}{row['bytes'] / 2**20:>8.1f}"
-        f"{_fmt(row['raw_nixl_gbps'], '.2f'):>10}{_fmt(row['direct_gbps'], '.2f'):>8}"
-        f"{_fmt(row['packed_gbps'], '.2f'):>8}{_fmt(row['copy_gbps'], '.2f'):>8}"
-        f"{_fmt(r['direct_vs_raw'], '.2f'):>9}{_fmt(r['packed_vs_raw'], '.2f'):>8}{row['strategy']:>9}"
+        f"{row.get('shape') or '-':>15}{row['block_bytes'] // 1024:>5}K{row['blocks']:>7}{row['pattern']:>11}"
+        f"{row['bytes'] / 2**20:>8.1f}"
+        + "".join(f"{_fmt(row.get(key), '.2f'):>8}" for _, key in COLUMNS)
+        + f"{_fmt(r['direct_vs_raw'], '.2f'):>9}{_fmt(r['default_vs_raw'], '.1f'):>9}"
+        f"{_fmt(r['default_vs_contig'], '.2f'):>9}{default:>9}"
         f"{_fmt(r['default_vs_best'], '.2f'):>9}{row['foreign_cores']:>6.2f}"
     )
 
@@ -634,11 +832,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=16, help="model layers; 2 regions each (default 16)")
     parser.add_argument("--reps", type=int, default=5, help="timed reps per method and shape (default 5)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--shape",
+        action="append",
+        choices=sorted({*SHAPES, *SHAPE_GROUPS}),
+        help="repeatable: run named model-geometry presets (scattered) instead of the grid",
+    )
+    parser.add_argument(
+        "--method",
+        action="append",
+        choices=METHODS,
+        help="repeatable: measure only these methods (default: all that apply to the device)",
+    )
+    parser.add_argument(
+        "--pipeline-mib",
+        type=int,
+        default=0,
+        help="also measure packed with VRAM WRITEs cut into chunks of this many MiB (packed_pipe)",
+    )
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="serving-shaped load (Poisson arrivals, model presets) instead of the sweep; see demo/serve.py",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "serve", False):
+        from kvpush.demo import serve
+
+        return serve.main(args)
     device = "cuda:0" if args.device == "cuda" else "cpu"
-    methods = [m for m in METHODS if args.strategy is None or m not in STRATEGIES or m == args.strategy]
+    methods = [
+        m
+        for m in args.method or METHODS
+        if args.strategy is None or m not in STRATEGIES or m == args.strategy
+    ]
     started = time.monotonic()
     try:
         rows = sweep(
@@ -651,9 +880,12 @@ def main(args: argparse.Namespace) -> int:
             layers=args.layers,
             reps=args.reps,
             seed=args.seed,
+            shapes=args.shape,
+            pipeline_bytes=args.pipeline_mib << 20,
             say=lambda msg: print(msg, file=sys.stderr, flush=True),
         )
     except Exception as err:
+        traceback.print_exc()
         print(f"kvpush bench failed: {err}", file=sys.stderr)
         return 1
     if args.json:

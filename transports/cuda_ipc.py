@@ -250,6 +250,8 @@ class CudaIpcTransport:
         self._blobs: dict[str, bytes] = {}
         self._writes: set[_IpcWrite] = set()
         self.ipc_writes = 0
+        self.fallbacks: dict[str, str] = {}
+        """Peer -> why WRITEs to it go over the inner transport (auto mode)."""
         _LIVE[config.agent_name] = self
 
     # ------------------------------------------------------------------ delegated
@@ -334,7 +336,9 @@ class CudaIpcTransport:
         if reason is not None:
             if self.mode == "ipc":
                 raise TransferError(f"cuda_ipc mode 'ipc' cannot reach peer {name}: {reason}")
-            logger.info("cuda_ipc: peer %s goes over %s (%s)", name, self.inner.name, reason)
+            self.fallbacks[name] = reason
+            log = logger.warning if info is not None and self.mode == "auto" else logger.info
+            log("cuda_ipc: peer %s goes over %s (%s)", name, getattr(self.inner, "name", "inner"), reason)
         return name
 
     def _unreachable(self, info: dict[str, Any] | None) -> str | None:
@@ -380,6 +384,7 @@ class CudaIpcTransport:
     def _close_peer(self, name: str) -> None:
         peer = self._peers.pop(name, None)
         self._blobs.pop(name, None)
+        self.fallbacks.pop(name, None)
         for handle, lst in list(self._lists.items()):
             if lst.peer == name:
                 self.release_list(handle)
