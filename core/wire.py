@@ -4,7 +4,7 @@ Handshake payload (two phases, so a version or model mismatch fails with a clear
 the inner metadata is decoded)::
 
     outer = {"wire_version": int, "compat_hash": str, "meta": bytes}
-    meta  = msgpack map of AgentMetadata (regions as maps)
+    meta  = msgpack map of AgentMetadata (regions column by column: kvpush.core.region_codec)
 
 Notifications are ``PREFIX + msgpack(map)`` with prefixes ``PUSH_REG:``, ``DONE:``, ``FAIL:``,
 ``CANCEL:``, ``CANCEL_ACK:`` and ``HB:``.
@@ -17,11 +17,14 @@ WRITE was in flight when the cancel arrived (it is settled by the time the ack i
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import msgpack
 
+from kvpush.core import region_codec
 from kvpush.core.errors import HandshakeError, WireError
 from kvpush.core.types import (
     AgentMetadata,
@@ -38,8 +41,27 @@ from kvpush.core.types import (
 )
 
 WIRE_VERSION = 1
-MAX_FRAME_BYTES = 1 << 20
-"""Largest side-channel frame a server accepts (metadata with ~20k regions fits)."""
+MAX_FRAME_ENV = "KVPUSH_MAX_FRAME_BYTES"
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+
+
+def _max_frame_bytes() -> int:
+    raw = os.environ.get(MAX_FRAME_ENV)
+    if not raw:
+        return DEFAULT_MAX_FRAME_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 4096:
+        raise ValueError(f"{MAX_FRAME_ENV}={raw!r} must be an int of at least 4096 (bytes)")
+    return value
+
+
+MAX_FRAME_BYTES = _max_frame_bytes()
+"""Largest side-channel frame (request or reply) in bytes: ``KVPUSH_MAX_FRAME_BYTES`` when set
+(read once, at import; set it alike on every process of both engines), else 1 MiB. Regions are
+encoded compactly (:mod:`kvpush.core.region_codec`), so 80 layers x 64 regions use ~2% of it."""
 
 PUSH_REG_PREFIX = b"PUSH_REG:"
 DONE_PREFIX = b"DONE:"
@@ -78,29 +100,33 @@ def compatibility_hash(model: ModelSpec, layout: str, transport: str) -> str:
         transport,
         "push",
     ]
-    return hashlib.sha256(pack(factors)).hexdigest()[:32]
+    digest = hashlib.sha256(pack(factors)).hexdigest()[:32]
+    if len(_HASHED) < 256:
+        _HASHED[digest] = (model, layout, transport)
+    return digest
+
+
+_HASHED: dict[str, tuple[ModelSpec, str, str]] = {}
+"""What each locally computed hash covered, so a mismatch can name the differing fields."""
+
+
+def compatibility_diff(local: tuple[ModelSpec, str, str], peer_inner: Mapping[str, Any]) -> list[str]:
+    """``field: peer X, local Y`` for every hashed field where a peer's metadata differs."""
+    model, layout, transport = local
+    theirs = peer_inner.get("model") if isinstance(peer_inner.get("model"), Mapping) else {}
+    diffs = []
+    for field in attrs.fields(ModelSpec):
+        mine = getattr(model, field.name)
+        mine = list(mine) if isinstance(mine, tuple) else mine
+        if field.name in theirs and theirs[field.name] != mine:
+            diffs.append(f"model.{field.name}: peer {theirs[field.name]!r}, local {mine!r}")
+    for name, mine in (("layout", layout), ("transport", transport)):
+        if name in peer_inner and peer_inner[name] != mine:
+            diffs.append(f"{name}: peer {peer_inner[name]!r}, local {mine!r}")
+    return diffs
 
 
 # ------------------------------------------------------------------------------ metadata
-
-
-def _region_to_map(region: KVRegion) -> dict[str, Any]:
-    return {
-        "base_addr": region.base_addr,
-        "block_len": region.block_len,
-        "block_stride": region.block_stride,
-        "num_blocks": region.num_blocks,
-        "mem_type": region.mem_type,
-        "device_id": region.device_id,
-        "layer_names": list(region.layer_names),
-        "kv_group": region.kv_group,
-        "component": region.component,
-        "replicate": region.replicate,
-        "attention_kind": region.attention_kind,
-        "num_heads": region.num_heads,
-        "block_order": region.block_order,
-        "block_tokens": region.block_tokens,
-    }
 
 
 def _model_to_map(model: ModelSpec) -> dict[str, Any]:
@@ -140,7 +166,7 @@ def encode_metadata(meta: AgentMetadata) -> bytes:
         "transport": meta.transport,
         "agent_name": meta.agent_name,
         "agent_blob": meta.agent_blob,
-        "regions": [_region_to_map(r) for r in meta.regions],
+        "regions": region_codec.encode_regions(meta.regions),
         "extensions": dict(meta.extensions),
     }
     outer = {
@@ -151,8 +177,19 @@ def encode_metadata(meta: AgentMetadata) -> bytes:
     return pack(outer)
 
 
-def decode_metadata(payload: bytes, *, expected_hash: str | None, source: str) -> AgentMetadata:
-    """Decode a handshake payload in two phases; mismatches name both sides' values."""
+def decode_metadata(
+    payload: bytes,
+    *,
+    expected_hash: str | None,
+    source: str,
+    local: tuple[ModelSpec, str, str] | None = None,
+) -> AgentMetadata:
+    """Decode a handshake payload in two phases; mismatches name both sides' values.
+
+    On a compatibility-hash mismatch the peer's inner metadata is still read to list every
+    differing model, layout and transport field with both values; ``local`` is this side's
+    ``(model, layout, transport)`` (default: what ``expected_hash`` was computed from here).
+    """
     outer = unpack(payload, f"handshake payload from {source}")
     if not isinstance(outer, Mapping) or "wire_version" not in outer:
         raise WireError(f"handshake payload from {source} has no wire_version; not a kvpush peer?")
@@ -162,11 +199,7 @@ def decode_metadata(payload: bytes, *, expected_hash: str | None, source: str) -
             f"{WIRE_VERSION}; run the same kvpush release on both sides"
         )
     if expected_hash is not None and outer.get("compat_hash") != expected_hash:
-        raise HandshakeError(
-            f"compatibility hash mismatch with {source}: peer {outer.get('compat_hash')!r}, "
-            f"local {expected_hash!r}. Both sides must run the same model, dtype, block size, "
-            f"layout and transport"
-        )
+        raise HandshakeError(_mismatch(outer, expected_hash, source, local or _HASHED.get(expected_hash)))
     inner = unpack(outer.get("meta", b""), f"agent metadata from {source}")
     try:
         return AgentMetadata(
@@ -178,11 +211,39 @@ def decode_metadata(payload: bytes, *, expected_hash: str | None, source: str) -
             transport=inner["transport"],
             agent_name=inner["agent_name"],
             agent_blob=inner["agent_blob"],
-            regions=tuple(KVRegion(**r) for r in inner["regions"]),
+            regions=_decode_regions(inner["regions"], f"regions from {source}"),
             extensions=inner.get("extensions", {}),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise WireError(f"agent metadata from {source} is malformed: {err}") from None
+
+
+def _decode_regions(value: Any, what: str) -> tuple[KVRegion, ...]:
+    if isinstance(value, list):  # the map-per-region form of earlier payloads
+        return tuple(KVRegion(**r) for r in value)
+    return region_codec.decode_regions(value, what)
+
+
+def _mismatch(
+    outer: Mapping[str, Any], expected_hash: str, source: str, local: tuple[ModelSpec, str, str] | None
+) -> str:
+    message = (
+        f"compatibility hash mismatch with {source}: peer {outer.get('compat_hash')!r}, "
+        f"local {expected_hash!r}"
+    )
+    diffs: list[str] = []
+    if local is not None:
+        try:
+            inner = unpack(outer.get("meta", b""), f"agent metadata from {source}")
+            diffs = compatibility_diff(local, inner) if isinstance(inner, Mapping) else []
+        except WireError:
+            diffs = []
+    if diffs:
+        return f"{message}; differing: {'; '.join(diffs)}. Run both engines with the same values"
+    return (
+        f"{message}. Both sides must run the same model, dtype, block size, layout, transport "
+        f"and kvpush release"
+    )
 
 
 # ------------------------------------------------------------------------------ notifications

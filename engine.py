@@ -1,0 +1,84 @@
+"""The stable engine API of kvpush: everything an inference engine needs, from one module.
+
+::
+
+    from kvpush.engine import (
+        ModelSpec, ParallelConfig, PushReceiver, PushSender, SideChannelServer, WorkerConfig,
+    )
+
+Names listed in ``__all__`` keep their meaning across minor releases; everything under
+``kvpush.core`` is internal and may change. One engine runs one :class:`SideChannelServer`
+(in its scheduler process) and one worker per rank (:class:`PushSender` on each P rank,
+:class:`PushReceiver` on each D rank, often in separate processes); each rank hands its
+:meth:`~PushSender.handshake_payload` to the engine's server, which serves it with
+``server.publish(rank, payload)``. See docs/engine-api.md for the lifecycle and a
+multi-process example.
+
+Importing this module loads no torch, no NIXL and no plugin: the transport is created when a
+worker starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpush.core.errors import (
+    ConfigError,
+    HandshakeError,
+    KvpushError,
+    PluginError,
+    RequestFailed,
+    TransferError,
+    WaitTimeout,
+    WireError,
+)
+from kvpush.core.manager import KvpushPluginManager, get_plugin_manager
+from kvpush.core.receiver import PushReceiver, ReceiveResults
+from kvpush.core.sender import PushResults, PushSender
+from kvpush.core.sidechannel import SideChannelServer, fetch_metadata
+from kvpush.core.types import (
+    AgentMetadata,
+    BlockIds,
+    KVRegion,
+    ModelSpec,
+    ParallelConfig,
+    RankKey,
+    RequestMetadata,
+    Role,
+    TransferParams,
+)
+from kvpush.core.worker import WorkerConfig
+
+BlockIdsLike = Sequence[int] | Sequence[Sequence[int]]
+"""Block ids as an engine passes them: a flat list (one KV group) or one list per KV group.
+kvpush normalises them to :data:`BlockIds` (a tuple of per-group tuples)."""
+
+__all__ = [
+    "AgentMetadata",
+    "BlockIds",
+    "BlockIdsLike",
+    "ConfigError",
+    "HandshakeError",
+    "KVRegion",
+    "KvpushError",
+    "KvpushPluginManager",
+    "ModelSpec",
+    "ParallelConfig",
+    "PluginError",
+    "PushReceiver",
+    "PushResults",
+    "PushSender",
+    "RankKey",
+    "ReceiveResults",
+    "RequestFailed",
+    "RequestMetadata",
+    "Role",
+    "SideChannelServer",
+    "TransferError",
+    "TransferParams",
+    "WaitTimeout",
+    "WireError",
+    "WorkerConfig",
+    "fetch_metadata",
+    "get_plugin_manager",
+]
