@@ -286,7 +286,7 @@ class _RankServer:
         }
 
 
-def side_channel_main(engine_id: str, host: str, netns: str | None, conn: Connection) -> None:
+def side_channel_main(engine_id: str, host: str, netns: str | None, conn: Connection, port: int = 0) -> None:
     """An engine's side channel in its own process (its scheduler's role), on ``host`` inside
     ``netns``: replies ``("ready", port)``, then serves ``("publish", {rank: payload})`` until
     ``("stop",)`` or the parent is gone."""
@@ -297,7 +297,7 @@ def side_channel_main(engine_id: str, host: str, netns: str | None, conn: Connec
             enter(netns)
         from kvpush.core.sidechannel import SideChannelServer
 
-        server = SideChannelServer(engine_id, host=host)
+        server = SideChannelServer(engine_id, host=host, port=port)
         conn.send(("ready", server.port))
     except Exception:
         conn.send(("error", traceback.format_exc()))

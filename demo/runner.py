@@ -173,18 +173,23 @@ class EngineSideChannel:
 
 
 def start_side_channel(
-    engine_id: str, host: str = "127.0.0.1", netns: str | None = None, timeout_s: float = 60.0
+    engine_id: str,
+    host: str = "127.0.0.1",
+    netns: str | None = None,
+    timeout_s: float = 60.0,
+    port: int = 0,
 ) -> EngineSideChannel:
-    """Serve ``engine_id``'s side channel on ``host`` (inside ``netns`` when given)."""
+    """Serve ``engine_id``'s side channel on ``host:port`` (inside ``netns`` when given;
+    port 0: any free port)."""
     if netns is None:
-        server = SideChannelServer(engine_id, host=host)
+        server = SideChannelServer(engine_id, host=host, port=port)
         return EngineSideChannel(engine_id, host, server.port, server=server)
     from kvpush.demo.rank import side_channel_main
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     process = ctx.Process(
-        target=side_channel_main, args=(engine_id, host, netns, child), daemon=True, name="kvpush-sc"
+        target=side_channel_main, args=(engine_id, host, netns, child, port), daemon=True, name="kvpush-sc"
     )
     process.start()
     if not parent.poll(timeout_s):

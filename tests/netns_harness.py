@@ -1,0 +1,495 @@
+"""P (PP2) and D (TP2) on two "hosts": network namespaces joined by a veth pair, with impairments.
+
+``MultiHost`` builds a :class:`kvpush.demo.netns.NetnsPair`, runs each engine's side channel and
+ranks as real processes inside its namespace (``kvpush.demo.rank``), and drives them over pipes
+from this process, which stays in its own namespace. UCX is pinned to TCP over the link
+(``ucx_tls=tcp``, ``ucx_net_devices=kvpush0``): namespaces share /dev/shm, so UCX would
+otherwise pick shared memory as if P and D were one host.
+
+Impairments act only on the ``kvpush0`` link inside the two namespaces this harness made:
+
+- ``link_down()`` / ``link_up()``: ``ip link set kvpush0 down`` in D's namespace (the carrier
+  drops on both ends).
+- ``partition()`` / ``heal()``: iptables ``DROP`` of everything on the link, both ways, in both
+  namespaces (a silent partition: no RST, no ICMP).
+- ``loss(p)``: iptables ``-m statistic --mode random --probability p -j DROP`` on each
+  namespace's output.
+- ``delay(ms)``: this kernel has no ``sch_netem``, so each namespace's output goes to an
+  iptables ``NFQUEUE`` and a delayer process in that namespace (this file, run as a script)
+  gives each packet its verdict ``ms`` later. One-way delay ``ms``, round trip ``2 * ms``.
+  ``--queue-bypass`` and fail-open let packets through if the delayer is gone or overloaded.
+
+Everything is removed by ``close()`` (also on failure): rank and helper processes are stopped
+by pid, then both namespaces are deleted, which deletes the veth pair and every rule in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import os
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvpush.core.types import ModelSpec, ParallelConfig, RankKey
+from kvpush.demo import netns
+from kvpush.demo.rank import RankSpec
+from kvpush.demo.runner import EngineSideChannel, _Rank, _start_ranks, _stop, start_side_channel
+
+MODEL = ModelSpec(name="multihost-gqa", num_layers=4, num_kv_heads=4, head_dim=64, block_size=16)
+"""16 KiB per block and layer (K+V, bf16): big enough that WRITEs take a while over TCP."""
+
+QUICK_TIMERS: dict[str, float] = {
+    "request_timeout_s": 20.0,
+    "lease_s": 6.0,
+    "heartbeat_interval_s": 0.5,
+    "cancel_ack_timeout_s": 2.0,
+    "peer_silence_s": 10.0,
+}
+"""Short timers for the tests (the defaults are 120 s / 30 s / 5 s / 5 s)."""
+
+D_PORT = 5601
+"""D's side-channel port inside its namespace (fixed, so a restarted D serves the same one)."""
+
+
+def unavailable_reason(need_iptables: bool = False) -> str | None:
+    """Why these tests cannot run here (None when they can)."""
+    reason = netns.unavailable_reason()
+    if reason:
+        return reason
+    if need_iptables and shutil.which("iptables") is None:
+        return "iptables is missing (apt-get install iptables; .ci/run installs it)"
+    probe = f"kvpush-probe-{os.getpid()}"
+    done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=20)
+    if done.returncode != 0:
+        return f"'ip netns add' does not work here: {done.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=20)
+    return None
+
+
+def _run(*args: str) -> None:
+    done = subprocess.run(args, capture_output=True, text=True, timeout=20)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)!r} failed ({done.returncode}): {done.stderr.strip()}")
+
+
+class MultiHost:
+    """P as ``prefill_pp`` stages in one namespace, D as ``decode_tp`` ranks in the other."""
+
+    def __init__(
+        self,
+        *,
+        prefill_pp: int = 2,
+        decode_tp: int = 2,
+        blocks: int = 1024,
+        timers: dict[str, float] | None = None,
+        transport_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.prefill_pp, self.decode_tp = prefill_pp, decode_tp
+        self.timers = dict(QUICK_TIMERS if timers is None else timers)
+        self.pair = netns.NetnsPair()
+        self.ranks: list[_Rank] = []
+        self.channels: list[EngineSideChannel] = []
+        self.helpers: list[subprocess.Popen[str]] = []
+        self.plans: dict[str, dict[str, Any]] = {}
+        self.pair.create()
+        try:
+            self.transport_options = {
+                "ucx_tls": "tcp",
+                "ucx_net_devices": self.pair.link,
+                **(transport_options or {}),
+            }
+            self.p_channel = self._channel("prefill-0", self.pair.prefill_host, self.pair.prefill_ns)
+            self.d_channel = self._channel("decode-0", self.pair.decode_host, self.pair.decode_ns, D_PORT)
+            options = {k: v for k, v in self.timers.items() if k not in ("request_timeout_s", "lease_s")}
+            common = {
+                "model": MODEL,
+                "layout": "uniform",
+                "blocks_per_group": (blocks,),
+                "request_timeout_s": self.timers["request_timeout_s"],
+                "lease_s": self.timers["lease_s"],
+                "transport_options": self.transport_options,
+                "worker_options": options,
+                "log_level": "ERROR",
+            }
+            self.p_specs = [
+                RankSpec(
+                    role="prefill",
+                    engine_id="prefill-0",
+                    parallel=ParallelConfig.for_stage(
+                        num_layers=MODEL.num_layers, pp_size=prefill_pp, pp_rank=pp, tp_size=1, tp_rank=0
+                    ),
+                    side_channel_port=self.p_channel.port,
+                    host=self.pair.prefill_host,
+                    netns=self.pair.prefill_ns,
+                    **common,
+                )
+                for pp in range(prefill_pp)
+            ]
+            self.d_specs = [
+                RankSpec(
+                    role="decode",
+                    engine_id="decode-0",
+                    parallel=ParallelConfig(tp_size=decode_tp, tp_rank=tp, num_layers=MODEL.num_layers),
+                    side_channel_port=self.d_channel.port,
+                    host=self.pair.decode_host,
+                    netns=self.pair.decode_ns,
+                    **common,
+                )
+                for tp in range(decode_tp)
+            ]
+            self.p_ranks = self._start(self.p_specs, self.p_channel)
+            self.d_ranks = self._start(self.d_specs, self.d_channel)
+        except BaseException:
+            self.close()
+            raise
+        self.reset_results()
+
+    def _channel(self, engine_id: str, host: str, ns: str, port: int = 0) -> EngineSideChannel:
+        channel = start_side_channel(engine_id, host, ns, port=port)
+        self.channels.append(channel)
+        return channel
+
+    def _start(self, specs: list[RankSpec], channel: EngineSideChannel) -> list[_Rank]:
+        ranks, payloads = _start_ranks(specs, timeout_s=120)
+        self.ranks += ranks
+        channel.publish_all(payloads)
+        return ranks
+
+    def reset_results(self) -> None:
+        self.d_results: dict[RankKey, dict[str, tuple[str, Any, float]]] = {r.key: {} for r in self.d_ranks}
+        self.p_results: dict[RankKey, dict[str, str | None]] = {r.key: {} for r in self.p_ranks}
+
+    # ------------------------------------------------------------------ requests
+
+    def params(self, rid: str) -> dict[str, Any]:
+        return {
+            "remote_engine_id": "prefill-0",
+            "remote_host": self.pair.prefill_host,
+            "remote_port": self.p_channel.port,
+            "tp_size": 1,
+            "pp_size": self.prefill_pp,
+            "transfer_id": f"xfer-{rid}",
+            "remote_request_id": rid,
+        }
+
+    def plan(self, rids: list[str], num_blocks: int = 32) -> None:
+        """Give each request ``num_blocks`` fresh blocks on both sides and fill P's."""
+        batch = []
+        for rid in rids:
+            start = len(self.plans) * num_blocks
+            ids = list(range(start, start + num_blocks))
+            seed = len(self.plans) + 1
+            self.plans[rid] = {"seed": seed, "p_ids": [ids], "d_ids": [ids[::-1]], "added": None}
+            batch.append((rid, seed, [ids]))
+        for rank in self.p_ranks:
+            rank.call(("prepare", batch), timeout_s=120)
+
+    def dispatch(self, rids: list[str], stages: Any = None) -> None:
+        """Both legs of every request at once, as a router does (D adds, P finishes)."""
+        for rid in rids:
+            plan = self.plans[rid]
+            plan["added"] = time.monotonic()
+            for rank in self.d_ranks:
+                rank.send(("add", rid, plan["d_ids"], self.params(rid), plan["seed"], [0]))
+            for rank in self.p_ranks:
+                if stages is None or rank.key.pp_rank in stages:
+                    rank.send(("finish", rid, plan["p_ids"], f"xfer-{rid}"))
+        for rank in self.d_ranks:
+            for _ in rids:
+                rank.reply(("add",), timeout_s=60)
+        for rank in self.p_ranks:
+            if stages is None or rank.key.pp_rank in stages:
+                for _ in rids:
+                    rank.reply(("finish",), timeout_s=60)
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for rank in self.d_ranks:
+            if not rank.process.is_alive():
+                continue
+            polled = rank.call(("poll",), timeout_s=60)
+            for rid, result in polled["done"].items():
+                verdict = "done" if result["ok"] else "corrupt"
+                self.d_results[rank.key][rid] = (verdict, result["miss"], now)
+            for kind in ("failed", "cancelled"):
+                for rid, reason in polled[kind].items():
+                    self.d_results[rank.key][rid] = (kind, reason, now)
+        for rank in self.p_ranks:
+            if not rank.process.is_alive():
+                continue
+            polled = rank.call(("poll",), timeout_s=60)
+            for rid in polled["sent"]:
+                self.p_results[rank.key][rid] = None
+            for rid, reason in polled["failed"].items():
+                self.p_results[rank.key][rid] = reason
+
+    def wait(self, what: str, predicate: Callable[[], bool], timeout_s: float) -> float:
+        """Poll every live rank until ``predicate`` holds (bounded); the seconds it took."""
+        started = time.monotonic()
+        while True:
+            self.poll()
+            if predicate():
+                return time.monotonic() - started
+            if time.monotonic() - started > timeout_s:
+                raise AssertionError(
+                    f"timed out after {timeout_s}s waiting for {what}; "
+                    f"D: {self.d_results}; P: {self.p_results}"
+                )
+            time.sleep(0.05)
+
+    def resolved(self, rids: list[str]) -> bool:
+        return all(rid in results for results in self.d_results.values() for rid in rids)
+
+    def wait_decode(self, rids: list[str], timeout_s: float) -> float:
+        return self.wait(f"D to resolve {rids}", lambda: self.resolved(rids), timeout_s)
+
+    def outcome(self, rid: str) -> dict[RankKey, tuple[str, Any, float]]:
+        return {key: results[rid] for key, results in self.d_results.items() if rid in results}
+
+    def check_freed(self) -> dict[str, str]:
+        """D: requests whose freed blocks were written after D released them."""
+        bad: dict[str, str] = {}
+        for rank in self.d_ranks:
+            if rank.process.is_alive():
+                bad.update(rank.call(("check_freed",), timeout_s=60))
+        return bad
+
+    def leaks(self) -> list[str]:
+        """What any live rank still holds (transfer handles, pending requests, stashed state)."""
+        found = []
+        for rank in self.ranks:
+            if not rank.process.is_alive():
+                continue
+            health = rank.call(("health",), timeout_s=60)
+            held = {k: v for k, v in health.items() if k != "stats" and v}
+            if held:
+                found.append(f"rank {rank.key} ({rank.process.name}) holds {held}")
+        return found
+
+    def wait_no_leaks(self, timeout_s: float) -> list[str]:
+        """Poll until no rank holds anything (P releases on leases), at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            found = self.leaks()
+            if not found or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
+
+    # ------------------------------------------------------------------ faults
+
+    def kill(self, rank: _Rank) -> None:
+        os.kill(rank.process.pid, signal.SIGKILL)
+        rank.process.join(timeout=10)
+
+    def restart_decode(self) -> None:
+        """SIGKILL D (ranks and side channel), then start it again under the same engine id,
+        host and side-channel port."""
+        for rank in self.d_ranks:
+            if rank.process.is_alive():
+                self.kill(rank)
+        self.ranks = [r for r in self.ranks if r not in self.d_ranks]
+        os.kill(self.d_channel.process.pid, signal.SIGKILL)
+        self.d_channel.process.join(timeout=10)
+        self.channels.remove(self.d_channel)
+        deadline = time.monotonic() + 30
+        while True:  # the killed side channel's port is free at once (no TIME_WAIT on a listener)
+            try:
+                self.d_channel = self._channel("decode-0", self.pair.decode_host, self.pair.decode_ns, D_PORT)
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        self.d_ranks = self._start(self.d_specs, self.d_channel)
+        self.d_results = {r.key: {} for r in self.d_ranks}
+
+    def _ns_run(self, ns: str, *args: str) -> None:
+        _run(*self.pair.exec_args(ns, *args))
+
+    def both(self, *args: str) -> None:
+        for ns in (self.pair.prefill_ns, self.pair.decode_ns):
+            self._ns_run(ns, *args)
+
+    def link_down(self) -> None:
+        _run("ip", "-n", self.pair.decode_ns, "link", "set", self.pair.link, "down")
+
+    def link_up(self) -> None:
+        _run("ip", "-n", self.pair.decode_ns, "link", "set", self.pair.link, "up")
+        # The connected route comes back with the link; wait (bounded) until it is there.
+        deadline = time.monotonic() + 10
+        while f"dev {self.pair.link}" not in _routes(self.pair.decode_ns):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no route over {self.pair.link} 10s after the link came up")
+            time.sleep(0.05)
+
+    def link_bytes(self) -> tuple[int, int]:
+        """``(tx, rx)`` bytes of D's end of the link."""
+        stats = Path(f"/proc/{self.d_channel.process.pid}/net/dev").read_text()
+        for line in stats.splitlines():
+            name, _, counters = line.partition(":")
+            if name.strip() == self.pair.link:
+                fields = counters.split()
+                return int(fields[8]), int(fields[0])
+        raise RuntimeError(f"{self.pair.link} not found in D's namespace")
+
+    def partition(self) -> None:
+        link = self.pair.link
+        self.both("iptables", "-I", "INPUT", "-i", link, "-j", "DROP")
+        self.both("iptables", "-I", "OUTPUT", "-o", link, "-j", "DROP")
+
+    def heal(self) -> None:
+        """Remove every impairment rule (only the namespaces' own tables; they hold nothing else)."""
+        self.both("iptables", "-F")
+
+    def loss(self, probability: float) -> None:
+        self.both(
+            "iptables", "-A", "OUTPUT", "-o", self.pair.link, "-m", "statistic", "--mode", "random",
+            "--probability", f"{probability}", "-j", "DROP",
+        )  # fmt: skip
+
+    def delay(self, ms: float, queue: int = 7) -> None:
+        """Delay every packet leaving either namespace on the link by ``ms`` (NFQUEUE delayer)."""
+        for ns in (self.pair.prefill_ns, self.pair.decode_ns):
+            proc = subprocess.Popen(
+                self.pair.exec_args(ns, sys.executable, str(Path(__file__)), "delay", str(queue), str(ms)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            self.helpers.append(proc)
+            ready, _, _ = select.select([proc.stdout], [], [], 20)
+            line = proc.stdout.readline() if ready and proc.stdout else ""
+            if line.strip() != "ready":
+                raise RuntimeError(
+                    f"the NFQUEUE delayer in {ns} did not start within 20s: {line!r} "
+                    f"{proc.stderr.read() if proc.poll() is not None and proc.stderr else ''}"
+                )
+            self._ns_run(
+                ns, "iptables", "-A", "OUTPUT", "-o", self.pair.link, "-j", "NFQUEUE",
+                "--queue-num", str(queue), "--queue-bypass",
+            )  # fmt: skip
+
+    def close(self) -> None:
+        _stop(self.ranks)
+        for channel in self.channels:
+            with contextlib.suppress(Exception):
+                channel.close()
+        for proc in self.helpers:
+            if proc.poll() is None:
+                proc.kill()
+            with contextlib.suppress(Exception):
+                proc.communicate(timeout=10)
+        self.pair.close()
+
+    def __enter__(self) -> MultiHost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _routes(ns: str) -> str:
+    return subprocess.run(["ip", "-n", ns, "route"], capture_output=True, text=True, timeout=20).stdout
+
+
+# ---------------------------------------------------------------------- the NFQUEUE delayer
+
+NETLINK_NETFILTER = 12
+NFNL_SUBSYS_QUEUE = 3
+NFQNL_MSG_PACKET, NFQNL_MSG_VERDICT, NFQNL_MSG_CONFIG = 0, 1, 2
+NFQA_CFG_CMD, NFQA_CFG_PARAMS, NFQA_CFG_QUEUE_MAXLEN, NFQA_CFG_MASK, NFQA_CFG_FLAGS = 1, 2, 3, 4, 5
+NFQA_PACKET_HDR, NFQA_VERDICT_HDR = 1, 2
+NFQNL_CFG_CMD_BIND = 1
+NFQNL_COPY_META = 1
+NFQA_CFG_F_FAIL_OPEN = 1
+NF_ACCEPT = 1
+NLM_F_REQUEST, NLM_F_ACK = 1, 4
+NLMSG_ERROR = 2
+
+
+def _attr(kind: int, payload: bytes) -> bytes:
+    body = struct.pack("=HH", 4 + len(payload), kind) + payload
+    return body + b"\0" * (-len(body) % 4)
+
+
+def _message(msg_type: int, queue: int, attrs: bytes, flags: int, seq: int) -> bytes:
+    body = struct.pack("=BB", socket.AF_UNSPEC, 0) + struct.pack(">H", queue) + attrs
+    return struct.pack("=IHHII", 16 + len(body), (NFNL_SUBSYS_QUEUE << 8) | msg_type, flags, seq, 0) + body
+
+
+def _check_ack(sock: socket.socket, what: str) -> None:
+    data = sock.recv(65536)
+    _length, msg_type = struct.unpack_from("=IH", data)
+    if msg_type == NLMSG_ERROR:
+        (error,) = struct.unpack_from("=i", data, 16)
+        if error != 0:
+            raise OSError(-error, f"nfqueue {what}: {os.strerror(-error)}")
+
+
+def run_delayer(queue: int, delay_ms: float, max_s: float = 3600.0) -> None:
+    """Bind NFQUEUE ``queue`` in this namespace and accept each packet ``delay_ms`` after it
+    arrived, in arrival order. Exits after ``max_s`` (bounded) or when killed."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    sock.bind((0, 0))
+    config = NFQNL_MSG_CONFIG
+    flags = NLM_F_REQUEST | NLM_F_ACK
+    sock.send(
+        _message(config, queue, _attr(NFQA_CFG_CMD, struct.pack(">BxH", NFQNL_CFG_CMD_BIND, 2)), flags, 1)
+    )
+    _check_ack(sock, "bind")
+    params = _attr(NFQA_CFG_PARAMS, struct.pack(">IB", 0, NFQNL_COPY_META))
+    params += _attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack(">I", 65536))
+    params += _attr(NFQA_CFG_FLAGS, struct.pack(">I", NFQA_CFG_F_FAIL_OPEN))
+    params += _attr(NFQA_CFG_MASK, struct.pack(">I", NFQA_CFG_F_FAIL_OPEN))
+    sock.send(_message(config, queue, params, flags, 2))
+    _check_ack(sock, "params")
+    print("ready", flush=True)
+    delay = delay_ms / 1e3
+    held: list[tuple[float, int]] = []
+    end = time.monotonic() + max_s
+    while time.monotonic() < end:
+        now = time.monotonic()
+        while held and held[0][0] <= now:
+            _, packet_id = heapq.heappop(held)
+            verdict = _attr(NFQA_VERDICT_HDR, struct.pack(">II", NF_ACCEPT, packet_id))
+            sock.send(_message(NFQNL_MSG_VERDICT, queue, verdict, NLM_F_REQUEST, 0))
+        timeout = max(0.0, held[0][0] - time.monotonic()) if held else 0.5
+        ready, _, _ = select.select([sock], [], [], timeout)
+        if not ready:
+            continue
+        data = sock.recv(1 << 20)
+        arrived = time.monotonic()
+        offset = 0
+        while offset + 16 <= len(data):
+            length, msg_type = struct.unpack_from("=IH", data, offset)
+            if length < 16:
+                break
+            if msg_type == (NFNL_SUBSYS_QUEUE << 8) | NFQNL_MSG_PACKET:
+                pos = offset + 20
+                while pos + 4 <= offset + length:
+                    attr_len, attr_type = struct.unpack_from("=HH", data, pos)
+                    if attr_len < 4:
+                        break
+                    if attr_type & 0x7FFF == NFQA_PACKET_HDR:
+                        (packet_id,) = struct.unpack_from(">I", data, pos + 4)
+                        heapq.heappush(held, (arrived + delay, packet_id))
+                    pos += (attr_len + 3) & ~3
+            offset += (length + 3) & ~3
+
+
+if __name__ == "__main__":  # ip netns exec NS python tests/netns_harness.py delay QUEUE MS
+    if len(sys.argv) != 4 or sys.argv[1] != "delay":
+        sys.exit("usage: netns_harness.py delay QUEUE DELAY_MS")
+    run_delayer(int(sys.argv[2]), float(sys.argv[3]))
