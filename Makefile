@@ -30,3 +30,9 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .benchmarks
+
+# The full multi-host matrix (docs/deployment.md): P and D in two network namespaces with delay,
+# loss, 60 s link-down and silent partition, SIGKILL and restart. Needs root, iproute2, iptables.
+.PHONY: test-multihost-full
+test-multihost-full: setup
+	$(VENV)/bin/python -m pytest -m "multihost or multihost_full" -rxXs tests/test_multihost_netns.py

@@ -101,6 +101,8 @@ class MultiHost:
         self.channels: list[EngineSideChannel] = []
         self.helpers: list[subprocess.Popen[str]] = []
         self.plans: dict[str, dict[str, Any]] = {}
+        self.record: dict[str, Any] = {}
+        """What a test measured (saved by the test module)."""
         self.pair.create()
         try:
             self.transport_options = {

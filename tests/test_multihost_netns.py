@@ -13,7 +13,11 @@ reason when this is not root or ``ip netns`` does not work here.
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 from netns_harness import QUICK_TIMERS, MultiHost, unavailable_reason
@@ -35,9 +39,19 @@ RECOVERY_S = 2 * QUICK_TIMERS["heartbeat_interval_s"] + SLACK_S
 
 
 @pytest.fixture
-def hosts() -> MultiHost:
+def hosts(request: pytest.FixtureRequest) -> Iterator[MultiHost]:
     with MultiHost() as multihost:
+        multihost.record["test"] = request.node.name
         yield multihost
+        _save(multihost.record)
+
+
+def _save(record: dict) -> None:
+    """Append what a test measured to ``$KVPUSH_MULTIHOST_RESULTS`` (JSON lines), if set."""
+    path = os.environ.get("KVPUSH_MULTIHOST_RESULTS")
+    if path:
+        with open(path, "a") as out:
+            out.write(json.dumps(record) + "\n")
 
 
 def assert_outcomes(hosts: MultiHost, rids: list[str], bound_s: float = BOUND_S) -> dict[str, int]:
@@ -55,8 +69,31 @@ def assert_outcomes(hosts: MultiHost, rids: list[str], bound_s: float = BOUND_S)
                 assert isinstance(detail, str) and len(detail) > 10, f"{rid}: unnamed failure {detail!r}"
         kinds = {kind for kind, _, _ in outcome.values()}
         counts["verified" if kinds == {"done"} else "failed"] += 1
+    _note(hosts, rids)
     assert hosts.check_freed() == {}, "a WRITE landed in blocks D had freed"
     return counts
+
+
+def _note(hosts: MultiHost, rids: list[str]) -> None:
+    """Record outcomes, the slowest resolution and the failure reasons (first 60 characters)."""
+    record = hosts.record
+    outcomes = [hosts.outcome(rid) for rid in rids]
+    record.setdefault("batches", []).append(
+        {
+            "requests": len(rids),
+            "verified": sum({k for k, _, _ in o.values()} == {"done"} for o in outcomes),
+            "max_resolve_s": round(
+                max(
+                    at - hosts.plans[rid]["added"]
+                    for rid, o in zip(rids, outcomes)
+                    for _, _, at in o.values()
+                ),
+                2,
+            ),
+            "reasons": dict(Counter(d[:60] for o in outcomes for k, d, _ in o.values() if k != "done")),
+            "freed_blocks_written": len(hosts.check_freed()),
+        }
+    )
 
 
 def assert_no_leaks(hosts: MultiHost) -> None:
@@ -69,6 +106,7 @@ def push_ok(hosts: MultiHost, rids: list[str], timeout_s: float) -> float:
     hosts.plan(rids)
     hosts.dispatch(rids)
     took = hosts.wait_decode(rids, timeout_s)
+    _note(hosts, rids)
     for rid in rids:
         assert {kind for kind, _, _ in hosts.outcome(rid).values()} == {"done"}, hosts.outcome(rid)
     return took
@@ -101,7 +139,8 @@ def test_a_5s_link_down_with_writes_in_flight_is_ridden_through_or_named(hosts: 
     hosts.link_up()
     hosts.wait_decode(rids, BOUND_S)
     assert_outcomes(hosts, rids)
-    push_ok(hosts, ["after-down5-0", "after-down5-1"], RECOVERY_S + BOUND_S)
+    took = push_ok(hosts, ["after-down5-0", "after-down5-1"], RECOVERY_S + BOUND_S)
+    hosts.record["new_requests_after_link_up_s"] = round(took, 2)
     assert_no_leaks(hosts)
 
 
@@ -116,6 +155,7 @@ def test_sigkill_of_a_prefill_stage_fails_its_requests_within_peer_silence(hosts
     bound = QUICK_TIMERS["peer_silence_s"] + QUICK_TIMERS["heartbeat_interval_s"] + SLACK_S
     hosts.wait_decode(rids, bound + QUICK_TIMERS["cancel_ack_timeout_s"])
     detected = time.monotonic() - killed
+    hosts.record["prefill_kill_detected_s"] = round(detected, 2)
     assert detected <= bound + QUICK_TIMERS["cancel_ack_timeout_s"], detected
     for rid in rids:
         for kind, reason, _ in hosts.outcome(rid).values():
@@ -177,7 +217,8 @@ def _outage(hosts: MultiHost, start: str, end: str, seconds: float) -> None:
     assert_outcomes(hosts, rids)
     time.sleep(max(0.0, outage_end - time.monotonic()))
     getattr(hosts, end)()
-    push_ok(hosts, [f"after-{start}-0", f"after-{start}-1"], RECOVERY_S + BOUND_S)
+    took = push_ok(hosts, [f"after-{start}-0", f"after-{start}-1"], RECOVERY_S + BOUND_S)
+    hosts.record["new_requests_after_network_returned_s"] = round(took, 2)
     assert hosts.check_freed() == {}, "a WRITE landed in blocks D had freed"
     assert_no_leaks(hosts)
 
