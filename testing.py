@@ -10,7 +10,9 @@ available in every test suite without a ``conftest.py``:
 
 Helpers: :func:`register_plugin` adds a plugin to an existing manager (and re-runs the typo
 check), :func:`make_agent_metadata` builds a valid :class:`~kvpush.core.types.AgentMetadata`
-without any KV tensors, for the handshake and region hooks.
+without any KV tensors, for the handshake and region hooks, and :func:`run_cluster`
+(:mod:`kvpush.testing_cluster`) runs a real multi-process push with any registered layout and
+checks every byte on every decode rank.
 
 Importing this module is cheap: no torch, no NIXL, no manager is built until a fixture runs.
 """
@@ -26,8 +28,16 @@ import pytest
 if TYPE_CHECKING:
     from kvpush.core.manager import KvpushPluginManager
     from kvpush.core.types import AgentMetadata, Role
+    from kvpush.testing_cluster import ClusterReport, run_cluster
 
-__all__ = ["kvpush_pm", "kvpush_pm_factory", "make_agent_metadata", "register_plugin"]
+__all__ = [
+    "ClusterReport",
+    "kvpush_pm",
+    "kvpush_pm_factory",
+    "make_agent_metadata",
+    "register_plugin",
+    "run_cluster",
+]
 
 PluginManagerFactory = Callable[..., "KvpushPluginManager"]
 
@@ -172,3 +182,12 @@ def make_agent_metadata(
         regions=regions,
         extensions=dict(extensions or {}),
     )
+
+
+def __getattr__(name: str) -> Any:
+    """``run_cluster`` and ``ClusterReport`` come from :mod:`kvpush.testing_cluster` on first use."""
+    if name in ("run_cluster", "ClusterReport"):
+        from kvpush import testing_cluster
+
+        return getattr(testing_cluster, name)
+    raise AttributeError(f"module 'kvpush.testing' has no attribute {name!r}")

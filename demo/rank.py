@@ -146,6 +146,7 @@ class _RankServer:
         self.spec = spec
         pm = plugin_manager(spec)
         self.caches = allocate(spec, pm)
+        pm.layout(spec.layout).describe(self.caches, spec.parallel, spec.model)  # layout rules, named
         config = WorkerConfig(
             engine_id=spec.engine_id,
             parallel=spec.parallel,
