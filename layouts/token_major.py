@@ -115,16 +115,33 @@ def allocate_token_major_caches(
     model: ModelSpec, parallel: ParallelConfig, num_blocks: int, device: str = "cpu"
 ) -> dict[str, Any]:
     """Zeroed K and V tensors in this layout for the layers a rank owns (demos and tests)."""
+    return allocate_token_major(model, parallel, [num_blocks] * model.num_groups, device)
+
+
+def allocate_token_major(
+    model: ModelSpec, parallel: ParallelConfig, blocks_per_group: Sequence[int], device: str = "cpu"
+) -> dict[str, Any]:
+    """:attr:`LayoutProvider.allocate`: layer ``i`` gets ``blocks_per_group[group_of(i)]`` blocks."""
     import torch
 
+    counts = list(blocks_per_group)
+    if len(counts) < model.num_groups:
+        raise ConfigError(
+            f"model {model.name!r} has {model.num_groups} KV-cache group(s), but {len(counts)} "
+            f"block count(s) were given"
+        )
     dtype = getattr(torch, model.dtype)
-    shape = (num_blocks, model.block_size, local_heads(model, parallel), model.head_dim)
-    count = parallel.num_local_layers
-    return token_major_caches(
-        [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)],
-        [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)],
-        parallel,
-    )
+    heads = local_heads(model, parallel)
+    k, v = [], []
+    for layer in range(parallel.start_layer, parallel.end_layer):
+        shape = (counts[model.group_of(layer)], model.block_size, heads, model.head_dim)
+        k.append(torch.zeros(shape, dtype=dtype, device=device))
+        v.append(torch.zeros(shape, dtype=dtype, device=device))
+    return token_major_caches(k, v, parallel)
+
+
+DEMO_MODEL = ModelSpec(name="demo-token-major", num_layers=8, num_kv_heads=4, head_dim=64)
+"""The model ``kvpush demo --layout token_major`` pushes (GQA, 4 KV heads, 16-token blocks)."""
 
 
 @hookimpl
@@ -133,6 +150,8 @@ def kvpush_layouts() -> list[LayoutProvider]:
         LayoutProvider(
             name=LAYOUT_NAME,
             describe_regions=describe_token_major,
+            allocate=allocate_token_major,
+            demo_model=DEMO_MODEL,
             description=(
                 "MHA/GQA with separate K and V tensors per layer, (blocks, block_size, heads, "
                 "head_dim) each (SGLang pools, vLLM NHD); head slices cut per token"
