@@ -21,9 +21,9 @@ if TYPE_CHECKING:
         Notification,
         ParallelConfig,
         PushJob,
+        RankKey,
         ReadSpec,
         RegionAlignment,
-        RequestMetadata,
         Role,
         TransportProvider,
     )
@@ -32,7 +32,7 @@ __all__ = [
     "kvpush_align_regions",
     "kvpush_build_read_specs",
     "kvpush_decode_notification",
-    "kvpush_expected_notifications",
+    "kvpush_expected_producers",
     "kvpush_handshake_mode",
     "kvpush_layouts",
     "kvpush_metadata_extensions",
@@ -195,17 +195,25 @@ def kvpush_transfer_strategy(job: PushJob, spec: ReadSpec, num_descriptors: int)
 
 
 @hookspec(firstresult=True)
-def kvpush_expected_notifications(request: RequestMetadata, decode: ParallelConfig) -> int | None:
-    """Say how many distinct producers must report before D may finish a request.
+def kvpush_expected_producers(
+    prefill: ParallelConfig, decode_tp_rank: int, decode_tp_size: int
+) -> Iterable[RankKey] | None:
+    """Name the exact set of producers ``(pp_rank, tp_rank)`` whose completion a D rank waits for.
 
-    When: on D, once per request, when the request is added.
+    When: on D, once per P engine, during the notif-only handshake (D loads exactly these
+    producers' agents and counts a request done once each of them reported); and on P, when it
+    plans a request, to check that its read specs write exactly the D ranks that count it. One
+    rule for both sides, so "done" always means every producer that writes really wrote.
 
-    :param request: the request, with P's TP and PP sizes in its transfer params.
-    :param decode: this D rank's parallel config.
-    :return: a positive count, or None to leave it to others.
+    :param prefill: P's parallel config *as P published it* in the handshake (never the sizes a
+        router passed).
+    :param decode_tp_rank: the D rank.
+    :param decode_tp_size: D's TP size.
+    :return: the producer ranks (non-empty, each inside P's sizes), or None to leave it to others.
 
-    Combining rule: first result wins. The built-in rule is
-    ``pp_size × max(1, P_TP // D_TP)``: one notification per PP stage × producer TP rank.
+    Combining rule: first result wins. The built-in rule (:mod:`kvpush.core.producers`): every PP
+    stage, and the P TP ranks whose heads (or MLA latent) land on this D rank — ``d // k`` when
+    P_TP <= D_TP, ``d·k … d·k+k-1`` when P_TP > D_TP, with ``k`` the TP ratio.
     """
 
 

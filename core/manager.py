@@ -22,9 +22,9 @@ from kvpush.core.types import (
     Notification,
     ParallelConfig,
     PushJob,
+    RankKey,
     ReadSpec,
     RegionAlignment,
-    RequestMetadata,
     Role,
     TransportProvider,
 )
@@ -48,6 +48,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "uniform": "kvpush.layouts.uniform",
     "hma": "kvpush.layouts.hma",
     "token_major": "kvpush.layouts.token_major",
+    "vllm": "kvpush.layouts.vllm",
 }
 """Short name → module of every built-in plugin, registered like any third-party plugin."""
 
@@ -313,14 +314,26 @@ class KvpushPluginManager:
 
     # ---------------------------------------------------------------- completion
 
-    def expected_notifications(self, request: RequestMetadata, decode: ParallelConfig) -> int:
-        count = self.pm.hook.kvpush_expected_notifications(request=request, decode=decode)
-        if not isinstance(count, int) or count <= 0:
+    def expected_producers(
+        self, prefill: ParallelConfig, decode_tp_rank: int, decode_tp_size: int
+    ) -> frozenset[RankKey]:
+        """The producers a D rank waits for (``kvpush_expected_producers``), checked."""
+        result = self.pm.hook.kvpush_expected_producers(
+            prefill=prefill, decode_tp_rank=decode_tp_rank, decode_tp_size=decode_tp_size
+        )
+        producers = frozenset(result or ())
+        bad = [
+            p
+            for p in producers
+            if not isinstance(p, RankKey) or p.pp_rank >= prefill.pp_size or p.tp_rank >= prefill.tp_size
+        ]
+        if not producers or bad:
             raise PluginError(
-                f"expected-notification plugins returned {count!r} for request "
-                f"{request.request_id!r}; a positive int is needed"
+                f"expected-producer plugins returned {result!r} for D rank {decode_tp_rank}/"
+                f"{decode_tp_size}; a non-empty set of RankKey inside P's PP {prefill.pp_size} x "
+                f"TP {prefill.tp_size} is needed"
             )
-        return count
+        return producers
 
     def decode_notification(self, message: bytes) -> Notification | None:
         return self.pm.hook.kvpush_decode_notification(message=message)

@@ -110,7 +110,7 @@ class PeerRegistry:
         self._expected_hash = wire.compatibility_hash(local.model, local.layout, local.transport)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-handshake")
         self._lock = threading.Lock()
-        self._pending: dict[tuple[str, tuple[RankKey, ...]], Future[PeerEngine]] = {}
+        self._pending: dict[tuple[str, tuple[RankKey, ...], HandshakeMode], Future[PeerEngine]] = {}
         self.engines: dict[str, PeerEngine] = {}
         self.handshake_ms: dict[str, list[float]] = {m.value: [] for m in HandshakeMode}
 
@@ -122,16 +122,26 @@ class PeerRegistry:
         return None
 
     def ensure(
-        self, engine_id: str, host: str, port: int, ranks: Iterable[RankKey], mode: HandshakeMode
+        self,
+        engine_id: str,
+        host: str,
+        port: int,
+        ranks: Iterable[RankKey],
+        mode: HandshakeMode,
+        discover: Callable[[AgentMetadata], Iterable[RankKey]] | None = None,
     ) -> Future[PeerEngine]:
-        """A future resolved (on the writer thread) once ``ranks`` of the engine are loaded."""
+        """A future resolved (on the writer thread) once ``ranks`` of the engine are loaded.
+
+        With ``discover`` (and no ranks), rank (0, 0)'s metadata is fetched first and
+        ``discover(it)`` names the ranks to load, so the caller learns the peer's real
+        parallel layout from what the peer published, never from a guess."""
         ranks = sorted(set(ranks))
-        engine = self.connected(engine_id, ranks)
+        engine = self.connected(engine_id, ranks) if ranks else None
         if engine is not None and (mode is HandshakeMode.NOTIF_ONLY or engine.mode is HandshakeMode.FULL):
             done: Future[PeerEngine] = Future()
             done.set_result(engine)
             return done
-        key = (engine_id, tuple(ranks))
+        key = (engine_id, tuple(ranks), mode)
         with self._lock:
             pending = self._pending.get(key)
             if pending is not None:
@@ -139,7 +149,7 @@ class PeerRegistry:
             future: Future[PeerEngine] = Future()
             self._pending[key] = future
         try:
-            self._executor.submit(self._fetch, future, key, host, port, mode)
+            self._executor.submit(self._fetch, future, key, host, port, mode, discover)
         except RuntimeError as err:  # closed: fail now rather than leave a future nobody resolves
             self._finish(
                 key,
@@ -151,27 +161,23 @@ class PeerRegistry:
     def _fetch(
         self,
         future: Future[PeerEngine],
-        key: tuple[str, tuple[RankKey, ...]],
+        key: tuple[str, tuple[RankKey, ...], HandshakeMode],
         host: str,
         port: int,
         mode: HandshakeMode,
+        discover: Callable[[AgentMetadata], Iterable[RankKey]] | None = None,
     ) -> None:
-        engine_id, ranks = key
+        engine_id, ranks, _ = key
         started = time.perf_counter()
         try:
             fetched = {}
+            known: dict[RankKey, AgentMetadata] = {}
+            if discover is not None and not ranks:
+                first = self._fetch_one(host, port, engine_id, RankKey(0, 0))
+                known[first.rank] = first
+                ranks = tuple(sorted(set(discover(first))))
             for rank in ranks:
-                payload = fetch_metadata(host, port, rank, timeout_s=self._timeout_s, engine_id=engine_id)
-                peer = wire.decode_metadata(
-                    payload, expected_hash=self._expected_hash, source=f"engine {engine_id!r} rank {rank}"
-                )
-                if peer.engine_id != engine_id:
-                    raise HandshakeError(
-                        f"{host}:{port} serves engine {peer.engine_id!r}, but {engine_id!r} was "
-                        f"expected; check the router's remote_engine_id and port"
-                    )
-                if peer.rank != rank:
-                    raise HandshakeError(f"asked {engine_id!r} for rank {rank}, got {peer.rank}")
+                peer = known.get(rank) or self._fetch_one(host, port, engine_id, rank)
                 self._pm.check_peer(self._local, peer, mode)
                 alignment = None
                 if mode is HandshakeMode.FULL:
@@ -189,10 +195,24 @@ class PeerRegistry:
         fetch_ms = (time.perf_counter() - started) * 1e3
         self._run_on_writer(lambda: self._load(future, key, host, port, mode, fetched, started, fetch_ms))
 
+    def _fetch_one(self, host: str, port: int, engine_id: str, rank: RankKey) -> AgentMetadata:
+        payload = fetch_metadata(host, port, rank, timeout_s=self._timeout_s, engine_id=engine_id)
+        peer = wire.decode_metadata(
+            payload, expected_hash=self._expected_hash, source=f"engine {engine_id!r} rank {rank}"
+        )
+        if peer.engine_id != engine_id:
+            raise HandshakeError(
+                f"{host}:{port} serves engine {peer.engine_id!r}, but {engine_id!r} was "
+                f"expected; check the router's remote_engine_id and port"
+            )
+        if peer.rank != rank:
+            raise HandshakeError(f"asked {engine_id!r} for rank {rank}, got {peer.rank}")
+        return peer
+
     def _load(
         self,
         future: Future[PeerEngine],
-        key: tuple[str, tuple[RankKey, ...]],
+        key: tuple[str, tuple[RankKey, ...], HandshakeMode],
         host: str,
         port: int,
         mode: HandshakeMode,
@@ -258,7 +278,7 @@ class PeerRegistry:
 
     def _finish(
         self,
-        key: tuple[str, tuple[RankKey, ...]],
+        key: tuple[str, tuple[RankKey, ...], HandshakeMode],
         future: Future[PeerEngine],
         *,
         result: PeerEngine | None = None,

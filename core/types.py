@@ -249,12 +249,17 @@ class AgentMetadata:
     agent_name: str
     agent_blob: bytes = field(repr=lambda b: f"<{len(b)} bytes>")
     regions: tuple[KVRegion, ...] = field(converter=tuple)
+    incarnation: str = ""
+    """Random id of this engine start; a peer seen with a new one is a new peer."""
     extensions: Mapping[str, Any] = field(factory=dict, hash=False)
     """Extra published fields contributed by plugins (``kvpush_metadata_extensions``)."""
 
     @property
     def rank(self) -> RankKey:
         return self.parallel.rank
+
+
+_MAX_SIZE = {"remote_port": 65535, "tp_size": 4096, "pp_size": 4096}
 
 
 @frozen(kw_only=True)
@@ -264,8 +269,11 @@ class TransferParams:
     remote_engine_id: str
     remote_host: str
     remote_port: int
-    tp_size: int = 1
-    pp_size: int = 1
+    tp_size: int | None = None
+    """P's TP size as the router saw it; None when absent. D checks it against P's published
+    ``ParallelConfig`` and fails the request when they disagree (never a default of 1)."""
+    pp_size: int | None = None
+    """P's PP size as the router saw it; None when absent (checked like ``tp_size``)."""
     remote_block_ids: BlockIds | None = None
     remote_request_id: str | None = None
     transfer_id: str | None = None
@@ -290,13 +298,16 @@ class TransferParams:
             value = params.get(name)
             if value is not None and not isinstance(value, kind):
                 raise ConfigError(f"kv_transfer_params[{name!r}] must be a {kind.__name__}, got {value!r}")
-        ints = {}
-        for name, default in (("remote_port", None), ("tp_size", 1), ("pp_size", 1)):
-            value = params.get(name, default)
-            if value is None:
-                value = default
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"kv_transfer_params[{name!r}] must be a positive int, got {value!r}")
+        ints: dict[str, int | None] = {}
+        for name in ("remote_port", "tp_size", "pp_size"):
+            value = params.get(name)
+            if value is None and name != "remote_port":
+                ints[name] = None  # absent: D takes P's published size, never a default
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= _MAX_SIZE[name]:
+                raise ConfigError(
+                    f"kv_transfer_params[{name!r}] must be an int in [1, {_MAX_SIZE[name]}], got {value!r}"
+                )
             ints[name] = value
         if ints["remote_port"] > 65535:
             raise ConfigError(f"kv_transfer_params['remote_port'] {ints['remote_port']} > 65535")
@@ -321,9 +332,11 @@ class TransferParams:
             "remote_engine_id": self.remote_engine_id,
             "remote_host": self.remote_host,
             "remote_port": self.remote_port,
-            "tp_size": self.tp_size,
-            "pp_size": self.pp_size,
         }
+        if self.tp_size is not None:
+            out["tp_size"] = self.tp_size
+        if self.pp_size is not None:
+            out["pp_size"] = self.pp_size
         if self.remote_block_ids is not None:
             out["remote_block_ids"] = [list(g) for g in self.remote_block_ids]
         if self.remote_request_id is not None:
@@ -352,10 +365,6 @@ class RequestMetadata:
     block_ids: BlockIds = field(converter=to_block_ids)
     params: TransferParams
 
-    @property
-    def pp_size(self) -> int:
-        return self.params.pp_size
-
 
 @frozen(kw_only=True)
 class PushRegistration:
@@ -376,6 +385,15 @@ class PushRegistration:
     """The D rank that sent this registration."""
     staging_offset: int = -1
     """Where D reserved this request's packed bytes in its staging area; -1: none (direct)."""
+    decode_incarnation: str = ""
+    """The D engine start this registration belongs to (a restarted D is a new peer)."""
+    grant: float | None = None
+    """Freshness grant: the newest stamp D had from this P agent when it sent the message
+    (P's own clock, echoed back), or None. P may post into the blocks only until
+    ``grant + fresh_s`` on its clock (docs/reliability.md, "Fencing")."""
+    fresh_s: float = 0.0
+    """The freshness window D grants (D keeps the blocks at least that long plus P's WRITE
+    deadline after the last message that named them)."""
 
 
 @frozen(kw_only=True)
@@ -410,6 +428,8 @@ class NotificationKind(enum.Enum):
     CANCEL_ACK = "cancel_ack"
     HEARTBEAT = "heartbeat"
     PUSH_REG = "push_reg"
+    HELLO = "hello"
+    """D → P after the notif-only handshake: proves the notification path both ways."""
 
 
 @frozen(kw_only=True)
@@ -443,6 +463,14 @@ class Notification:
     """CANCEL_ACK: a WRITE of the request was in flight when the cancel arrived (now settled)."""
     packing: PackManifest | None = None
     """DONE of a packed WRITE: where in D's staging the producer's bytes are, to scatter."""
+    stamp: float | None = None
+    """P → D heartbeat answer: P's clock when it sent it (D echoes it back as a grant)."""
+    incarnation: str = ""
+    """The sending engine's incarnation (HB, HELLO and their answers)."""
+    want: tuple[str, ...] = field(default=(), converter=tuple)
+    """P → D heartbeat answer: match keys P needs a fresh grant for before it may post."""
+    failed_keys: tuple[str, ...] = field(default=(), converter=tuple)
+    """P → D heartbeat answer: keys D asked about that P no longer holds (failed or unknown)."""
 
 
 @frozen(kw_only=True)

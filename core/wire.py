@@ -30,14 +30,8 @@ from kvpush.core.types import (
     AgentMetadata,
     KVRegion,
     ModelSpec,
-    Notification,
-    NotificationKind,
-    PackManifest,
     ParallelConfig,
-    PushRegistration,
-    RankKey,
     Role,
-    to_block_ids,
 )
 
 WIRE_VERSION = 1
@@ -62,13 +56,6 @@ MAX_FRAME_BYTES = _max_frame_bytes()
 """Largest side-channel frame (request or reply) in bytes: ``KVPUSH_MAX_FRAME_BYTES`` when set
 (read once, at import; set it alike on every process of both engines), else 1 MiB. Regions are
 encoded compactly (:mod:`kvpush.core.region_codec`), so 80 layers x 64 regions use ~2% of it."""
-
-PUSH_REG_PREFIX = b"PUSH_REG:"
-DONE_PREFIX = b"DONE:"
-FAIL_PREFIX = b"FAIL:"
-CANCEL_PREFIX = b"CANCEL:"
-CANCEL_ACK_PREFIX = b"CANCEL_ACK:"
-HEARTBEAT_PREFIX = b"HB:"
 
 
 def pack(obj: Any) -> bytes:
@@ -167,6 +154,7 @@ def encode_metadata(meta: AgentMetadata) -> bytes:
         "agent_name": meta.agent_name,
         "agent_blob": meta.agent_blob,
         "regions": region_codec.encode_regions(meta.regions),
+        "incarnation": meta.incarnation,
         "extensions": dict(meta.extensions),
     }
     outer = {
@@ -212,6 +200,7 @@ def decode_metadata(
             agent_name=inner["agent_name"],
             agent_blob=inner["agent_blob"],
             regions=_decode_regions(inner["regions"], f"regions from {source}"),
+            incarnation=str(inner.get("incarnation", "")),
             extensions=inner.get("extensions", {}),
         )
     except (KeyError, TypeError, ValueError) as err:
@@ -249,216 +238,11 @@ def _mismatch(
 # ------------------------------------------------------------------------------ notifications
 
 
-def encode_push_reg(reg: PushRegistration) -> bytes:
-    return PUSH_REG_PREFIX + pack(
-        {
-            "request_id": reg.request_id,
-            "match_key": reg.match_key,
-            "decode_engine_id": reg.decode_engine_id,
-            "decode_host": reg.decode_host,
-            "decode_port": reg.decode_port,
-            "decode_tp_size": reg.decode_tp_size,
-            "local_block_ids": [list(g) for g in reg.block_ids],
-            "remote_engine_id": reg.remote_engine_id,
-            "dtp": reg.decode_tp_rank,
-            "staging": reg.staging_offset,
-        }
-    )
+def __getattr__(name: str) -> Any:
+    """Notification formats live in :mod:`kvpush.core.notifications`; re-exported here."""
+    from kvpush.core import notifications
 
-
-def encode_done(
-    request_id: str, producer: RankKey, producer_tp_size: int, packing: PackManifest | None = None
-) -> bytes:
-    body: dict[str, Any] = {
-        "request_id": request_id,
-        "pp": producer.pp_rank,
-        "tp": producer.tp_rank,
-        "ptp": producer_tp_size,
-    }
-    if packing is not None:
-        body["pk"] = [
-            packing.staging_offset,
-            list(packing.regions),
-            *packing.part,
-            packing.chunk,
-            packing.chunks,
-        ]
-    return DONE_PREFIX + pack(body)
-
-
-def _manifest(body: Mapping[str, Any], what: str) -> PackManifest | None:
-    value = body.get("pk")
-    if value is None:
-        return None
     try:
-        offset, regions, index, count, chunk, chunks = value
-        if not (isinstance(offset, int) and offset >= 0 and 0 <= index < count and 0 <= chunk < chunks):
-            raise ValueError(f"bad offset, part or chunk {value!r}")
-        return PackManifest(
-            staging_offset=offset,
-            regions=[int(r) for r in regions],
-            part=(index, count),
-            chunk=chunk,
-            chunks=chunks,
-        )
-    except (TypeError, ValueError) as err:
-        raise WireError(f"{what} field 'pk' (packing manifest) is malformed: {err}") from None
-
-
-def encode_failed(request_id: str, producer: RankKey, reason: str) -> bytes:
-    return FAIL_PREFIX + pack(
-        {"request_id": request_id, "pp": producer.pp_rank, "tp": producer.tp_rank, "reason": reason[:2000]}
-    )
-
-
-def _coordinates(reg: PushRegistration, decode_tp_rank: int) -> dict[str, Any]:
-    """The fields that tell P where a D rank is (read back by ``_decode_coordinates``)."""
-    return {
-        "decode_engine_id": reg.decode_engine_id,
-        "decode_host": reg.decode_host,
-        "decode_port": reg.decode_port,
-        "decode_tp_size": reg.decode_tp_size,
-        "remote_engine_id": reg.remote_engine_id,
-        "tp": decode_tp_rank,
-    }
-
-
-def encode_cancel(match_key: str, reg: PushRegistration | None = None, decode_tp_rank: int = 0) -> bytes:
-    """CANCEL by match key; with ``reg`` (blocks not needed) P can reach the cancelling D rank."""
-    body: dict[str, Any] = {"request_id": match_key}
-    if reg is not None:
-        body.update(_coordinates(reg, decode_tp_rank), d_request_id=reg.request_id)
-    return CANCEL_PREFIX + pack(body)
-
-
-def encode_cancel_ack(request_id: str, producer: RankKey, write_in_flight: bool) -> bytes:
-    return CANCEL_ACK_PREFIX + pack(
-        {
-            "request_id": request_id,
-            "pp": producer.pp_rank,
-            "tp": producer.tp_rank,
-            "inflight": write_in_flight,
-        }
-    )
-
-
-def encode_heartbeat(
-    match_keys: list[str], reg: PushRegistration | None = None, decode_tp_rank: int = 0
-) -> bytes:
-    """HB with match keys; from a D rank also its coordinates (``reg``, blocks not needed) so P
-    can answer with an empty HB, which is P's liveness signal."""
-    body: dict[str, Any] = {"request_ids": list(match_keys)}
-    if reg is not None:
-        body.update(_coordinates(reg, decode_tp_rank), d_request_id="(heartbeat)")
-    return HEARTBEAT_PREFIX + pack(body)
-
-
-def _str_field(body: Mapping[str, Any], name: str, what: str) -> str:
-    value = body.get(name)
-    if not isinstance(value, str) or not value:
-        raise WireError(f"{what} field {name!r} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _int_field(body: Mapping[str, Any], name: str, what: str) -> int:
-    value = body.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise WireError(f"{what} field {name!r} must be a non-negative int, got {value!r}")
-    return value
-
-
-def _decode_coordinates(
-    body: Mapping[str, Any], what: str, *, request_id: str, match_key: str
-) -> PushRegistration:
-    """D's coordinates carried by a heartbeat or a cancel, as a block-less registration."""
-    try:
-        return PushRegistration(
-            request_id=request_id,
-            match_key=match_key,
-            decode_engine_id=_str_field(body, "decode_engine_id", what),
-            decode_host=_str_field(body, "decode_host", what),
-            decode_port=_int_field(body, "decode_port", what),
-            decode_tp_size=_int_field(body, "decode_tp_size", what) or 1,
-            block_ids=(),
-            remote_engine_id=_str_field(body, "remote_engine_id", what),
-        )
-    except ValueError as err:
-        raise WireError(f"{what} is malformed: {err}") from None
-
-
-_PREFIXES = (
-    (PUSH_REG_PREFIX, NotificationKind.PUSH_REG),
-    (DONE_PREFIX, NotificationKind.DONE),
-    (FAIL_PREFIX, NotificationKind.FAILED),
-    (CANCEL_PREFIX, NotificationKind.CANCEL),
-    (CANCEL_ACK_PREFIX, NotificationKind.CANCEL_ACK),
-    (HEARTBEAT_PREFIX, NotificationKind.HEARTBEAT),
-)
-
-
-def decode_notification(message: bytes) -> Notification | None:
-    """Decode a kvpush notification; None if the prefix is not kvpush's. Raises WireError on a
-    kvpush prefix with a malformed body."""
-    match = next(((p, k) for p, k in _PREFIXES if message.startswith(p)), None)
-    if match is None:
-        return None
-    prefix, kind = match
-    what = prefix.decode().rstrip(":")
-    body = unpack(message[len(prefix) :], what)
-    if not isinstance(body, Mapping):
-        raise WireError(f"{what} body must be a map, got {type(body).__name__}")
-    if kind is NotificationKind.PUSH_REG:
-        try:
-            reg = PushRegistration(
-                request_id=_str_field(body, "request_id", what),
-                match_key=_str_field(body, "match_key", what),
-                decode_engine_id=_str_field(body, "decode_engine_id", what),
-                decode_host=_str_field(body, "decode_host", what),
-                decode_port=_int_field(body, "decode_port", what),
-                decode_tp_size=_int_field(body, "decode_tp_size", what) or 1,
-                block_ids=to_block_ids(body.get("local_block_ids")),
-                remote_engine_id=_str_field(body, "remote_engine_id", what),
-                decode_tp_rank=int(body.get("dtp", 0)),
-                staging_offset=int(body.get("staging", -1)),
-            )
-        except (TypeError, ValueError) as err:
-            raise WireError(f"{what} is malformed: {err}") from None
-        return Notification(kind=kind, request_id=reg.request_id, registration=reg)
-    if kind is NotificationKind.HEARTBEAT:
-        ids = body.get("request_ids")
-        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-            raise WireError(f"{what} field 'request_ids' must be a list of strings")
-        if "decode_engine_id" not in body:
-            return Notification(kind=kind, request_ids=ids)
-        reg = _decode_coordinates(body, what, request_id="(heartbeat)", match_key="(heartbeat)")
-        return Notification(
-            kind=kind, request_ids=ids, registration=reg, producer=RankKey(0, _int_field(body, "tp", what))
-        )
-    request_id = _str_field(body, "request_id", what)
-    if kind is NotificationKind.CANCEL:
-        if "d_request_id" not in body:
-            return Notification(kind=kind, request_id=request_id)
-        reg = _decode_coordinates(
-            body, what, request_id=_str_field(body, "d_request_id", what), match_key=request_id
-        )
-        return Notification(
-            kind=kind,
-            request_id=request_id,
-            registration=reg,
-            producer=RankKey(0, _int_field(body, "tp", what)),
-        )
-    producer = RankKey(_int_field(body, "pp", what), _int_field(body, "tp", what))
-    if kind is NotificationKind.CANCEL_ACK:
-        return Notification(
-            kind=kind, request_id=request_id, producer=producer, write_in_flight=bool(body.get("inflight"))
-        )
-    if kind is NotificationKind.DONE:
-        return Notification(
-            kind=kind,
-            request_id=request_id,
-            producer=producer,
-            producer_tp_size=_int_field(body, "ptp", what) or 1,
-            packing=_manifest(body, what),
-        )
-    reason = body.get("reason")
-    return Notification(kind=kind, request_id=request_id, producer=producer, reason=str(reason or "unknown"))
+        return getattr(notifications, name)
+    except AttributeError:
+        raise AttributeError(f"module 'kvpush.core.wire' has no attribute {name!r}") from None

@@ -1,13 +1,18 @@
 """What P senders and D receivers share: start-up, the writer thread and its command queue.
 
-The writer thread is the only thread that touches the transport after start-up: it runs queued
-commands, drains notifications and lets the subclass poll its own state (``_tick``).
-Handshakes fetch metadata on another thread and hand the loading back to it.
+The sender and receiver are thin *drivers* around pure protocol cores
+(:mod:`kvpush.core.prefill_core`, :mod:`kvpush.core.decode_core`): the writer thread is the only
+thread that touches the transport after start-up; each step it drains notifications first, then
+runs queued commands (engine calls, handshake results), then polls WRITEs and fires the core's
+timers, executing the actions the core returns. Handshakes fetch metadata on another thread and
+hand the loading back to it. Every event is handled in isolation: an exception fails the request
+it belongs to (never the loop, never the rest of a batch).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -29,6 +34,7 @@ from kvpush.core.types import (
     Notification,
     ParallelConfig,
     Role,
+    to_block_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,14 +69,22 @@ class WorkerConfig:
     early_notification_ttl_s: float = 30.0
     """D: completions for requests not added yet are held this long, then dropped."""
     heartbeat_interval_s: float | None = None
-    """D: how often pending requests' match keys are sent to P as ``HB:`` (renewing P's leases
-    and probing P's liveness); None means ``lease_s / 6``."""
-    cancel_ack_timeout_s: float = 5.0
-    """D: a cancelled (or failed) request whose producers have not acknowledged (CANCEL_ACK) or
-    reported within this long is freed anyway, and its reason says so."""
+    """D: how often pending requests' match keys are sent to P as ``HB:`` (renewing P's leases,
+    granting freshness and probing P's liveness); None means ``lease_s / 6``."""
+    fresh_s: float | None = None
+    """D: the freshness window granted to P with every PUSH_REG and heartbeat: P may post into a
+    request's blocks only this long after the stamp D echoed. None means two heartbeat intervals.
+    Must be shorter than ``peer_silence_s``."""
+    write_deadline_s: float = 10.0
+    """P: a WRITE not settled this long is aborted, D told and D's connection dropped. Published
+    to D, which keeps a failed request's blocks quarantined for ``fresh_s`` + this (+1 s) after
+    its last grant when P does not acknowledge the cancel."""
     peer_silence_s: float | None = None
     """D: a P agent that answers no heartbeat this long is dead (its requests fail at once);
     None means three heartbeat intervals plus ``handshake_timeout_s``."""
+    incarnation: str = ""
+    """Id of this engine start (carried in metadata, PUSH_REG and HB); empty: a random one per
+    ``start()``. A peer seen with a new incarnation is a new peer."""
     engine_ttl_s: float = 3600.0
     """Remote engines idle this long (and with no request in progress) are evicted; <= 0 never."""
     busy_poll_s: float = 0.0002
@@ -80,6 +94,43 @@ class WorkerConfig:
     staging_bytes: int = 64 << 20
     """Registered staging area for packed transfers (P gathers into it, D receives into it);
     0 disables packing. A request that does not fit goes direct."""
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.heartbeat_interval_s or self.lease_s / 6
+
+    @property
+    def freshness_s(self) -> float:
+        return self.fresh_s if self.fresh_s is not None else 2 * self.heartbeat_s
+
+    @property
+    def silence_s(self) -> float:
+        return self.peer_silence_s or 3 * self.heartbeat_s + self.handshake_timeout_s
+
+    def __attrs_post_init__(self) -> None:
+        for name in (
+            "handshake_timeout_s",
+            "request_timeout_s",
+            "lease_s",
+            "registration_ttl_s",
+            "write_deadline_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"WorkerConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if self.freshness_s >= self.silence_s:
+            raise ConfigError(
+                f"WorkerConfig.fresh_s ({self.freshness_s:g}s) must be shorter than peer_silence_s "
+                f"({self.silence_s:g}s): P must stop writing before D declares it dead"
+            )
+
+
+def lease_clock() -> float:
+    """Seconds on a clock that keeps counting while the host is suspended (CLOCK_BOOTTIME on
+    Linux): a P that wakes from a suspend must see its registrations as stale."""
+    return time.clock_gettime(_CLOCK)
+
+
+_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
 
 
 class RankWorker:
@@ -94,6 +145,8 @@ class RankWorker:
         *,
         pm: KvpushPluginManager | None = None,
     ) -> None:
+        """``pm`` is the plugin manager to use (default: :func:`get_plugin_manager`, which loads
+        the built-ins and the ``kvpush`` entry points)."""
         self.config = config
         self.pm = pm or get_plugin_manager()
         self._kv_caches = kv_caches
@@ -102,6 +155,11 @@ class RankWorker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._local_lists: dict[tuple[int, int], int] = {}
+        self._running = False
+        self._released = False
+        self._next_eviction = 0.0
+        self.core: Any = None
+        self.incarnation = config.incarnation or os.urandom(8).hex()
         self.transport: Transport | None = None
         self.metadata: AgentMetadata | None = None
         self.peers: PeerRegistry | None = None
@@ -118,7 +176,18 @@ class RankWorker:
         return f"{self.config.engine_id}-{self.role.value}-pp{p.pp_rank}-tp{p.tp_rank}"
 
     def start(self) -> AgentMetadata:
-        """Describe and register the KV regions, create the agent, start the writer thread."""
+        """Describe and register the KV regions, create the agent, start the writer thread.
+
+        Everything made so far is released again when a later step fails."""
+        if self._running or self._thread is not None:
+            raise ConfigError(f"{self.agent_name} was already started; make a new worker to restart")
+        try:
+            return self._start()
+        except BaseException:
+            self._release_resources()
+            raise
+
+    def _start(self) -> AgentMetadata:
         if self.role is Role.DECODE and self.config.parallel.pp_size > 1:
             raise ConfigError(
                 f"decode engine {self.config.engine_id!r} has PP={self.config.parallel.pp_size}; "
@@ -151,8 +220,10 @@ class RankWorker:
             agent_name=self.transport.agent_name,
             agent_blob=self.transport.metadata(),
             regions=regions,
+            incarnation=self.incarnation,
         )
-        self.metadata = attrs.evolve(meta, extensions={**self.pm.metadata_extensions(meta), **staging})
+        core_fields = {WRITE_DEADLINE_KEY: self.config.write_deadline_s, **staging}
+        self.metadata = attrs.evolve(meta, extensions={**self.pm.metadata_extensions(meta), **core_fields})
         self.peers = PeerRegistry(
             pm=self.pm,
             local=self.metadata,
@@ -160,11 +231,16 @@ class RankWorker:
             run_on_writer=self.run_on_writer,
             timeout_s=self.config.handshake_timeout_s,
         )
+        self._make_core()
         self._thread = threading.Thread(
             target=self._writer_loop, name=f"kvpush-writer-{self.agent_name}", daemon=True
         )
+        self._running = True
         self._thread.start()
         return self.metadata
+
+    def _make_core(self) -> None:
+        raise NotImplementedError
 
     def _start_staging(self, regions: tuple[KVRegion, ...]) -> dict[str, Any]:
         """Allocate and register the packed-transfer staging area; its metadata extension."""
@@ -195,6 +271,38 @@ class RankWorker:
             handle = self.transport.prepare_local(region_descriptors(regions, part), regions[0].mem_type)
             self._local_lists[part] = handle
         return handle
+
+    def _check_running(self, call: str) -> None:
+        if not self._running:
+            state = "closed" if self._stop.is_set() else "not started"
+            raise ConfigError(f"{call} on {self.agent_name}, which is {state}; call start() first")
+
+    def _check_blocks(self, request_id: Any, block_ids: Any, what: str) -> Any:
+        """Validate an engine's request id and block ids (ConfigError naming the argument)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ConfigError(f"request_id must be a non-empty string, got {request_id!r}")
+        blocks = to_block_ids(block_ids)
+        assert self.metadata is not None
+        capacity: dict[int, int] = {}
+        for region in self.metadata.regions:
+            capacity[region.kv_group] = min(
+                capacity.get(region.kv_group, region.num_blocks), region.num_blocks
+            )
+        for group, ids in enumerate(blocks):
+            if len(set(ids)) != len(ids):
+                raise ConfigError(
+                    f"{what} of {request_id!r} repeat a block id in group {group}: {list(ids)[:16]}"
+                )
+            if group not in capacity and ids:
+                raise ConfigError(
+                    f"{what} of {request_id!r} name KV group {group}; this rank has {len(capacity)}"
+                )
+            if ids and max(ids) >= capacity[group]:
+                raise ConfigError(
+                    f"{what} of {request_id!r}: block id {max(ids)} is beyond group {group}'s "
+                    f"{capacity[group]} blocks"
+                )
+        return blocks
 
     # ------------------------------------------------------------------ writer thread
 
@@ -232,14 +340,29 @@ class RankWorker:
             torch.cuda.set_device(self.config.cuda_device)
         while not self._stop.is_set():
             try:
-                self._run_commands()
-                self._drain_notifications()
-                self._tick(time.monotonic())
+                self._step()
             except Exception:
                 logger.exception("kvpush writer of %s hit an error; continuing", self.agent_name)
             timeout = self.config.busy_poll_s if self._busy() else self.config.idle_poll_s
+            deadline = self._next_deadline()
+            if deadline is not None:
+                timeout = max(0.0, min(timeout, deadline - lease_clock()))
             if self._wake.wait(timeout):
                 self._wake.clear()
+
+    def _step(self) -> None:
+        """One round: notifications first (so a CANCEL is seen before a queued post), then
+        commands, then WRITE polling and timers; actions run after each input."""
+        self._drain_notifications()
+        self._run_commands()
+        self._poll(lease_clock())
+        self._timers(lease_clock())
+        now = time.monotonic()
+        if now >= self._next_eviction:
+            self._next_eviction = now + 1.0
+            core = self.core
+            for engine_id in self._evict_idle_engines(now, core.busy_engines()):
+                core.forget_engine(engine_id)
 
     def _run_commands(self) -> None:
         while True:
@@ -254,18 +377,31 @@ class RankWorker:
 
     def _drain_notifications(self) -> None:
         assert self.transport is not None
-        for peer, message in self.transport.drain_notifs():
+        try:
+            batch = self.transport.drain_notifs()
+        except Exception as err:  # a transport must not stop the loop
+            logger.warning("draining notifications of %s failed: %s", self.agent_name, err)
+            return
+        for peer, message in batch:
             try:
                 notification = self.pm.decode_notification(message)
             except WireError as err:
                 self.dropped_notifications += 1
                 logger.warning("dropped a malformed notification from %s: %s", peer, err)
                 continue
+            except Exception as err:
+                self.dropped_notifications += 1
+                logger.warning("a notification decoder raised on a message from %s: %r", peer, err)
+                continue
             if notification is None:
                 self.dropped_notifications += 1
                 logger.warning("dropped a notification from %s no plugin understands: %r", peer, message[:64])
                 continue
-            self._on_notification(peer, notification)
+            try:
+                self._on_notification(peer, notification)
+            except Exception:  # isolated: the rest of the batch is still handled
+                logger.exception("handling a %s from %s failed", notification.kind.value, peer)
+        self._flush()
 
     def _evict_idle_engines(self, now: float, busy: set[str]) -> list[str]:
         """Forget remote engines idle longer than ``engine_ttl_s`` that no request uses."""
@@ -282,11 +418,30 @@ class RankWorker:
             self.peers.remove(engine_id)
         return evicted
 
+    def _send(self, agent: str, message: bytes) -> str:
+        """Send one notification; the error text when the transport refused ("" when sent)."""
+        assert self.transport is not None
+        try:
+            self.transport.send_notif(agent, message)
+        except Exception as err:
+            logger.warning("notification to %s failed: %s", agent, err)
+            return f"{type(err).__name__}: {err}"
+        return ""
+
     def _on_notification(self, peer: str, notification: Notification) -> None:
         raise NotImplementedError
 
-    def _tick(self, now: float) -> None:
+    def _poll(self, now: float) -> None:
         raise NotImplementedError
+
+    def _timers(self, now: float) -> None:
+        raise NotImplementedError
+
+    def _flush(self) -> None:
+        """Run actions collected while draining (P posts only after the whole batch)."""
+
+    def _next_deadline(self) -> float | None:
+        return None
 
     def _busy(self) -> bool:
         raise NotImplementedError
@@ -294,16 +449,33 @@ class RankWorker:
     # ------------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        """Stop the writer, then release every handle, peer and registration."""
+        """Stop the writer, then release every handle, peer and registration.
+
+        Memory is never released under a live writer: if the writer does not stop within 10 s,
+        the transport is left open (and an error logged) rather than freed under it."""
+        was_running = self._running
+        self._running = False
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=10.0)
             if self._thread.is_alive():
-                logger.error("writer of %s did not stop within 5s", self.agent_name)
+                logger.error(
+                    "writer of %s did not stop within 10s; its transport is left open", self.agent_name
+                )
+                return
+        if was_running:
+            self._closed()
+        self._release_resources()
+
+    def _closed(self) -> None:
+        """Report what is still pending as failed (the writer has stopped)."""
+
+    def _release_resources(self) -> None:
         if self.peers is not None:
             self.peers.close()
-        if self.transport is not None:
+        if self.transport is not None and not self._released:
+            self._released = True
             self.transport.close()
 
     def __enter__(self) -> RankWorker:
@@ -312,3 +484,7 @@ class RankWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+WRITE_DEADLINE_KEY = "write_deadline_s"
+"""Metadata extension where a P rank publishes its WRITE deadline (D's quarantine needs it)."""

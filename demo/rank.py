@@ -197,6 +197,11 @@ class _RankServer:
             return None
         if kind == "check_freed":
             return self._check_freed()
+        if kind == "scribble":  # the soak's negative control: a late WRITE, simulated
+            for block_ids in list(self.freed.values())[: message[1]]:
+                for tensor in self.tensors:
+                    tensor[block_ids[0][0]].reshape(-1).view(torch_int16()).fill_(7)
+            return None
         if kind == "health":
             return self._health()
         if kind == "poll":
@@ -227,9 +232,9 @@ class _RankServer:
                 "ok": miss is None,
                 "miss": miss,
                 "bytes": nbytes,
-                "t_done": self.worker.completion_times[rid],
+                "t_done": results.completed_at[rid],
             }
-        for rid in [*results.failed, *results.cancelled]:
+        for rid in results.released:
             # The engine frees these blocks now: fill them so a late WRITE would show.
             _seed, block_ids, _offsets = self.expect.pop(rid)
             self.freed[rid] = block_ids
@@ -238,6 +243,7 @@ class _RankServer:
             "done": verified,
             "failed": dict(results.failed),
             "cancelled": dict(results.cancelled),
+            "released": list(results.released),
             "now": time.perf_counter(),
         }
 
@@ -260,15 +266,16 @@ class _RankServer:
     def _health(self) -> dict[str, Any]:
         """What is still held: transfer handles, and requests/blocks not released."""
         worker: Any = self.worker
+        sizes = worker.call_on_writer(worker.core.state_sizes)  # the core is the writer's
         held = (
             {
-                "finished": len(worker._finished),
-                "inflight": len(worker._inflight),
-                "waiting_handshake": len(worker._waiting_handshake),
-                "stashed_registrations": len(worker._registrations),
+                "finished": len(worker.call_on_writer(worker.core.pending_requests)),
+                "inflight": sizes["inflight"],
+                "stashed_registrations": sizes["stashed"],
+                "state": sizes,
             }
             if self.spec.role == "prefill"
-            else {"pending": worker.pending_requests}
+            else {"pending": worker.pending_requests, "state": sizes}
         )
         return {
             "outstanding_handles": worker.transport.outstanding_handles,

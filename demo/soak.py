@@ -49,7 +49,8 @@ class SoakConfig:
     request_timeout_s: float = 6.0
     lease_s: float = 3.0
     heartbeat_interval_s: float = 0.25
-    cancel_ack_timeout_s: float = 1.5
+    write_deadline_s: float = 1.5
+    """P's WRITE deadline (D's quarantine of an unacknowledged cancel adds it to the freshness window)."""
     late_abort_ms: float = 30.0
     """Late aborts land uniformly within this many ms after dispatch."""
     transport_inner: str = "nixl"
@@ -57,6 +58,9 @@ class SoakConfig:
     """Faulty-transport options replacing the ones derived from ``fault_rate`` (tests)."""
     timeout_s: float = 240.0
     """Bound on the whole run after dispatch."""
+    scribble_freed: int = 0
+    """Negative control for the checker: D overwrites this many released requests' blocks (as a
+    late WRITE would) before the freed-block check, which must then report them."""
 
 
 def _fault_options(cfg: SoakConfig) -> dict[str, Any]:
@@ -90,7 +94,7 @@ def _specs(cfg: SoakConfig, p_port: int, d_port: int) -> tuple[list[RankSpec], l
         "transport_options": _fault_options(cfg),
         "worker_options": {
             "heartbeat_interval_s": cfg.heartbeat_interval_s,
-            "cancel_ack_timeout_s": cfg.cancel_ack_timeout_s,
+            "write_deadline_s": cfg.write_deadline_s,
             "registration_ttl_s": max(cfg.request_timeout_s * 2, 10.0),
         },
     }
@@ -215,6 +219,8 @@ class _Tracker:
     d_outcome: dict[str, dict[RankKey, tuple[str, Any]]] = attrs.field(factory=dict)
     p_outcome: dict[str, dict[RankKey, str | None]] = attrs.field(factory=dict)
     resolved_at: dict[str, float] = attrs.field(factory=dict)
+    released: dict[str, set[RankKey]] = attrs.field(factory=dict)
+    """D ranks that released a failed or cancelled request's blocks."""
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -228,6 +234,8 @@ class _Tracker:
             for kind in ("done", "failed", "cancelled"):
                 for rid, value in polled[kind].items():
                     self.d_outcome.setdefault(rid, {})[rank.key] = (kind, value)
+            for rid in polled["released"]:
+                self.released.setdefault(rid, set()).add(rank.key)
         for rank in self.p_ranks:
             polled = rank.call(("poll",))
             for rid in polled["sent"]:
@@ -237,7 +245,9 @@ class _Tracker:
         now = time.monotonic()
         for rid, per_rank in self.d_outcome.items():
             if rid not in self.resolved_at and len(per_rank) == len(self.d_ranks):
-                self.resolved_at[rid] = now
+                freed = self.released.get(rid, set())
+                if all(kind == "done" or key in freed for key, (kind, _) in per_rank.items()):
+                    self.resolved_at[rid] = now  # reported, and any blocks to free released
 
 
 def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> dict[str, Any]:
@@ -285,6 +295,8 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
                         bad_outcomes[rid] = "failed without a reason"
                     reasons[_reason_kind(reason)] += 1
     freed_bad: dict[str, str] = {}
+    if cfg.scribble_freed:
+        d_ranks[0].call(("scribble", cfg.scribble_freed))
     for rank in d_ranks:
         freed_bad.update(rank.call(("check_freed",), timeout_s=120))
     health = {
@@ -293,7 +305,7 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
     }
     leaked_handles = sum(h["outstanding_handles"] for h in health.values())
     held = sum(
-        h.get("finished", 0) + h.get("inflight", 0) + h.get("waiting_handshake", 0) + h.get("pending", 0)
+        h.get("finished", 0) + h.get("inflight", 0) + h.get("pending", 0)
         for h in health.values()
     )
     p_unreported = sum(1 for rid in rids if len(p_outcome[rid]) != len(p_ranks))

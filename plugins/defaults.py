@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from kvpush.core import wire
 from kvpush.core.markers import hookimpl
+from kvpush.core.producers import expected_producers
 from kvpush.core.types import (
     AgentMetadata,
     HandshakeMode,
     Notification,
     ParallelConfig,
-    RequestMetadata,
     Role,
 )
 
@@ -45,9 +45,13 @@ def kvpush_validate_peer(local: AgentMetadata, peer: AgentMetadata, mode: Handsh
 
 
 @hookimpl(trylast=True)
-def kvpush_expected_notifications(request: RequestMetadata, decode: ParallelConfig) -> int:
-    producer_tp = request.params.tp_size
-    return request.pp_size * max(1, producer_tp // decode.tp_size)
+def kvpush_expected_producers(prefill: ParallelConfig, decode_tp_rank: int, decode_tp_size: int) -> frozenset:
+    return expected_producers(
+        prefill_pp=prefill.pp_size,
+        prefill_tp=prefill.tp_size,
+        decode_tp_rank=decode_tp_rank,
+        decode_tp_size=decode_tp_size,
+    )
 
 
 @hookimpl(trylast=True)

@@ -159,7 +159,7 @@ def test_each_fault_across_processes_ends_in_a_verified_push_or_a_named_failure(
     faults: dict[str, object], outcome: str, reason: str | None
 ) -> None:
     report = run_soak(
-        SoakConfig(requests=8, abort_rate=0.0, faults=faults, request_timeout_s=2.0, cancel_ack_timeout_s=1.0)
+        SoakConfig(requests=8, abort_rate=0.0, faults=faults, request_timeout_s=2.0, write_deadline_s=1.0)
     )
     assert soak_ok(report), report
     if outcome == "verified":

@@ -40,38 +40,39 @@ def cancelled_reason(cluster: Cluster, rid: str, tp: int = 0, timeout_s: float =
 
 
 def test_heartbeat_by_match_key_renews_the_lease_and_by_request_id_does_not() -> None:
-    """Upstream #53095: heartbeats named the wrong id, so they never renewed P's lease."""
-    with Cluster(lease_s=0.4) as cluster:
-        sender = cluster.senders[P0]
-        cluster.finish("p-1", [[1]], "x-1")
-        cluster.finish("p-2", [[2]], "x-2")
-        deadline = time.monotonic() + 1.2  # three leases
-        while time.monotonic() < deadline:
-            sender.transport.inject("D-decode-pp0-tp0", wire.encode_heartbeat(["x-1", "p-2"]))
-            time.sleep(0.05)
-        results = cluster.wait_prefill("p-2", timeout_s=5)
-        assert "lease of 0.4s expired" in results[P0]  # "p-2" is P's request id, not the key
-        assert "p-1" not in cluster.p_results[P0]  # renewed by its match key
-        assert sender.stats["heartbeat_renewals"] > 0
-        assert "lease" in cluster.wait_prefill("p-1", timeout_s=5)[P0]  # no heartbeats: expires
-
-
-def test_decode_heartbeats_keep_unclaimed_blocks_until_decode_cancels() -> None:
-    # P never sees the PUSH_REG (dropped), so its finished blocks stay unclaimed: only D's
-    # heartbeats keep them; D's cancel then releases them at once.
+    """Upstream #53095: heartbeats named the wrong id, so they never renewed P's lease. Here D's
+    PUSH_REG is lost, so only D's heartbeats (by match key) keep the router-bound prefill."""
     with Cluster(
-        lease_s=0.3, heartbeat_interval_s=0.05, **faulty(drop_notifs=1.0, drop_prefixes=["PUSH_REG:"])
+        lease_s=0.4, heartbeat_interval_s=0.05, **faulty(drop_notifs=1.0, drop_prefixes=["PUSH_REG:"])
     ) as cluster:
         sender = cluster.senders[P0]
-        cluster.add("d-1", [[5]], "x-1")
-        cluster.finish("p-1", [[6]], "x-1")
-        time.sleep(1.0)
+        cluster.add("d-1", [[5]], "x-1")  # D heartbeats "x-1" (its match key), never "p-1"
+        sender.request_finished("p-1", [[6]], match_key="x-1", decode_engine_id="D")
+        sender.request_finished("p-2", [[7]], match_key="x-2", decode_engine_id="D")
+        assert "lease of 0.4s expired" in cluster.wait_prefill("p-2", timeout_s=5)[P0]
+        time.sleep(0.8)  # two more leases
         cluster.poll()
-        assert cluster.p_results[P0] == {}, "the lease expired although D sent heartbeats"
+        assert "p-1" not in cluster.p_results[P0], "the lease expired although D sent heartbeats"
         assert sender.stats["heartbeat_renewals"] >= 5
         cluster.receivers[0].cancel("d-1")
-        assert "before any PUSH_REG" not in cancelled_reason(cluster, "d-1")
-        assert "cancelled by D before the push started" in cluster.wait_prefill("p-1")[P0]
+        assert "no WRITE in flight" in cancelled_reason(cluster, "d-1")
+        assert "cancelled by D before the WRITE was posted" in cluster.wait_prefill("p-1")[P0]
+
+
+def test_p_that_lost_a_request_fails_it_at_d_within_a_heartbeat() -> None:
+    """Issue 11.3: P answers a heartbeat for a key it no longer holds with ``failed``, so D fails
+    the request at once instead of on its watchdog."""
+    with Cluster(
+        lease_s=0.3,
+        heartbeat_interval_s=0.05,
+        request_timeout_s=60,
+        **faulty(drop_notifs=1.0, drop_prefixes=["PUSH_REG:"]),
+    ) as cluster:
+        cluster.add("d-1", [[5]], "x-1")
+        started = time.monotonic()
+        reason = cluster.wait_decode("d-1", timeout_s=5)[0]
+        assert reason is not None and "P no longer holds this request" in reason
+        assert time.monotonic() - started < 2.0
 
 
 def test_heartbeats_renew_a_stashed_registration() -> None:
@@ -84,24 +85,26 @@ def test_heartbeats_renew_a_stashed_registration() -> None:
 
 
 def test_decode_watchdog_fails_with_a_named_reason_and_releases_prefill() -> None:
-    # D's watchdog fires (P's DONE is lost); D cancels at P, so P's state is released too.
+    # D's watchdog fires (P's DONE is lost); D cancels at P, which acknowledges at once.
     with Cluster(request_timeout_s=0.3, **faulty(drop_notifs=1.0, drop_prefixes=["DONE:"])) as cluster:
         cluster.add("d-1", [[1]], "x-1")
         cluster.finish("p-1", [[2]], "x-1")
         reason = cluster.wait_decode("d-1", timeout_s=5)[0]
         assert reason is not None and "no completion within 0.3s" in reason and "(pp=0, tp=0)" in reason
+        wait_until(lambda: "d-1" in cluster.receivers[0].get_finished().released, what="the release")
 
 
 # ---------------------------------------------------------------------------- cancellation
 
 
-def test_cancel_before_registration_reports_at_once_and_releases_prefill() -> None:
-    with Cluster() as cluster:
+def test_cancel_before_registration_reports_at_once_and_prefill_lease_expires() -> None:
+    with Cluster(lease_s=0.3) as cluster:
         cluster.add("d-1", [[1]], "x-1")
         cluster.receivers[0].cancel("d-1")  # the handshake with P is still running
         assert "before any PUSH_REG was sent" in cancelled_reason(cluster, "d-1")
         cluster.finish("p-1", [[2]], "x-1")
-        assert "cancelled by D" in cluster.wait_prefill("p-1")[P0]
+        # D never registered, so nothing binds the key to D: only the lease releases P's blocks.
+        assert "lease" in cluster.wait_prefill("p-1")[P0]
         assert cluster.senders[P0].stats["writes"] == 0
 
 
@@ -109,7 +112,7 @@ def test_cancel_after_registration_is_acknowledged_and_prefill_never_writes() ->
     with Cluster() as cluster:
         sender = cluster.senders[P0]
         cluster.add("d-1", [[1, 2]], "x-1")
-        wait_until(lambda: sender.transport.counters.notifs_received >= 1, what="PUSH_REG at P")
+        wait_until(lambda: sender.core.state_sizes()["requests"] == 1, what="PUSH_REG at P")
         cluster.receivers[0].cancel("d-1")
         reason = cancelled_reason(cluster, "d-1")
         assert "no WRITE in flight" in reason
@@ -138,17 +141,25 @@ def test_cancel_racing_an_in_flight_write_is_reported_only_after_it_settles() ->
         assert sender.transport.outstanding_handles == 0
 
 
-def test_lost_cancel_frees_on_the_ack_timeout_and_says_so() -> None:
+def test_lost_cancel_keeps_blocks_until_no_write_can_land_then_drops_p() -> None:
+    """Issue 10.3: without an ack, the blocks are released only after the freshness window plus
+    P's published WRITE deadline (never on a bare timer), and P's connection is dropped."""
     with Cluster(
-        cancel_ack_timeout_s=0.3, lease_s=0.5, **faulty(drop_notifs=1.0, drop_prefixes=["CANCEL:"])
+        heartbeat_interval_s=0.05,
+        write_deadline_s=0.4,
+        **faulty(drop_notifs=1.0, drop_prefixes=["CANCEL:"]),
     ) as cluster:
-        sender = cluster.senders[P0]
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
         cluster.add("d-1", [[1]], "x-1")
-        wait_until(lambda: sender.transport.counters.notifs_received >= 1, what="PUSH_REG at P")
-        cluster.receivers[0].cancel("d-1")
+        wait_until(lambda: sender.core.state_sizes()["requests"] == 1, what="PUSH_REG at P")
+        receiver.cancel("d-1")
+        started = time.monotonic()
         reason = cancelled_reason(cluster, "d-1")
-        assert "freed after 0.3s without an acknowledgement from P rank(s) (pp=0, tp=0)" in reason
-        assert cluster.receivers[0].stats["cancel_ack_timeouts"] == 1
+        held = time.monotonic() - started
+        assert held >= 0.4, f"released after {held:.2f}s, inside P's WRITE deadline"
+        assert "without an acknowledgement from P rank(s) (pp=0, tp=0)" in reason
+        assert receiver.stats["quarantine_expiries"] == 1
+        assert "P" not in receiver.peers.engines  # the connection was torn down
 
 
 def test_cancel_of_a_finished_or_unknown_request_changes_nothing() -> None:
@@ -161,23 +172,27 @@ def test_cancel_of_a_finished_or_unknown_request_changes_nothing() -> None:
         receiver.cancel("never-added")
         settle(receiver)
         got = receiver.get_finished()
-        assert got.cancelled == {} and got.failed == {}
+        assert got.cancelled == {} and got.failed == {} and got.released == ()
 
 
-def test_failure_from_one_stage_waits_for_the_other_stage_to_settle() -> None:
-    # Stage 1's DONE is lost and its WRITE stays in flight for a while; stage 0 reports a failure.
-    # D must not report (and free) before stage 1 has settled its WRITE and acknowledged.
+def test_failure_from_one_stage_releases_only_after_the_other_stage_settled() -> None:
+    # Stage 1's WRITE stays in flight for a while; stage 0 reports a failure. D reports the failure
+    # at once, but releases the blocks only after stage 1 has settled its WRITE and acknowledged.
     with Cluster(prefill_pp=2, **faulty(slow_writes=1.0, write_delay_s=0.3)) as cluster:
+        receiver = cluster.receivers[0]
         cluster.add("d-1", [[1, 2]], "x-1")
         cluster.senders[RankKey(1, 0)].request_finished("p-1", [[3, 4]], match_key="x-1")
         wait_until(lambda: cluster.senders[RankKey(1, 0)].stats["writes"] == 1, what="stage 1's WRITE")
         started = time.monotonic()
-        cluster.receivers[0].transport.inner.inject(
+        receiver.transport.inner.inject(
             "P-prefill-pp0-tp0", wire.encode_failed("d-1", RankKey(0, 0), "injected stage-0 failure")
         )
         reason = cluster.wait_decode("d-1", timeout_s=5)[0]
-        assert time.monotonic() - started >= 0.2
         assert reason is not None and "injected stage-0 failure" in reason
+        assert time.monotonic() - started < 0.2  # reported at once
+        released: tuple[str, ...] = ()
+        wait_until(lambda: bool(released := receiver.get_finished().released), what="the release")
+        assert time.monotonic() - started >= 0.2  # ... released once stage 1 settled
 
 
 # ---------------------------------------------------------------------------- idle engines
@@ -239,7 +254,7 @@ def _kill_decode_mid_transfer(engines: Engines) -> None:
     )
     health = engines.health(engines.p_ranks)[0]
     assert health["outstanding_handles"] == 0
-    assert health["finished"] == health["inflight"] == health["waiting_handshake"] == 0
+    assert health["finished"] == health["inflight"] == 0
     # At least once: a heartbeat D sent just before it died can make P load it again, and
     # P then finds it dead a second time (bounded, and still no state left behind).
     assert health["stats"]["dead_engines"] >= 1

@@ -1,0 +1,97 @@
+"""What the sans-IO protocol cores ask their drivers to do.
+
+A core never touches the transport, the side channel, a thread or the clock: each event handler
+returns a list of these actions, which the driver (:mod:`kvpush.core.sender`,
+:mod:`kvpush.core.receiver`) executes in order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from kvpush.core.types import BlockIds, PackManifest, PushRegistration, RankKey, ReadSpec
+
+
+@attrs.frozen
+class Send:
+    """Send one notification to a loaded peer agent."""
+
+    agent: str
+    message: bytes
+
+
+@attrs.frozen
+class Connect:
+    """Handshake with a peer engine (D: notif-only with P's producers; P: full with D ranks)."""
+
+    engine_id: str
+    host: str
+    port: int
+    ranks: tuple[RankKey, ...] = ()
+    """P → D: the D ranks to load. D → P: empty (D learns P's ranks from P's metadata)."""
+
+
+@attrs.frozen
+class DropPeer:
+    """Forget a peer engine: remove its agents (tears the connection down) and what was prepared."""
+
+    engine_id: str
+    reason: str
+
+
+@attrs.frozen
+class Report:
+    """Tell the engine how a request ended (exactly once per request and side)."""
+
+    request_id: str
+    outcome: str
+    """``done`` / ``sent``, ``failed`` or ``cancelled``."""
+    reason: str = ""
+    key: str = ""
+    """P: the match key the request was pushed under."""
+
+
+@attrs.frozen
+class Release:
+    """D: a failed or cancelled request's blocks may be reused (no WRITE into them can land)."""
+
+    request_id: str
+
+
+@attrs.frozen
+class FreeStaging:
+    """D: free a request's staging reservation (packed strategy)."""
+
+    offset: int
+
+
+@attrs.frozen
+class Scatter:
+    """D: copy a packed producer's bytes from the staging area into the request's blocks, then
+    call ``scattered`` on the core."""
+
+    request_id: str
+    producer: RankKey
+    manifest: PackManifest
+    block_ids: BlockIds
+
+
+@attrs.frozen
+class Post:
+    """P: post the WRITE(s) of one destination D rank. The driver calls ``confirm_post`` right
+    before posting, then ``posted`` or ``post_failed``."""
+
+    key: str
+    dst: int
+    engine_id: str
+    spec: ReadSpec
+    registration: PushRegistration
+
+
+@attrs.frozen
+class Abort:
+    """P: a WRITE passed its deadline: release these handles (the driver drops the peer next)."""
+
+    handles: tuple[Any, ...]

@@ -1,0 +1,735 @@
+"""The D protocol core: a pure state machine for one decode rank (no I/O, no threads, no clock).
+
+Events in (each takes ``now``, seconds on the driver's clock): :meth:`DecodeCore.add`,
+:meth:`~DecodeCore.cancel`, :meth:`~DecodeCore.connected`, :meth:`~DecodeCore.notification`,
+:meth:`~DecodeCore.scattered`, :meth:`~DecodeCore.unreachable`, :meth:`~DecodeCore.handle_timer`.
+Actions out: :mod:`kvpush.core.actions`. :meth:`~DecodeCore.next_deadline` says when to call
+``handle_timer`` next; deadlines sit in a heap, so a timer costs O(expired).
+
+The rules it keeps (docs/reliability.md):
+
+- **Completion from the plan.** A request waits for exactly the producer set P's published
+  ``ParallelConfig`` gives this rank (``kvpush_expected_producers``). Sizes the router passed that
+  disagree with P's fail the request at once, naming both. A DONE counts only when its producer is
+  in the set, it came from that producer's agent, and it states P's TP size; anything else is
+  dropped and counted in ``stats["rejected_notifications"]``.
+- **One exit.** Every request is reported exactly once (done, failed or cancelled) and its blocks
+  released exactly once (a done request's blocks belong to the engine).
+- **Quarantine, not timers.** A failed or cancelled request is reported at once, but its blocks are
+  released only when every producer that may still write has acknowledged (CANCEL_ACK, or its
+  DONE/FAIL), or when no write can land any more: P may post only within ``fresh_s`` of the grant D
+  last sent, and every WRITE has P's published deadline, so after ``last grant + fresh_s + P's
+  write deadline`` (+ a margin) the P engine is dropped (its connection torn down) and the blocks
+  released.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from kvpush.core import notifications as wire
+from kvpush.core.actions import Connect, DropPeer, FreeStaging, Release, Report, Scatter, Send
+from kvpush.core.deadlines import Deadlines
+from kvpush.core.types import Notification, NotificationKind, PushRegistration, RankKey, RequestMetadata
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_KEYS_PER_MESSAGE = 256
+
+
+@attrs.frozen(kw_only=True)
+class DecodeSettings:
+    """The D rank's identity and the bounds the core enforces (seconds)."""
+
+    engine_id: str
+    incarnation: str
+    tp_rank: int
+    tp_size: int
+    host: str
+    port: int
+    request_timeout_s: float = 120.0
+    heartbeat_interval_s: float = 5.0
+    peer_silence_s: float = 20.0
+    fresh_s: float = 10.0
+    """Freshness window granted to P with each PUSH_REG/HB (shorter than ``peer_silence_s``)."""
+    hello_timeout_s: float = 5.0
+    early_ttl_s: float = 30.0
+    early_cap_per_peer: int = 1024
+    quarantine_margin_s: float = 1.0
+    retry_backoff_s: float = 1.0
+    retry_backoff_max_s: float = 30.0
+
+
+@attrs.frozen(kw_only=True)
+class ProducerInfo:
+    """What D's notif-only handshake learned about a P engine (from P's published metadata)."""
+
+    prefill_pp: int
+    prefill_tp: int
+    agents: Mapping[RankKey, str]
+    """The agent of every producer that writes into this D rank."""
+    incarnations: Mapping[str, str]
+    """Incarnation of each producer agent (every P rank process has its own)."""
+    write_deadline_s: float
+    """P's bound on a WRITE in flight (published by P)."""
+
+
+class _EngineState(enum.Enum):
+    CONNECTING = "connecting"
+    HELLO = "hello"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@attrs.define(eq=False)
+class _Producer:
+    """A P engine as this D rank sees it."""
+
+    engine_id: str
+    host: str
+    port: int
+    state: _EngineState = _EngineState.CONNECTING
+    info: ProducerInfo | None = None
+    waiting: list[str] = attrs.field(factory=list)
+    """Requests waiting for the engine to be ready."""
+    hello_pending: set[str] = attrs.field(factory=set)
+    stamps: dict[str, float] = attrs.field(factory=dict)
+    """Newest stamp per P agent (P's clock, opaque here): echoed back as the grant."""
+    heard: dict[str, float] = attrs.field(factory=dict)
+    """When each agent was last heard from (D's clock)."""
+    requests: set[str] = attrs.field(factory=set)
+    error: str = ""
+    failures: int = 0
+    failed_at: float = 0.0
+
+
+class _Phase(enum.Enum):
+    WAITING = "waiting"
+    """Added; waiting for P's engine (handshake, HELLO)."""
+    REGISTERED = "registered"
+    """PUSH_REG sent; counting producers."""
+    CLOSING = "closing"
+    """Failed or cancelled and reported; blocks quarantined until no WRITE can land."""
+
+
+@attrs.define(eq=False)
+class _Receive:
+    meta: RequestMetadata
+    key: str
+    engine_id: str
+    phase: _Phase = _Phase.WAITING
+    expected: frozenset[RankKey] = frozenset()
+    reported: set[RankKey] = attrs.field(factory=set)
+    settled: set[RankKey] = attrs.field(factory=set)
+    """Producers that can no longer write (DONE, FAIL or CANCEL_ACK)."""
+    chunks: dict[RankKey, set[int]] = attrs.field(factory=dict)
+    staging_offset: int = -1
+    last_grant: float | None = None
+    """When D last sent a message carrying a grant for this request (D's clock)."""
+    cancelled: bool = False
+    write_in_flight: bool = False
+    reason: str = ""
+    """Why the request is closing (the cancel report names it once the blocks are released)."""
+
+
+class DecodeCore:
+    """Protocol state of one D rank. Not thread-safe: one driver thread feeds it."""
+
+    def __init__(
+        self, settings: DecodeSettings, *, reserve_staging: Callable[[RequestMetadata], int] | None = None
+    ) -> None:
+        """``reserve_staging(request)`` reserves the request's packed bytes (-1: none). The
+        producer set comes with :class:`ProducerInfo` (the driver asks the plan hook)."""
+        self.s = settings
+        self._reserve_staging = reserve_staging
+        self._requests: dict[str, _Receive] = {}
+        self._engines: dict[str, _Producer] = {}
+        self._agent_engine: dict[str, str] = {}
+        self._early: dict[str, list[tuple[str, Notification]]] = {}
+        self._early_count: dict[str, int] = {}
+        self._timers = Deadlines()
+        self._heartbeat_armed = False
+        self.stats: dict[str, int] = {
+            "push_regs_sent": 0,
+            "duplicate_notifications": 0,
+            "unknown_notifications": 0,
+            "rejected_notifications": 0,
+            "cancels": 0,
+            "cancel_acks": 0,
+            "quarantine_expiries": 0,
+            "heartbeats_sent": 0,
+            "dead_peers": 0,
+            "quarantined": 0,
+        }
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def pending(self) -> int:
+        return len(self._requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def next_deadline(self) -> float | None:
+        return self._timers.next_deadline()
+
+    def busy_engines(self) -> set[str]:
+        """P engines some request still needs (never evicted)."""
+        return {r.engine_id for r in self._requests.values()}
+
+    def forget_engine(self, engine_id: str) -> None:
+        """The driver evicted an idle engine: the next request handshakes again."""
+        engine = self._engines.get(engine_id)
+        if engine is None or engine.requests:
+            return
+        if engine.info is not None:
+            for agent in engine.info.agents.values():
+                self._agent_engine.pop(agent, None)
+        del self._engines[engine_id]
+        self._timers.disarm(("hello", engine_id))
+
+    def state_sizes(self) -> dict[str, int]:
+        """Counts of everything the core tracks (flat under load; tests assert it drains)."""
+        return {
+            "requests": len(self._requests),
+            "engines": len(self._engines),
+            "early": len(self._early),
+            "timers": len(self._timers),
+            "quarantined": sum(1 for r in self._requests.values() if r.phase is _Phase.CLOSING),
+        }
+
+    # ------------------------------------------------------------------ engine events
+
+    def add(self, request: RequestMetadata, now: float) -> list[Any]:
+        """Start receiving ``request`` (the driver validated it and its id is new)."""
+        rid = request.request_id
+        params = request.params
+        receive = _Receive(meta=request, key=params.match_key, engine_id=params.remote_engine_id)
+        self._requests[rid] = receive
+        self._timers.arm(("watchdog", rid), now + self.s.request_timeout_s)
+        engine = self._engines.get(params.remote_engine_id)
+        out: list[Any] = []
+        retry = engine is not None and engine.state is _EngineState.FAILED and engine.info is None
+        if engine is None or (retry and now >= self._retry_at(engine)):
+            failures = engine.failures if engine is not None else 0
+            engine = _Producer(params.remote_engine_id, params.remote_host, params.remote_port)
+            engine.failures = failures
+            self._engines[engine.engine_id] = engine
+            out.append(Connect(engine.engine_id, engine.host, engine.port))
+        engine.requests.add(rid)
+        if engine.state is _EngineState.FAILED:
+            return out + self._close(
+                rid, f"P engine {engine.engine_id!r} is unreachable: {engine.error}", now
+            )
+        if engine.state is _EngineState.READY:
+            return out + self._register(rid, now)
+        engine.waiting.append(rid)
+        return out
+
+    def cancel(self, request_id: str, now: float) -> list[Any]:
+        """The engine aborts ``request_id``; reported in ``cancelled`` once its blocks are free."""
+        self.stats["cancels"] += 1
+        receive = self._requests.get(request_id)
+        if receive is None:
+            logger.info("cancel of %s: not pending here (done, failed or unknown); ignored", request_id)
+            return []
+        if receive.phase is _Phase.CLOSING:
+            receive.cancelled = True  # reported failed already; release comes when safe
+            return []
+        return self._close(request_id, "cancelled", now, cancelled=True)
+
+    def fail(self, request_id: str, reason: str, now: float) -> list[Any]:
+        """Fail ``request_id`` (the driver caught an error while handling it)."""
+        receive = self._requests.get(request_id)
+        if receive is None or receive.phase is _Phase.CLOSING:
+            return []
+        return self._close(request_id, reason, now)
+
+    # ------------------------------------------------------------------ handshake results
+
+    def connected(self, engine_id: str, info: ProducerInfo | None, error: str, now: float) -> list[Any]:
+        """D's notif-only handshake with P ended (``info`` or ``error``)."""
+        engine = self._engines.get(engine_id)
+        if engine is None or engine.state is not _EngineState.CONNECTING:
+            return [DropPeer(engine_id, "handshake result for an engine no longer wanted")] if info else []
+        if info is None:
+            return self._engine_failed(engine, f"handshake with P failed: {error}", now)
+        engine.info = info
+        for agent in info.agents.values():
+            self._agent_engine[agent] = engine_id
+        engine.state = _EngineState.HELLO
+        engine.hello_pending = set(info.agents.values())
+        self._timers.arm(("hello", engine_id), now + self.s.hello_timeout_s)
+        hello = wire.encode_hello(self._coordinates(""), self.s.tp_rank)
+        return [Send(agent, hello) for agent in sorted(engine.hello_pending)]
+
+    def unreachable(self, agent: str, error: str, now: float) -> list[Any]:
+        """Sending to ``agent`` raised: its engine is dead to this rank."""
+        engine_id = self._agent_engine.get(agent)
+        engine = self._engines.get(engine_id) if engine_id else None
+        if engine is None:
+            return []
+        self.stats["dead_peers"] += 1
+        return self._engine_failed(engine, f"P agent {agent} is unreachable: {error}", now)
+
+    # ------------------------------------------------------------------ notifications
+
+    def notification(self, agent: str, note: Notification, now: float) -> list[Any]:
+        kind = note.kind
+        engine_id = self._agent_engine.get(agent)
+        engine = self._engines.get(engine_id) if engine_id else None
+        if engine is not None:
+            engine.heard[agent] = now
+        if kind is NotificationKind.DONE or kind is NotificationKind.FAILED:
+            return self._on_result(agent, engine, note, now)
+        if kind is NotificationKind.CANCEL_ACK:
+            self.stats["cancel_acks"] += 1
+            return self._on_result(agent, engine, note, now)
+        if kind is NotificationKind.HEARTBEAT and note.stamp is not None:
+            return self._on_stamp(agent, engine, note, now)
+        self._reject(agent, note, "not a notification a decode rank accepts")
+        return []
+
+    def scattered(
+        self, request_id: str, producer: RankKey, chunk: int, chunks: int, error: str, now: float
+    ) -> list[Any]:
+        """The driver scattered a packed chunk (``error`` empty on success)."""
+        receive = self._requests.get(request_id)
+        if receive is None or receive.phase is not _Phase.REGISTERED:
+            return []
+        if error:
+            return self._close(
+                request_id, f"scattering the packed bytes of P rank {producer} failed: {error}", now
+            )
+        seen = receive.chunks.setdefault(producer, set())
+        seen.add(chunk)
+        if len(seen) < chunks:
+            return []
+        return self._count(request_id, receive, producer, now)
+
+    # ------------------------------------------------------------------ timers
+
+    def handle_timer(self, now: float) -> list[Any]:
+        out: list[Any] = []
+        for key in self._timers.pop_expired(now):
+            kind, name = key
+            if kind == "watchdog":
+                out += self._on_watchdog(name, now)
+            elif kind == "quarantine":
+                out += self._on_quarantine_expired(name, now)
+            elif kind == "hello":
+                out += self._on_hello_timeout(name, now)
+            elif kind == "early":
+                dropped = self._early.pop(name, [])
+                for agent, _ in dropped:
+                    self._early_count[agent] = self._early_count.get(agent, 1) - 1
+                    if self._early_count[agent] <= 0:
+                        del self._early_count[agent]
+                if dropped:
+                    logger.warning("dropped %d notification(s) for unknown request %s", len(dropped), name)
+            elif kind == "heartbeat":
+                self._heartbeat_armed = False
+                out += self._heartbeat(now)
+        return out
+
+    # ------------------------------------------------------------------ internals: requests
+
+    def _register(self, rid: str, now: float) -> list[Any]:
+        receive = self._requests[rid]
+        engine = self._engines[receive.engine_id]
+        info = engine.info
+        assert info is not None
+        params = receive.meta.params
+        mismatch = [
+            f"{name} {given} (router) vs {actual} (P's published config)"
+            for name, given, actual in (
+                ("pp_size", params.pp_size, info.prefill_pp),
+                ("tp_size", params.tp_size, info.prefill_tp),
+            )
+            if given is not None and given != actual
+        ]
+        if mismatch:
+            return self._close(rid, "kv_transfer_params disagree with P: " + "; ".join(mismatch), now)
+        receive.expected = frozenset(info.agents)
+        receive.phase = _Phase.REGISTERED
+        if self._reserve_staging is not None:
+            receive.staging_offset = self._reserve_staging(receive.meta)
+        out: list[Any] = []
+        for rank in sorted(receive.expected):
+            agent = info.agents[rank]
+            reg = self._coordinates(rid, receive, grant=engine.stamps.get(agent))
+            if reg.grant is not None:
+                receive.last_grant = now
+            out.append(Send(agent, wire.encode_push_reg(reg)))
+            self.stats["push_regs_sent"] += 1
+        out += self._arm_heartbeat(now)
+        for agent, note in self._early.pop(rid, []):
+            self._early_count[agent] = self._early_count.get(agent, 1) - 1
+            out += self.notification(agent, note, now)
+        self._timers.disarm(("early", rid))
+        return out
+
+    def _on_result(self, agent: str, engine: _Producer | None, note: Notification, now: float) -> list[Any]:
+        rid = note.request_id
+        receive = self._requests.get(rid)
+        if receive is None:
+            if note.kind is NotificationKind.CANCEL_ACK:
+                return []  # late ack of a request already released
+            return self._hold_early(agent, note, now)
+        if receive.phase is _Phase.WAITING:
+            return self._hold_early(agent, note, now)
+        producer = note.producer
+        info = self._engines[receive.engine_id].info if receive.engine_id in self._engines else None
+        problem = self._identity_problem(agent, receive, info, note)
+        if problem:
+            self._reject(agent, note, problem)
+            return []
+        assert producer is not None
+        if receive.phase is _Phase.CLOSING:
+            if note.kind is NotificationKind.DONE and producer not in receive.settled:
+                receive.write_in_flight = True  # it landed after the cancel went out
+            if note.kind is NotificationKind.CANCEL_ACK:
+                receive.write_in_flight |= note.write_in_flight
+            receive.settled.add(producer)
+            return self._maybe_release(rid, receive, now)
+        if note.kind is NotificationKind.CANCEL_ACK:
+            return []  # an ack for a request this rank never cancelled
+        if note.kind is NotificationKind.FAILED:
+            receive.settled.add(producer)
+            return self._close(rid, f"P rank {producer} reported: {note.reason}", now)
+        if producer in receive.reported:
+            self.stats["duplicate_notifications"] += 1
+            return []
+        manifest = note.packing
+        if manifest is not None:
+            if manifest.staging_offset != receive.staging_offset or receive.staging_offset < 0:
+                return self._close(
+                    rid, f"P rank {producer} packed into a staging range D did not reserve", now
+                )
+            return [Scatter(rid, producer, manifest, receive.meta.block_ids)]
+        return self._count(rid, receive, producer, now)
+
+    def _identity_problem(
+        self, agent: str, receive: _Receive, info: ProducerInfo | None, note: Notification
+    ) -> str:
+        producer = note.producer
+        if info is None or producer is None:
+            return "no handshake with the request's P engine"
+        if producer not in receive.expected:
+            return (
+                f"producer {producer} is not one this rank waits for ({sorted(map(str, receive.expected))})"
+            )
+        if info.agents.get(producer) != agent:
+            return f"producer {producer} must speak through agent {info.agents.get(producer)!r}"
+        if note.kind is NotificationKind.DONE and note.producer_tp_size != info.prefill_tp:
+            return f"DONE states P TP {note.producer_tp_size}, P published {info.prefill_tp}"
+        return ""
+
+    def _count(self, rid: str, receive: _Receive, producer: RankKey, now: float) -> list[Any]:
+        receive.reported.add(producer)
+        receive.settled.add(producer)
+        if receive.reported != receive.expected:
+            return []
+        return self._end(rid, receive, Report(rid, "done"), release=False)
+
+    def _close(self, rid: str, reason: str, now: float, *, cancelled: bool = False) -> list[Any]:
+        """Stop a request: report a failure at once; release its blocks once nothing can land."""
+        receive = self._requests[rid]
+        self._timers.disarm(("watchdog", rid))
+        engine = self._engines.get(receive.engine_id)
+        if receive.phase is _Phase.WAITING:
+            if engine is not None and rid in engine.waiting:
+                engine.waiting.remove(rid)
+            outcome = "cancelled" if cancelled else "failed"
+            why = f"{reason} before any PUSH_REG was sent; nothing to settle"
+            return self._end(rid, receive, Report(rid, outcome, why), release=True)
+        logger.warning("request %s stops: %s", rid, reason)
+        receive.phase = _Phase.CLOSING
+        receive.cancelled = cancelled
+        out: list[Any] = []
+        if not cancelled:
+            out.append(Report(rid, "failed", reason))
+        info = engine.info if engine is not None else None
+        if info is not None:
+            message = wire.encode_cancel(receive.key, self._coordinates(rid, receive), self.s.tp_rank)
+            for rank in sorted(receive.expected - receive.settled):
+                out.append(Send(info.agents[rank], message))
+        receive.reason = reason
+        return out + self._maybe_release(rid, receive, now)
+
+    def _maybe_release(self, rid: str, receive: _Receive, now: float) -> list[Any]:
+        if receive.expected - receive.settled:
+            if self._timers.when(("quarantine", rid)) is None:
+                self.stats["quarantined"] += 1
+                self._timers.arm(("quarantine", rid), self._quarantine_end(receive, now))
+            return []
+        how = (
+            "a WRITE was in flight and settled before the blocks were released"
+            if receive.write_in_flight
+            else "no WRITE in flight; every producer acknowledged or had reported"
+        )
+        return self._finish_close(rid, receive, how)
+
+    def _finish_close(self, rid: str, receive: _Receive, how: str) -> list[Any]:
+        report = [Report(rid, "cancelled", f"{receive.reason} ({how})")] if receive.cancelled else []
+        out = self._end(rid, receive, None, release=True) + report
+        engine = self._engines.get(receive.engine_id)
+        return out + (self._maybe_forget(engine) if engine is not None else [])
+
+    def _quarantine_end(self, receive: _Receive, now: float) -> float:
+        """When no WRITE of P's can land any more: the grant window plus P's WRITE deadline."""
+        engine = self._engines.get(receive.engine_id)
+        deadline = engine.info.write_deadline_s if engine is not None and engine.info is not None else 0.0
+        if receive.last_grant is None:
+            return now  # P never had a grant, so it could never post
+        return max(now, receive.last_grant + self.s.fresh_s + deadline + self.s.quarantine_margin_s)
+
+    def _on_quarantine_expired(self, rid: str, now: float) -> list[Any]:
+        receive = self._requests.get(rid)
+        if receive is None:
+            return []
+        self.stats["quarantine_expiries"] += 1
+        silent = ", ".join(str(r) for r in sorted(receive.expected - receive.settled))
+        out: list[Any] = []
+        engine = self._engines.get(receive.engine_id)
+        if engine is not None and engine.state is not _EngineState.FAILED:
+            # Tear the connection down: a write from those producers needs a new handshake.
+            out += self._engine_failed(engine, f"no acknowledgement from P rank(s) {silent}", now)
+        receive = self._requests.get(rid)
+        if receive is None:
+            return out
+        return out + self._finish_close(
+            rid,
+            receive,
+            f"released after the freshness window and P's WRITE deadline passed without an "
+            f"acknowledgement from P rank(s) {silent}; P's connection dropped",
+        )
+
+    def _end(self, rid: str, receive: _Receive, report: Report | None, *, release: bool) -> list[Any]:
+        """Forget a request: the one place request state is deleted."""
+        del self._requests[rid]
+        for kind in ("watchdog", "quarantine"):
+            self._timers.disarm((kind, rid))
+        engine = self._engines.get(receive.engine_id)
+        if engine is not None:
+            engine.requests.discard(rid)
+        out: list[Any] = [report] if report is not None else []
+        if release:
+            out.append(Release(rid))
+        if receive.staging_offset >= 0:
+            out.append(FreeStaging(receive.staging_offset))
+        return out
+
+    def _on_watchdog(self, rid: str, now: float) -> list[Any]:
+        receive = self._requests.get(rid)
+        if receive is None or receive.phase is _Phase.CLOSING:
+            return []
+        missing = sorted(receive.expected - receive.reported)
+        return self._close(
+            rid,
+            f"no completion within {self.s.request_timeout_s:g}s: {len(receive.reported)} of "
+            f"{len(receive.expected) or '?'} producer notifications arrived; missing "
+            f"{', '.join(str(r) for r in missing) or 'the handshake with P'}",
+            now,
+        )
+
+    def _hold_early(self, agent: str, note: Notification, now: float) -> list[Any]:
+        """A result for a request not added (or not registered) yet: hold it, bounded per agent."""
+        self.stats["unknown_notifications"] += 1
+        if self._early_count.get(agent, 0) >= self.s.early_cap_per_peer:
+            self._reject(agent, note, f"more than {self.s.early_cap_per_peer} early notifications held")
+            return []
+        self._early_count[agent] = self._early_count.get(agent, 0) + 1
+        held = self._early.setdefault(note.request_id, [])
+        if not held:
+            self._timers.arm(("early", note.request_id), now + self.s.early_ttl_s)
+        held.append((agent, note))
+        return []
+
+    def _reject(self, agent: str, note: Notification, why: str) -> None:
+        self.stats["rejected_notifications"] += 1
+        logger.warning("dropped %s for %r from %s: %s", note.kind.value, note.request_id or "-", agent, why)
+
+    # ------------------------------------------------------------------ internals: engines
+
+    def _on_stamp(self, agent: str, engine: _Producer | None, note: Notification, now: float) -> list[Any]:
+        if engine is None or engine.info is None or agent not in engine.info.agents.values():
+            self._reject(agent, note, "heartbeat answer from an agent this rank did not load")
+            return []
+        known = engine.info.incarnations.get(agent, "")
+        if note.incarnation and note.incarnation != known:
+            return self._engine_failed(
+                engine,
+                f"P engine {engine.engine_id!r} restarted ({agent}: incarnation {known} -> "
+                f"{note.incarnation}); its requests are lost",
+                now,
+            )
+        assert note.stamp is not None
+        engine.stamps[agent] = max(note.stamp, engine.stamps.get(agent, note.stamp))
+        out: list[Any] = []
+        if agent in engine.hello_pending:
+            engine.hello_pending.discard(agent)
+            if not engine.hello_pending:
+                out += self._engine_ready(engine, now)
+        failed = set(note.failed_keys)
+        if failed:
+            for rid in [r for r in engine.requests if self._requests[r].key in failed]:
+                receive = self._requests[rid]
+                if receive.phase is _Phase.REGISTERED and agent in self._agents_of(receive):
+                    receive.settled.update(r for r, a in engine.info.agents.items() if a == agent)
+                    out += self._close(
+                        rid, "P no longer holds this request (it failed, expired or P restarted)", now
+                    )
+        if note.want:
+            out += self._renew(engine, agent, set(note.want), now)
+        return out
+
+    def _agents_of(self, receive: _Receive) -> set[str]:
+        engine = self._engines.get(receive.engine_id)
+        if engine is None or engine.info is None:
+            return set()
+        return {engine.info.agents[r] for r in receive.expected}
+
+    def _engine_ready(self, engine: _Producer, now: float) -> list[Any]:
+        engine.state = _EngineState.READY
+        engine.failures = 0
+        self._timers.disarm(("hello", engine.engine_id))
+        out: list[Any] = []
+        waiting, engine.waiting = engine.waiting, []
+        for rid in waiting:
+            if rid in self._requests:
+                out += self._register(rid, now)
+        return out
+
+    def _on_hello_timeout(self, engine_id: str, now: float) -> list[Any]:
+        engine = self._engines.get(engine_id)
+        if engine is None or engine.state is not _EngineState.HELLO:
+            return []
+        return self._engine_failed(
+            engine,
+            f"P did not answer this rank's HELLO within {self.s.hello_timeout_s:g}s: P could not reach "
+            f"this engine's side channel at {self.s.host}:{self.s.port} (check the advertised address), "
+            f"or notifications between the engines are lost (check the UCX transports, e.g. UCX_TLS)",
+            now,
+        )
+
+    def _engine_failed(self, engine: _Producer, reason: str, now: float) -> list[Any]:
+        """An engine failed or died: fail its requests now, forget its agents, back off."""
+        out: list[Any] = []
+        had_agents = engine.info is not None
+        engine.state = _EngineState.FAILED
+        engine.error = reason
+        engine.failures += 1
+        engine.failed_at = now
+        self._timers.disarm(("hello", engine.engine_id))
+        for rid in sorted(engine.requests):
+            receive = self._requests.get(rid)
+            if receive is None:
+                continue
+            if receive.phase is _Phase.CLOSING:
+                continue  # quarantine runs its course (bounded)
+            out += self._close(rid, reason, now)
+        return out + (self._maybe_forget(engine) if had_agents else [])
+
+    def _maybe_forget(self, engine: _Producer) -> list[Any]:
+        """Drop a failed engine's agents once none of its requests is quarantined."""
+        if engine.state is not _EngineState.FAILED or engine.info is None:
+            return []
+        if any(self._requests[r].phase is _Phase.CLOSING for r in engine.requests):
+            return []
+        for agent in engine.info.agents.values():
+            self._agent_engine.pop(agent, None)
+        engine.info = None
+        engine.stamps.clear()
+        engine.heard.clear()
+        engine.hello_pending.clear()
+        return [DropPeer(engine.engine_id, engine.error)]
+
+    def _retry_at(self, engine: _Producer) -> float:
+        backoff = min(self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2 ** max(0, engine.failures - 1))
+        return engine.failed_at + backoff
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def _arm_heartbeat(self, now: float) -> list[Any]:
+        if not self._heartbeat_armed:
+            self._heartbeat_armed = True
+            self._timers.arm(("heartbeat", ""), now + self.s.heartbeat_interval_s)
+        return []
+
+    def _heartbeat(self, now: float) -> list[Any]:
+        """Renew every registered request's grant at its P agents; declare silent agents dead."""
+        out: list[Any] = []
+        for engine in list(self._engines.values()):
+            if engine.info is None or engine.state is not _EngineState.READY:
+                continue
+            for agent in sorted(set(engine.info.agents.values())):
+                keys = self._keys_for(engine, agent)
+                if not keys:
+                    continue
+                heard = engine.heard.get(agent, now)
+                if now - heard > self.s.peer_silence_s:
+                    self.stats["dead_peers"] += 1
+                    out += self._engine_failed(
+                        engine, f"P agent {agent} answered no heartbeat for {self.s.peer_silence_s:g}s", now
+                    )
+                    break
+                engine.heard.setdefault(agent, now)
+                out += self._send_renewal(engine, agent, keys, now)
+        if any(r.phase is not _Phase.CLOSING for r in self._requests.values()):
+            out += self._arm_heartbeat(now)
+        return out
+
+    def _keys_for(self, engine: _Producer, agent: str) -> dict[str, str]:
+        """Match key -> request id of the registered requests this agent writes into."""
+        assert engine.info is not None
+        ranks = {r for r, a in engine.info.agents.items() if a == agent}
+        out = {}
+        for rid in engine.requests:
+            receive = self._requests[rid]
+            if receive.phase is _Phase.REGISTERED and receive.expected & ranks:
+                out[receive.key] = rid
+        return out
+
+    def _renew(self, engine: _Producer, agent: str, want: set[str], now: float) -> list[Any]:
+        keys = {k: rid for k, rid in self._keys_for(engine, agent).items() if k in want}
+        return self._send_renewal(engine, agent, keys, now) if keys else []
+
+    def _send_renewal(self, engine: _Producer, agent: str, keys: dict[str, str], now: float) -> list[Any]:
+        grant = engine.stamps.get(agent)
+        reg = self._coordinates("(heartbeat)", None, grant=grant)
+        if grant is not None:
+            for rid in keys.values():
+                self._requests[rid].last_grant = now
+        names = sorted(keys)
+        out = []
+        for start in range(0, len(names), HEARTBEAT_KEYS_PER_MESSAGE):
+            chunk = names[start : start + HEARTBEAT_KEYS_PER_MESSAGE]
+            out.append(Send(agent, wire.encode_heartbeat(chunk, reg, self.s.tp_rank)))
+            self.stats["heartbeats_sent"] += 1
+        return out
+
+    def _coordinates(
+        self, rid: str, receive: _Receive | None = None, grant: float | None = None
+    ) -> PushRegistration:
+        return PushRegistration(
+            request_id=rid or "(hello)",
+            match_key=receive.key if receive is not None else "(none)",
+            decode_engine_id=self.s.engine_id,
+            decode_host=self.s.host,
+            decode_port=self.s.port,
+            decode_tp_size=self.s.tp_size,
+            block_ids=receive.meta.block_ids if receive is not None else (),
+            remote_engine_id=receive.engine_id if receive is not None else "(any)",
+            decode_tp_rank=self.s.tp_rank,
+            staging_offset=receive.staging_offset if receive is not None else -1,
+            decode_incarnation=self.s.incarnation,
+            grant=grant,
+            fresh_s=self.s.fresh_s,
+        )

@@ -1,0 +1,427 @@
+"""Notification formats: ``PREFIX + msgpack(map)``, versioned, bounded, never pickle.
+
+Prefixes: ``PUSH_REG:``, ``DONE:``, ``FAIL:``, ``CANCEL:``, ``CANCEL_ACK:``, ``HB:`` and
+``HELLO:``. Every body carries ``"v": [major, minor]``; a peer with another *major* version is
+refused with a ``WireError`` naming both, unknown fields are ignored (so one minor version apart
+interoperates). Every integer from a peer is range-checked here, when decoded, with an error
+naming the field: block ids below 2**31, ranks below the advertised sizes, sizes at most
+``MAX_PARALLEL``, staging offsets non-negative (or -1), reasons truncated to ``MAX_REASON``.
+
+Direction and meaning (docs/reliability.md):
+
+- ``PUSH_REG`` D → P: D's request id, the match key, D's coordinates, incarnation, TP rank, its
+  block ids, staging reservation, and a freshness *grant* (the newest stamp D had from this P
+  agent) with the window ``fresh_s``.
+- ``HB`` D → P: the match keys D still waits for at this P agent, its coordinates and a grant.
+  ``HB`` P → D (answer): P's ``stamp`` (its clock), incarnation, the keys it ``want``s a fresh
+  grant for, and the keys it no longer holds (``failed``).
+- ``HELLO`` D → P: sent once after D's notif-only handshake; P answers with an ``HB`` stamp,
+  which proves the notification path works both ways before any request depends on it.
+- ``DONE`` / ``FAIL`` P → D: one producer ``(pp, tp)`` (and its TP size) finished or failed a
+  request; a packed DONE carries the manifest D scatters from.
+- ``CANCEL`` D → P and ``CANCEL_ACK`` P → D: see docs/reliability.md, "Cancel".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from kvpush.core.errors import WireError
+from kvpush.core.types import (
+    Notification,
+    NotificationKind,
+    PackManifest,
+    PushRegistration,
+    RankKey,
+)
+from kvpush.core.wire import pack, unpack
+
+NOTIF_VERSION = (2, 0)
+"""(major, minor) of the notification format; only the major must match."""
+MAX_BLOCK_ID = (1 << 31) - 1
+MAX_PARALLEL = 4096
+"""Largest TP or PP size a peer may state."""
+MAX_KEYS = 4096
+"""Most match keys one heartbeat may carry."""
+MAX_ID_CHARS = 1024
+MAX_REASON = 2000
+MAX_STAGING_OFFSET = 1 << 48
+
+PUSH_REG_PREFIX = b"PUSH_REG:"
+DONE_PREFIX = b"DONE:"
+FAIL_PREFIX = b"FAIL:"
+CANCEL_PREFIX = b"CANCEL:"
+CANCEL_ACK_PREFIX = b"CANCEL_ACK:"
+HEARTBEAT_PREFIX = b"HB:"
+HELLO_PREFIX = b"HELLO:"
+
+_V = list(NOTIF_VERSION)
+
+
+def _msg(prefix: bytes, body: dict[str, Any]) -> bytes:
+    body["v"] = _V
+    return prefix + pack(body)
+
+
+# ------------------------------------------------------------------------------ encoders
+
+
+def _coordinates(reg: PushRegistration, decode_tp_rank: int) -> dict[str, Any]:
+    """The fields that tell P where a D rank is (read back by ``_decode_coordinates``)."""
+    return {
+        "decode_engine_id": reg.decode_engine_id,
+        "decode_host": reg.decode_host,
+        "decode_port": reg.decode_port,
+        "decode_tp_size": reg.decode_tp_size,
+        "remote_engine_id": reg.remote_engine_id,
+        "tp": decode_tp_rank,
+        "inc": reg.decode_incarnation,
+    }
+
+
+def encode_push_reg(reg: PushRegistration) -> bytes:
+    body = _coordinates(reg, reg.decode_tp_rank)
+    body.update(
+        request_id=reg.request_id,
+        match_key=reg.match_key,
+        local_block_ids=[list(g) for g in reg.block_ids],
+        dtp=reg.decode_tp_rank,
+        staging=reg.staging_offset,
+        grant=reg.grant,
+        fresh=reg.fresh_s,
+    )
+    return _msg(PUSH_REG_PREFIX, body)
+
+
+def encode_done(
+    request_id: str, producer: RankKey, producer_tp_size: int, packing: PackManifest | None = None
+) -> bytes:
+    body: dict[str, Any] = {
+        "request_id": request_id,
+        "pp": producer.pp_rank,
+        "tp": producer.tp_rank,
+        "ptp": producer_tp_size,
+    }
+    if packing is not None:
+        body["pk"] = [
+            packing.staging_offset,
+            list(packing.regions),
+            *packing.part,
+            packing.chunk,
+            packing.chunks,
+        ]
+    return _msg(DONE_PREFIX, body)
+
+
+def encode_failed(request_id: str, producer: RankKey, reason: str) -> bytes:
+    return _msg(
+        FAIL_PREFIX,
+        {
+            "request_id": request_id,
+            "pp": producer.pp_rank,
+            "tp": producer.tp_rank,
+            "reason": reason[:MAX_REASON],
+        },
+    )
+
+
+def encode_cancel(match_key: str, reg: PushRegistration | None = None, decode_tp_rank: int = 0) -> bytes:
+    """CANCEL by match key; with ``reg`` (blocks not needed) P can reach the cancelling D rank."""
+    body: dict[str, Any] = {"request_id": match_key}
+    if reg is not None:
+        body.update(_coordinates(reg, decode_tp_rank), d_request_id=reg.request_id)
+    return _msg(CANCEL_PREFIX, body)
+
+
+def encode_cancel_ack(request_id: str, producer: RankKey, write_in_flight: bool) -> bytes:
+    return _msg(
+        CANCEL_ACK_PREFIX,
+        {
+            "request_id": request_id,
+            "pp": producer.pp_rank,
+            "tp": producer.tp_rank,
+            "inflight": write_in_flight,
+        },
+    )
+
+
+def encode_heartbeat(
+    match_keys: list[str],
+    reg: PushRegistration | None = None,
+    decode_tp_rank: int = 0,
+) -> bytes:
+    """D → P: the keys D still waits for; with ``reg`` (blocks not needed) its coordinates and
+    grant, so P can renew those registrations' freshness and answer."""
+    body: dict[str, Any] = {"request_ids": list(match_keys)}
+    if reg is not None:
+        body.update(_coordinates(reg, decode_tp_rank), grant=reg.grant, fresh=reg.fresh_s)
+    return _msg(HEARTBEAT_PREFIX, body)
+
+
+def encode_heartbeat_answer(
+    producer: RankKey,
+    stamp: float,
+    incarnation: str,
+    want: list[str] = (),  # type: ignore[assignment]
+    failed: list[str] = (),  # type: ignore[assignment]
+) -> bytes:
+    """P → D: P's stamp (its clock), the keys it needs a fresh grant for, the keys it no longer holds."""
+    return _msg(
+        HEARTBEAT_PREFIX,
+        {
+            "request_ids": [],
+            "pp": producer.pp_rank,
+            "tp": producer.tp_rank,
+            "stamp": stamp,
+            "inc": incarnation,
+            "want": list(want)[:MAX_KEYS],
+            "failed": list(failed)[:MAX_KEYS],
+        },
+    )
+
+
+def encode_hello(reg: PushRegistration, decode_tp_rank: int) -> bytes:
+    """D → P after the notif-only handshake (``reg`` carries D's coordinates only)."""
+    return _msg(HELLO_PREFIX, _coordinates(reg, decode_tp_rank))
+
+
+# ------------------------------------------------------------------------------ field checks
+
+
+def _str_field(body: Mapping[str, Any], name: str, what: str, *, optional: bool = False) -> str:
+    value = body.get(name)
+    if optional and value in (None, ""):
+        return ""
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS:
+        raise WireError(
+            f"{what} field {name!r} must be a non-empty string of at most {MAX_ID_CHARS} chars, "
+            f"got {str(value)[:80]!r}"
+        )
+    return value
+
+
+def _int_field(
+    body: Mapping[str, Any], name: str, what: str, *, low: int = 0, high: int = MAX_BLOCK_ID
+) -> int:
+    value = body.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise WireError(f"{what} field {name!r} must be an int in [{low}, {high}], got {str(value)[:80]!r}")
+    return value
+
+
+def _float_field(body: Mapping[str, Any], name: str, what: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise WireError(f"{what} field {name!r} must be a finite number or absent, got {str(value)[:80]!r}")
+    return float(value)
+
+
+def _str_list(body: Mapping[str, Any], name: str, what: str) -> tuple[str, ...]:
+    value = body.get(name, [])
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_KEYS
+        or not all(isinstance(i, str) and 0 < len(i) <= MAX_ID_CHARS for i in value)
+    ):
+        raise WireError(f"{what} field {name!r} must be a list of at most {MAX_KEYS} non-empty strings")
+    return tuple(value)
+
+
+def _block_ids(value: Any, what: str) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(value, list) or not value:
+        raise WireError(f"{what} field 'local_block_ids' must be a non-empty list of per-group lists")
+    groups = []
+    for group in value:
+        if not isinstance(group, list):
+            raise WireError(f"{what} field 'local_block_ids' must hold one list per KV group")
+        for block in group:
+            if not isinstance(block, int) or isinstance(block, bool) or not 0 <= block <= MAX_BLOCK_ID:
+                raise WireError(
+                    f"{what} field 'local_block_ids' holds {str(block)[:40]!r}; block ids must be ints "
+                    f"in [0, {MAX_BLOCK_ID}]"
+                )
+        if len(set(group)) != len(group):
+            raise WireError(f"{what} field 'local_block_ids' repeats a block id within a group")
+        groups.append(tuple(group))
+    return tuple(groups)
+
+
+def _decode_coordinates(
+    body: Mapping[str, Any], what: str, *, request_id: str, match_key: str, block_ids: Any = ()
+) -> PushRegistration:
+    """D's coordinates carried by a registration, heartbeat, hello or cancel."""
+    size = _int_field(body, "decode_tp_size", what, low=1, high=MAX_PARALLEL)
+    return PushRegistration(
+        request_id=request_id,
+        match_key=match_key,
+        decode_engine_id=_str_field(body, "decode_engine_id", what),
+        decode_host=_str_field(body, "decode_host", what),
+        decode_port=_int_field(body, "decode_port", what, low=1, high=65535),
+        decode_tp_size=size,
+        block_ids=block_ids,
+        remote_engine_id=_str_field(body, "remote_engine_id", what),
+        decode_tp_rank=_int_field(body, "tp", what, high=size - 1),
+        decode_incarnation=_str_field(body, "inc", what, optional=True),
+        grant=_float_field(body, "grant", what),
+        fresh_s=_float_field(body, "fresh", what) or 0.0,
+    )
+
+
+def _manifest(body: Mapping[str, Any], what: str) -> PackManifest | None:
+    value = body.get("pk")
+    if value is None:
+        return None
+    try:
+        offset, regions, index, count, chunk, chunks = value
+        ints = (offset, index, count, chunk, chunks)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ints):
+            raise ValueError(f"non-integer in {value!r}")
+        if not (
+            0 <= offset < MAX_STAGING_OFFSET and 0 <= index < count <= MAX_PARALLEL and 0 <= chunk < chunks
+        ):
+            raise ValueError(f"bad offset, part or chunk {value!r}")
+        if chunks > 1 << 20 or not isinstance(regions, list) or len(regions) > 1 << 20:
+            raise ValueError("too many chunks or regions")
+        if not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 1 << 31 for r in regions):
+            raise ValueError("region indices must be non-negative ints")
+        return PackManifest(
+            staging_offset=offset, regions=regions, part=(index, count), chunk=chunk, chunks=chunks
+        )
+    except (TypeError, ValueError) as err:
+        raise WireError(f"{what} field 'pk' (packing manifest) is malformed: {str(err)[:200]}") from None
+
+
+def _producer(body: Mapping[str, Any], what: str) -> RankKey:
+    return RankKey(
+        _int_field(body, "pp", what, high=MAX_PARALLEL - 1),
+        _int_field(body, "tp", what, high=MAX_PARALLEL - 1),
+    )
+
+
+# ------------------------------------------------------------------------------ decoder
+
+_PREFIXES = (
+    (DONE_PREFIX, NotificationKind.DONE),  # the hot path first
+    (PUSH_REG_PREFIX, NotificationKind.PUSH_REG),
+    (FAIL_PREFIX, NotificationKind.FAILED),
+    (CANCEL_ACK_PREFIX, NotificationKind.CANCEL_ACK),
+    (CANCEL_PREFIX, NotificationKind.CANCEL),
+    (HEARTBEAT_PREFIX, NotificationKind.HEARTBEAT),
+    (HELLO_PREFIX, NotificationKind.HELLO),
+)
+
+
+def _check_version(body: Mapping[str, Any], what: str) -> None:
+    version = body.get("v")
+    if (
+        not isinstance(version, list)
+        or len(version) < 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in version[:2])
+    ):
+        raise WireError(
+            f"{what} carries no notification version (field 'v'); the peer runs an older kvpush. "
+            f"Run the same major release on both sides (this side speaks {NOTIF_VERSION[0]}.x)"
+        )
+    if version[0] != NOTIF_VERSION[0]:
+        raise WireError(
+            f"{what} is notification format {version[0]}.{version[1]}, this side speaks "
+            f"{NOTIF_VERSION[0]}.{NOTIF_VERSION[1]}; run the same major release on both sides"
+        )
+
+
+def decode_notification(message: bytes) -> Notification | None:
+    """Decode a kvpush notification; None if the prefix is not kvpush's. Raises ``WireError``
+    (naming the field) on a kvpush prefix with a malformed or out-of-range body."""
+    match = next(((p, k) for p, k in _PREFIXES if message.startswith(p)), None)
+    if match is None:
+        return None
+    prefix, kind = match
+    what = prefix.decode().rstrip(":")
+    body = unpack(message[len(prefix) :], what)
+    if not isinstance(body, Mapping):
+        raise WireError(f"{what} body must be a map, got {type(body).__name__}")
+    _check_version(body, what)
+    if kind is NotificationKind.DONE:
+        return Notification(
+            kind=kind,
+            request_id=_str_field(body, "request_id", what),
+            producer=_producer(body, what),
+            producer_tp_size=_int_field(body, "ptp", what, low=1, high=MAX_PARALLEL),
+            packing=_manifest(body, what),
+        )
+    if kind is NotificationKind.PUSH_REG:
+        rid = _str_field(body, "request_id", what)
+        reg = _decode_coordinates(
+            body,
+            what,
+            request_id=rid,
+            match_key=_str_field(body, "match_key", what),
+            block_ids=_block_ids(body.get("local_block_ids"), what),
+        )
+        staging = body.get("staging", -1)
+        if (
+            not isinstance(staging, int)
+            or isinstance(staging, bool)
+            or not -1 <= staging < MAX_STAGING_OFFSET
+        ):
+            raise WireError(f"{what} field 'staging' must be -1 or an offset in [0, 2**48), got {staging!r}")
+        reg = PushRegistration(**{**_fields(reg), "staging_offset": staging})
+        return Notification(kind=kind, request_id=rid, registration=reg)
+    if kind is NotificationKind.HEARTBEAT:
+        ids = _str_list(body, "request_ids", what)
+        if "stamp" in body:  # P's answer
+            stamp = _float_field(body, "stamp", what)
+            return Notification(
+                kind=kind,
+                producer=_producer(body, what),
+                stamp=stamp,
+                incarnation=_str_field(body, "inc", what, optional=True),
+                want=_str_list(body, "want", what),
+                failed_keys=_str_list(body, "failed", what),
+            )
+        if "decode_engine_id" not in body:
+            return Notification(kind=kind, request_ids=ids)
+        reg = _decode_coordinates(body, what, request_id="(heartbeat)", match_key="(heartbeat)")
+        return Notification(
+            kind=kind,
+            request_ids=ids,
+            registration=reg,
+            producer=RankKey(0, reg.decode_tp_rank),
+            incarnation=reg.decode_incarnation,
+        )
+    if kind is NotificationKind.HELLO:
+        reg = _decode_coordinates(body, what, request_id="(hello)", match_key="(hello)")
+        return Notification(
+            kind=kind,
+            registration=reg,
+            producer=RankKey(0, reg.decode_tp_rank),
+            incarnation=reg.decode_incarnation,
+        )
+    request_id = _str_field(body, "request_id", what)
+    if kind is NotificationKind.CANCEL:
+        if "d_request_id" not in body:
+            return Notification(kind=kind, request_id=request_id)
+        reg = _decode_coordinates(
+            body, what, request_id=_str_field(body, "d_request_id", what), match_key=request_id
+        )
+        return Notification(
+            kind=kind, request_id=request_id, registration=reg, producer=RankKey(0, reg.decode_tp_rank)
+        )
+    producer = _producer(body, what)
+    if kind is NotificationKind.CANCEL_ACK:
+        return Notification(
+            kind=kind, request_id=request_id, producer=producer, write_in_flight=bool(body.get("inflight"))
+        )
+    reason = body.get("reason")
+    reason = reason[:MAX_REASON] if isinstance(reason, str) else "unknown"
+    return Notification(kind=kind, request_id=request_id, producer=producer, reason=reason)
+
+
+def _fields(reg: PushRegistration) -> dict[str, Any]:
+    import attrs
+
+    return attrs.asdict(reg, recurse=False)

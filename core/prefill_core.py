@@ -1,0 +1,808 @@
+"""The P protocol core: a pure state machine for one prefill rank (no I/O, no threads, no clock).
+
+Events in (each takes ``now``, seconds on the driver's lease clock): :meth:`PrefillCore.finished`,
+:meth:`~PrefillCore.notification` (PUSH_REG, HB, HELLO, CANCEL), :meth:`~PrefillCore.connected`,
+:meth:`~PrefillCore.confirm_post`, :meth:`~PrefillCore.posted`, :meth:`~PrefillCore.post_failed`,
+:meth:`~PrefillCore.write_settled`, :meth:`~PrefillCore.fail`, :meth:`~PrefillCore.handle_timer`.
+Actions out: :mod:`kvpush.core.actions`.
+
+The rules it keeps (docs/reliability.md):
+
+- **Per-rank registrations.** P writes to a D rank only on that rank's own ``PUSH_REG``, with
+  that rank's block ids and staging reservation, and only if the PUSH_REG came from the agent P
+  loaded for that rank from D's side channel (same engine, same incarnation).
+- **Freshness fencing.** A registration may be written only until ``grant + fresh_s`` on P's
+  clock, where the grant is a stamp P itself issued (a heartbeat answer) and D echoed back.
+  ``confirm_post`` checks it (and for a cancel) immediately before every post, after the driver
+  drained notifications; a stale registration makes P ask D for a fresh grant (``want``).
+- **WRITE deadlines.** A WRITE not settled within ``write_deadline_s`` is aborted, D is told,
+  and D's engine dropped so the next push opens a fresh connection.
+- **One exit.** Every finished prefill is reported exactly once (sent or failed), its state
+  deleted in that step; a tombstone answers later messages for the key with FAIL.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kvpush.core import notifications as wire
+from kvpush.core.actions import Abort, Connect, DropPeer, Post, Report, Send
+from kvpush.core.deadlines import Deadlines
+from kvpush.core.types import (
+    BlockIds,
+    Notification,
+    NotificationKind,
+    PushRegistration,
+    RankKey,
+    ReadSpec,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class PrefillSettings:
+    """The P rank's identity and the bounds the core enforces (seconds)."""
+
+    engine_id: str
+    incarnation: str
+    rank: RankKey
+    tp_size: int
+    lease_s: float = 30.0
+    """Finished blocks not claimed by every destination's PUSH_REG this long are released."""
+    registration_ttl_s: float = 120.0
+    """A PUSH_REG with no finished prefill this long is dropped; tombstones live this long."""
+    write_deadline_s: float = 10.0
+    """A WRITE not settled this long is aborted (published to D, which adds it to its quarantine)."""
+    want_interval_s: float = 0.05
+    """At most one request for a fresh grant per D agent this often."""
+    retry_backoff_s: float = 1.0
+    retry_backoff_max_s: float = 30.0
+    max_stash_per_engine: int = 4096
+    """Registrations held (no prefill finished yet) per D engine; more are dropped."""
+
+
+class _Dest(enum.Enum):
+    WAIT_REG = "waiting for this D rank's PUSH_REG"
+    WAIT_CONNECT = "waiting for the handshake with this D rank"
+    WAIT_FRESH = "waiting for a fresh grant from this D rank"
+    POSTING = "post requested"
+    INFLIGHT = "WRITE in flight"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@attrs.define(eq=False)
+class _Reg:
+    reg: PushRegistration
+    agent: str
+    fresh_until: float
+
+
+@attrs.define(eq=False)
+class _DestState:
+    state: _Dest = _Dest.WAIT_REG
+    spec: ReadSpec | None = None
+    handles: set[Any] = attrs.field(factory=set)
+    bytes: int = 0
+    error: str = ""
+
+
+@attrs.define(eq=False)
+class _Request:
+    key: str
+    request_id: str = ""
+    blocks: BlockIds | None = None
+    """Set once the prefill finished."""
+    engine_id: str = ""
+    """The D engine bound to the key: the router's choice or the first registrant."""
+    regs: dict[int, _Reg] = attrs.field(factory=dict)
+    dests: dict[int, _DestState] | None = None
+    """Planned destinations (once finished and the first registration arrived)."""
+    failure: str = ""
+    cancel_acks: dict[str, str] = attrs.field(factory=dict)
+    """D agent -> D request id of cancels to acknowledge once nothing is in flight."""
+    cancelled: bool = False
+    write_at_cancel: bool = False
+    """A WRITE was in flight when D's CANCEL arrived (settled before the ack is sent)."""
+
+
+@attrs.define(eq=False)
+class _Decode:
+    engine_id: str
+    host: str
+    port: int
+    agents: dict[int, str] = attrs.field(factory=dict)
+    connecting: set[int] = attrs.field(factory=set)
+    incarnations: dict[int, str] = attrs.field(factory=dict)
+    """Incarnation of each loaded D rank (every rank process has its own)."""
+    tp_size: int = 0
+    inflight: int = 0
+    drop_when_idle: str = ""
+    hellos: dict[int, str] = attrs.field(factory=dict)
+    """D ranks whose HELLO awaits the handshake, by the agent the HELLO came from."""
+    failed_until: float = 0.0
+    failures: int = 0
+    error: str = ""
+    last_want: dict[str, float] = attrs.field(factory=dict)
+    deferred: list[tuple[str, Notification]] = attrs.field(factory=list)
+    """Messages of a newer incarnation, handled once the stale agents are dropped."""
+
+
+Planner = Callable[[BlockIds, PushRegistration], Sequence[ReadSpec]]
+"""``plan(local blocks, registration)`` -> read specs (trim, read-spec hook, plan check)."""
+
+
+class PrefillCore:
+    """Protocol state of one P rank. Not thread-safe: one driver thread feeds it."""
+
+    def __init__(self, settings: PrefillSettings, *, plan: Planner) -> None:
+        self.s = settings
+        self._plan = plan
+        self._requests: dict[str, _Request] = {}
+        self._tombstones: dict[str, tuple[str, str, str]] = {}
+        """key -> (outcome "sent"/"failed", D engine id, failure reason)."""
+        self._engines: dict[str, _Decode] = {}
+        self._timers = Deadlines()
+        self.stats: dict[str, int] = {
+            "pushes": 0,
+            "bytes": 0,
+            "writes": 0,
+            "duplicate_registrations": 0,
+            "rejected_notifications": 0,
+            "cancels": 0,
+            "cancels_during_write": 0,
+            "heartbeat_renewals": 0,
+            "stale_registrations": 0,
+            "write_deadline_expiries": 0,
+            "dead_engines": 0,
+        }
+
+    # ------------------------------------------------------------------ queries
+
+    def next_deadline(self) -> float | None:
+        return self._timers.next_deadline()
+
+    def state_sizes(self) -> dict[str, int]:
+        return {
+            "requests": len(self._requests),
+            "stashed": sum(1 for r in self._requests.values() if r.blocks is None),
+            "tombstones": len(self._tombstones),
+            "engines": len(self._engines),
+            "timers": len(self._timers),
+            "inflight": sum(e.inflight for e in self._engines.values()),
+        }
+
+    def busy_engines(self) -> set[str]:
+        """D engines some request still needs (never evicted)."""
+        return {r.engine_id for r in self._requests.values() if r.engine_id} | {
+            e.engine_id for e in self._engines.values() if e.inflight or e.connecting
+        }
+
+    def forget_engine(self, engine_id: str) -> None:
+        """The driver evicted an idle engine: a later registration reconnects."""
+        engine = self._engines.get(engine_id)
+        if engine is not None and not engine.inflight:
+            del self._engines[engine_id]
+
+    def pending_requests(self) -> list[tuple[str, str]]:
+        """``(match key, request id)`` of every finished prefill not reported yet."""
+        return [(r.key, r.request_id) for r in self._requests.values() if r.blocks is not None]
+
+    def busy(self) -> bool:
+        return any(r.blocks is not None for r in self._requests.values())
+
+    # ------------------------------------------------------------------ engine events
+
+    def finished(
+        self, key: str, request_id: str, blocks: BlockIds, decode_engine_id: str, now: float
+    ) -> list[Any]:
+        """A prefill finished; its KV sits in ``blocks``. ``decode_engine_id`` (optional) is the
+        D engine the router chose: only its registrations are served."""
+        tomb = self._tombstones.get(key)
+        if tomb is not None:
+            why = tomb[2] or "it was pushed before"
+            return [
+                Report(
+                    request_id,
+                    "failed",
+                    f"match key {key!r} already ended on this rank ({why}); blocks released",
+                    key,
+                )
+            ]
+        request = self._requests.get(key)
+        if request is not None and request.blocks is not None:
+            return [
+                Report(
+                    request_id,
+                    "failed",
+                    f"match key {key!r} is already pushing request "
+                    f"{request.request_id!r}; a second finish is refused",
+                    key,
+                )
+            ]
+        if not any(blocks):
+            return [Report(request_id, "sent", "no blocks to push", key)]
+        if request is None:
+            request = self._requests[key] = _Request(key=key)
+        self._timers.disarm(("stash", key))
+        request.request_id, request.blocks = request_id, blocks
+        out: list[Any] = []
+        if decode_engine_id:
+            if request.engine_id and request.engine_id != decode_engine_id:
+                logger.warning(
+                    "dropping registrations of %s from %s: the router chose %s",
+                    key,
+                    request.engine_id,
+                    decode_engine_id,
+                )
+                request.regs.clear()
+            request.engine_id = decode_engine_id
+        self._timers.arm(("lease", key), now + self.s.lease_s)
+        if request.regs:
+            out += self._plan_request(request, now)
+        return out
+
+    def fail(self, key: str, reason: str, now: float) -> list[Any]:
+        """Fail whatever P holds for ``key`` (the driver caught an error while handling it)."""
+        request = self._requests.get(key)
+        if request is None:
+            return []
+        return self._fail_request(request, reason, now)
+
+    # ------------------------------------------------------------------ notifications
+
+    def notification(self, agent: str, note: Notification, now: float) -> list[Any]:
+        kind = note.kind
+        if kind is NotificationKind.PUSH_REG:
+            return self._on_registration(agent, note, now)
+        if kind is NotificationKind.HEARTBEAT and note.registration is not None:
+            return self._on_heartbeat(agent, note, now)
+        if kind is NotificationKind.CANCEL and note.registration is not None:
+            return self._on_cancel(agent, note, now)
+        if kind is NotificationKind.HELLO and note.registration is not None:
+            return self._on_hello(agent, note, now)
+        self._reject(agent, note, "not a notification a prefill rank accepts (or it lacks D's coordinates)")
+        return []
+
+    def _on_registration(self, agent: str, note: Notification, now: float) -> list[Any]:
+        reg = note.registration
+        assert reg is not None
+        key, rank = reg.match_key, reg.decode_tp_rank
+        tomb = self._tombstones.get(key)
+        if tomb is not None:
+            engine = self._engines.get(reg.decode_engine_id)
+            if tomb[0] == "failed" and engine is not None and engine.agents.get(rank) == agent:
+                return [
+                    Send(
+                        agent,
+                        wire.encode_failed(
+                            reg.request_id, self.s.rank, f"P no longer holds {key!r} (it {tomb[0]})"
+                        ),
+                    )
+                ]
+            self.stats["duplicate_registrations"] += 1
+            return []
+        request = self._requests.get(key)
+        if request is None:
+            stashed = sum(
+                1 for r in self._requests.values() if r.blocks is None and r.engine_id == reg.decode_engine_id
+            )
+            if stashed >= self.s.max_stash_per_engine:
+                self._reject(
+                    agent,
+                    note,
+                    f"more than {self.s.max_stash_per_engine} registrations held for "
+                    f"{reg.decode_engine_id!r}",
+                )
+                return []
+            request = self._requests[key] = _Request(key=key)
+            self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
+        if request.engine_id and request.engine_id != reg.decode_engine_id:
+            self._reject(agent, note, f"match key {key!r} belongs to D engine {request.engine_id!r}")
+            return []
+        engine = self._engine_for(reg)
+        if engine.agents.get(rank) not in (None, agent):
+            self._reject(
+                agent,
+                note,
+                f"D rank {rank} of {reg.decode_engine_id!r} speaks through {engine.agents[rank]!r}",
+            )
+            return []
+        if self._restarted(engine, reg):
+            return self._decode_restarted(engine, reg, agent, note, now)
+        request.engine_id = reg.decode_engine_id
+        if rank in request.regs:
+            self.stats["duplicate_registrations"] += 1
+            if request.dests is not None and request.dests.get(rank, _DestState()).state not in (
+                _Dest.WAIT_REG,
+                _Dest.WAIT_CONNECT,
+                _Dest.WAIT_FRESH,
+            ):
+                return []
+        request.regs[rank] = _Reg(reg, agent, self._fresh_until(reg))
+        out: list[Any] = []
+        if rank not in engine.agents:
+            out += self._connect(engine, rank, now)
+        if request.blocks is None:
+            return out
+        if request.dests is None:
+            return out + self._plan_request(request, now)
+        return out + self._advance(request, rank, now)
+
+    def _plannable(self, request: _Request) -> _Reg | None:
+        """A registration to plan from: one whose D rank is loaded, so D's TP size is known."""
+        engine = self._engines.get(request.engine_id)
+        if engine is None:
+            return None
+        return next((e for r, e in sorted(request.regs.items()) if engine.agents.get(r) == e.agent), None)
+
+    def _on_heartbeat(self, agent: str, note: Notification, now: float) -> list[Any]:
+        reg = note.registration
+        assert reg is not None
+        engine = self._engines.get(reg.decode_engine_id)
+        rank = reg.decode_tp_rank
+        if engine is None or engine.agents.get(rank) != agent:
+            self._reject(agent, note, "heartbeat from a D agent this rank has not loaded; not answered")
+            return []
+        if self._restarted(engine, reg):
+            return self._decode_restarted(engine, reg, agent, note, now)
+        failed, want = [], []
+        out: list[Any] = []
+        fresh = self._fresh_until(reg)
+        for key in note.request_ids:
+            request = self._requests.get(key)
+            if request is None or request.engine_id != engine.engine_id:
+                tomb = self._tombstones.get(key)
+                if tomb is None or tomb[0] == "failed":
+                    failed.append(key)
+                continue
+            self.stats["heartbeat_renewals"] += 1
+            if request.blocks is not None:
+                self._timers.arm(("lease", key), now + self.s.lease_s)
+            else:
+                self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
+            entry = request.regs.get(rank)
+            if entry is not None:
+                entry.fresh_until = max(entry.fresh_until, fresh)
+                dest = request.dests.get(rank) if request.dests else None
+                if dest is not None and dest.state is _Dest.WAIT_FRESH:
+                    out += self._advance(request, rank, now)
+                    if dest.state is _Dest.WAIT_FRESH:
+                        want.append(key)
+        answer = wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, want, failed)
+        return [Send(agent, answer), *out]
+
+    def _on_hello(self, agent: str, note: Notification, now: float) -> list[Any]:
+        reg = note.registration
+        assert reg is not None
+        engine = self._engine_for(reg)
+        rank = reg.decode_tp_rank
+        if self._restarted(engine, reg):
+            return self._decode_restarted(engine, reg, agent, note, now)
+        if engine.agents.get(rank) == agent:
+            return [Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation))]
+        if rank in engine.agents:
+            self._reject(agent, note, f"D rank {rank} speaks through {engine.agents[rank]!r}")
+            return []
+        engine.hellos[rank] = agent
+        return self._connect(engine, rank, now)
+
+    def _on_cancel(self, agent: str, note: Notification, now: float) -> list[Any]:
+        reg = note.registration
+        assert reg is not None
+        key, rank = note.request_id, reg.decode_tp_rank
+        self.stats["cancels"] += 1
+        engine = self._engines.get(reg.decode_engine_id)
+        if engine is None or engine.agents.get(rank) != agent:
+            self._reject(agent, note, "CANCEL from an agent this rank has not loaded for that D rank")
+            return []
+        request = self._requests.get(key)
+        ack = wire.encode_cancel_ack(reg.request_id, self.s.rank, False)
+        if request is None:
+            tomb = self._tombstones.get(key)
+            if tomb is not None and tomb[1] == engine.engine_id:
+                return [Send(agent, ack)]  # already ended: nothing of ours can land
+            self._reject(agent, note, f"CANCEL of {key!r}, which this rank never had from that engine")
+            return []
+        if request.engine_id != engine.engine_id:
+            self._reject(
+                agent, note, f"CANCEL of {key!r} from an engine that neither registered it nor was chosen"
+            )
+            return []
+        request.cancelled = True
+        request.cancel_acks[agent] = reg.request_id
+        if any(d.state is _Dest.INFLIGHT for d in (request.dests or {}).values()):
+            self.stats["cancels_during_write"] += 1
+            request.write_at_cancel = True
+            why = "cancelled by D while a WRITE was in flight (settled before the ack)"
+        elif request.blocks is None:
+            why = "cancelled by D before the prefill finished"
+        else:
+            why = "cancelled by D before the WRITE was posted"
+        return self._fail_request(request, why, now)
+
+    # ------------------------------------------------------------------ handshakes
+
+    def _engine_for(self, reg: PushRegistration) -> _Decode:
+        engine = self._engines.get(reg.decode_engine_id)
+        if engine is None:
+            engine = _Decode(reg.decode_engine_id, reg.decode_host, reg.decode_port)
+            self._engines[engine.engine_id] = engine
+        return engine
+
+    def _connect(self, engine: _Decode, rank: int, now: float) -> list[Any]:
+        if rank in engine.connecting or rank in engine.agents:
+            return []
+        if now < engine.failed_until:
+            return self._connect_failed(
+                engine, rank, f"{engine.error} (not retried before {engine.failed_until - now:.1f}s)", now
+            )
+        engine.connecting.add(rank)
+        return [Connect(engine.engine_id, engine.host, engine.port, (RankKey(0, rank),))]
+
+    def connected(
+        self,
+        engine_id: str,
+        rank: int,
+        agent: str,
+        incarnation: str,
+        tp_size: int,
+        error: str,
+        now: float,
+    ) -> list[Any]:
+        """P's full handshake with one D rank ended (``agent`` or ``error``)."""
+        engine = self._engines.get(engine_id)
+        if engine is None or rank not in engine.connecting:
+            return []  # no longer wanted (dropped meanwhile); the registry keeps or evicts it
+        engine.connecting.discard(rank)
+        if error:
+            engine.failures += 1
+            engine.error = error
+            engine.failed_until = now + min(
+                self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2 ** (engine.failures - 1)
+            )
+            return self._connect_failed(engine, rank, error, now)
+        engine.incarnations[rank], engine.tp_size, engine.failures = incarnation, tp_size, 0
+        engine.agents[rank] = agent
+        out: list[Any] = []
+        hello = engine.hellos.pop(rank, None)
+        if hello is not None:
+            if hello == agent:
+                out.append(Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation)))
+            else:
+                logger.warning("HELLO for D rank %s came from %s, but its agent is %s", rank, hello, agent)
+        for request in list(self._requests.values()):
+            entry = request.regs.get(rank)
+            if request.engine_id != engine_id or entry is None:
+                continue
+            if entry.agent != agent or entry.reg.decode_incarnation != incarnation:
+                del request.regs[rank]
+                self.stats["rejected_notifications"] += 1
+                logger.warning(
+                    "dropped PUSH_REG of %s: it came from %s (incarnation %s), D rank %s is %s (%s)",
+                    request.key,
+                    entry.agent,
+                    entry.reg.decode_incarnation,
+                    rank,
+                    agent,
+                    incarnation,
+                )
+                continue
+            if entry.reg.decode_tp_size != tp_size:
+                out += self._fail_request(
+                    request, f"PUSH_REG states D TP {entry.reg.decode_tp_size}, D published {tp_size}", now
+                )
+                continue
+            if request.blocks is not None and request.dests is None:
+                out += self._plan_request(request, now)
+            elif request.dests is not None and rank in request.dests:
+                out += self._advance(request, rank, now)
+        return out
+
+    def _connect_failed(self, engine: _Decode, rank: int, error: str, now: float) -> list[Any]:
+        engine.hellos.pop(rank, None)
+        out: list[Any] = []
+        for request in list(self._requests.values()):
+            if request.engine_id == engine.engine_id and rank in request.regs:
+                del request.regs[rank]
+                if request.blocks is not None:
+                    out += self._fail_request(request, f"handshake with D rank {rank} failed: {error}", now)
+        return out
+
+    def _decode_restarted(
+        self, engine: _Decode, reg: PushRegistration, agent: str, note: Notification, now: float
+    ) -> list[Any]:
+        """D came back under the same engine id with a new incarnation: a new peer. Its
+        message is handled once the stale agents are gone (after their WRITEs settled)."""
+        engine.deferred.append((agent, note))
+        if engine.drop_when_idle:
+            return []
+        reason = (
+            f"D engine {engine.engine_id!r} restarted (rank {reg.decode_tp_rank}: incarnation "
+            f"{engine.incarnations.get(reg.decode_tp_rank)} -> {reg.decode_incarnation})"
+        )
+        self.stats["dead_engines"] += 1
+        out: list[Any] = []
+        for request in list(self._requests.values()):
+            if request.engine_id == engine.engine_id:
+                out += self._fail_request(request, reason, now, tell_decode=False)
+        return out + self._drop_engine(engine, reason, now)
+
+    @staticmethod
+    def _restarted(engine: _Decode, reg: PushRegistration) -> bool:
+        """Does ``reg`` come from a newer start of a D rank P has loaded?"""
+        known = engine.incarnations.get(reg.decode_tp_rank)
+        return known is not None and reg.decode_incarnation != known
+
+    def _drop_engine(self, engine: _Decode, reason: str, now: float) -> list[Any]:
+        """Forget a D engine now, or once its WRITEs in flight settled (never under them)."""
+        if engine.inflight:
+            engine.drop_when_idle = reason
+            return []
+        if self._engines.get(engine.engine_id) is engine:
+            del self._engines[engine.engine_id]
+        out: list[Any] = [DropPeer(engine.engine_id, reason)]
+        for agent, note in engine.deferred:
+            out += self.notification(agent, note, now)
+        return out
+
+    # ------------------------------------------------------------------ planning and posting
+
+    def _plan_request(self, request: _Request, now: float) -> list[Any]:
+        assert request.blocks is not None
+        first = self._plannable(request)
+        if first is None:
+            return []  # planned once a registering D rank is loaded
+        engine = self._engines[request.engine_id]
+        if first.reg.decode_tp_size != engine.tp_size:
+            return self._fail_request(
+                request, f"PUSH_REG states D TP {first.reg.decode_tp_size}, D published {engine.tp_size}", now
+            )
+        try:
+            specs = list(self._plan(request.blocks, first.reg))
+        except Exception as err:  # a plugin, numpy or torch: the request fails, nothing else
+            return self._fail_request(request, f"planning failed: {type(err).__name__}: {err}", now)
+        request.dests = {spec.dst_tp_rank: _DestState() for spec in specs}
+        out: list[Any] = []
+        for rank in sorted(request.regs):
+            if rank not in request.dests:
+                out += self._reject_reg(request, rank, "this P rank does not write to that D rank")
+        for rank in sorted(request.dests):
+            out += self._advance(request, rank, now)
+        return out
+
+    def _reject_reg(self, request: _Request, rank: int, why: str) -> list[Any]:
+        logger.warning("PUSH_REG of %s from D rank %s ignored: %s", request.key, rank, why)
+        return []
+
+    def _advance(self, request: _Request, rank: int, now: float) -> list[Any]:
+        """Move one destination as far as it can go."""
+        assert request.dests is not None and request.blocks is not None
+        dest = request.dests[rank]
+        if dest.state not in (_Dest.WAIT_REG, _Dest.WAIT_CONNECT, _Dest.WAIT_FRESH):
+            return []
+        entry = request.regs.get(rank)
+        if entry is None:
+            dest.state = _Dest.WAIT_REG
+            return []
+        engine = self._engine_for(entry.reg)
+        if rank not in engine.agents:
+            dest.state = _Dest.WAIT_CONNECT
+            return self._connect(engine, rank, now)
+        if entry.fresh_until <= now:
+            dest.state = _Dest.WAIT_FRESH
+            self.stats["stale_registrations"] += 1
+            return self._want(engine, entry.agent, [request.key], now)
+        if dest.spec is None:
+            try:
+                specs = [s for s in self._plan(request.blocks, entry.reg) if s.dst_tp_rank == rank]
+                if len(specs) != 1:
+                    raise ValueError(f"the plan has {len(specs)} specs for D rank {rank}")
+            except Exception as err:
+                return self._fail_request(
+                    request, f"planning for D rank {rank} failed: {type(err).__name__}: {err}", now
+                )
+            dest.spec = specs[0]
+        dest.state = _Dest.POSTING
+        return [Post(request.key, rank, request.engine_id, dest.spec, entry.reg)]
+
+    def _want(self, engine: _Decode, agent: str, keys: list[str], now: float) -> list[Any]:
+        if now - engine.last_want.get(agent, -1e18) < self.s.want_interval_s:
+            return []
+        engine.last_want[agent] = now
+        return [Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, keys))]
+
+    def confirm_post(self, key: str, rank: int, now: float) -> bool:
+        """Called by the driver immediately before it posts: still wanted, not cancelled, and
+        the registration's grant still fresh? A stale one goes back to waiting for a grant."""
+        request = self._requests.get(key)
+        if request is None or request.dests is None or request.failure:
+            return False
+        dest = request.dests.get(rank)
+        entry = request.regs.get(rank)
+        if dest is None or dest.state is not _Dest.POSTING or entry is None:
+            return False
+        if entry.fresh_until <= now:
+            dest.state = _Dest.WAIT_FRESH
+            self.stats["stale_registrations"] += 1
+            return False
+        return True
+
+    def refresh(self, key: str, rank: int, now: float) -> list[Any]:
+        """After a refused ``confirm_post``: ask D for a fresh grant (rate-limited)."""
+        request = self._requests.get(key)
+        engine = self._engines.get(request.engine_id) if request else None
+        entry = request.regs.get(rank) if request else None
+        if engine is None or entry is None:
+            return []
+        return self._want(engine, entry.agent, [key], now)
+
+    def posted(self, key: str, rank: int, handles: Sequence[Any], nbytes: int, now: float) -> list[Any]:
+        request = self._requests[key]
+        assert request.dests is not None
+        dest = request.dests[rank]
+        dest.state, dest.handles, dest.bytes = _Dest.INFLIGHT, set(handles), nbytes
+        self.stats["writes"] += len(dest.handles)
+        self._engines[request.engine_id].inflight += 1
+        self._timers.arm(("write", key, rank), now + self.s.write_deadline_s)
+        return []
+
+    def post_failed(self, key: str, rank: int, reason: str, now: float) -> list[Any]:
+        request = self._requests.get(key)
+        if request is None:
+            return []
+        engine = self._engines.get(request.engine_id)
+        if engine is not None:  # D may have died: the next push opens a fresh connection
+            engine.drop_when_idle = engine.drop_when_idle or reason
+        out = self._fail_request(request, f"WRITE to D rank {rank} failed: {reason}", now)
+        if engine is not None and not engine.inflight:
+            out += self._drop_engine(engine, engine.drop_when_idle, now)
+        return out
+
+    def write_settled(self, key: str, rank: int, handle: Any, ok: bool, now: float) -> list[Any]:
+        request = self._requests.get(key)
+        if request is None or request.dests is None:
+            return []
+        dest = request.dests[rank]
+        dest.handles.discard(handle)
+        if not ok and not dest.error:
+            dest.error = f"WRITE to D rank {rank} ended in error"
+        if dest.handles:
+            return []
+        return self._dest_settled(request, rank, now)
+
+    def _dest_settled(self, request: _Request, rank: int, now: float) -> list[Any]:
+        assert request.dests is not None
+        dest = request.dests[rank]
+        self._timers.disarm(("write", request.key, rank))
+        engine = self._engines.get(request.engine_id)
+        out: list[Any] = []
+        if engine is not None:
+            engine.inflight -= 1
+        if dest.error:
+            dest.state = _Dest.FAILED
+            request.failure = request.failure or dest.error
+            entry = request.regs.get(rank)
+            if entry is not None:
+                out.append(
+                    Send(entry.agent, wire.encode_failed(entry.reg.request_id, self.s.rank, dest.error))
+                )
+            if engine is not None:
+                engine.drop_when_idle = engine.drop_when_idle or dest.error
+        else:
+            dest.state = _Dest.DONE
+        if engine is not None and engine.drop_when_idle and not engine.inflight:
+            out += self._drop_engine(engine, engine.drop_when_idle, now)
+        return out + self._maybe_end(request, now)
+
+    def _fail_request(
+        self, request: _Request, reason: str, now: float, *, tell_decode: bool = True
+    ) -> list[Any]:
+        """Stop posting for a request; report it once nothing of it is in flight."""
+        request.failure = request.failure or reason
+        out: list[Any] = []
+        engine = self._engines.get(request.engine_id)
+        for rank, entry in sorted(request.regs.items()):
+            dest = request.dests.get(rank) if request.dests else None
+            if dest is not None and dest.state in (_Dest.INFLIGHT, _Dest.DONE, _Dest.FAILED):
+                continue
+            if dest is not None:
+                dest.state = _Dest.FAILED
+            loaded = engine is not None and engine.agents.get(rank) == entry.agent
+            if tell_decode and loaded and entry.agent not in request.cancel_acks:
+                out.append(Send(entry.agent, wire.encode_failed(entry.reg.request_id, self.s.rank, reason)))
+        for dest in (request.dests or {}).values():
+            if dest.state in (_Dest.WAIT_REG, _Dest.WAIT_CONNECT, _Dest.WAIT_FRESH, _Dest.POSTING):
+                dest.state = _Dest.FAILED
+        return out + self._maybe_end(request, now)
+
+    def _maybe_end(self, request: _Request, now: float) -> list[Any]:
+        dests = request.dests or {}
+        if any(d.state is _Dest.INFLIGHT for d in dests.values()):
+            return []
+        if not request.failure and (not dests or any(d.state is not _Dest.DONE for d in dests.values())):
+            return []
+        return self._end(request, now)
+
+    def _end(self, request: _Request, now: float) -> list[Any]:
+        """The one place a request's state is deleted; reports it (once) and answers cancels."""
+        del self._requests[request.key]
+        for kind in ("lease", "stash"):
+            self._timers.disarm((kind, request.key))
+        outcome = "failed" if request.failure else "sent"
+        self._tombstones[request.key] = (outcome, request.engine_id, request.failure)
+        self._timers.arm(("tomb", request.key), now + self.s.registration_ttl_s)
+        out: list[Any] = [
+            Send(agent, wire.encode_cancel_ack(d_rid, self.s.rank, request.write_at_cancel))
+            for agent, d_rid in request.cancel_acks.items()
+        ]
+        if request.blocks is None:
+            return out  # a stash that expired or was cancelled: nothing to report
+        if outcome == "sent":
+            self.stats["pushes"] += 1
+            self.stats["bytes"] += sum(d.bytes for d in (request.dests or {}).values())
+        return [*out, Report(request.request_id, outcome, request.failure, request.key)]
+
+    # ------------------------------------------------------------------ timers
+
+    def handle_timer(self, now: float) -> list[Any]:
+        out: list[Any] = []
+        for timer in self._timers.pop_expired(now):
+            kind, key = timer[0], timer[1]
+            request = self._requests.get(key)
+            if kind == "tomb":
+                self._tombstones.pop(key, None)
+            elif kind == "stash" and request is not None and request.blocks is None:
+                logger.warning(
+                    "dropped D's registration %s: no prefill finished within %ss",
+                    key,
+                    self.s.registration_ttl_s,
+                )
+                out += self._end(request, now)
+            elif kind == "lease" and request is not None:
+                missing = sorted(r for r, d in (request.dests or {}).items() if d.state is _Dest.WAIT_REG)
+                why = f"D rank(s) {missing} never registered" if missing else "D never registered its blocks"
+                out += self._fail_request(request, f"lease of {self.s.lease_s:g}s expired: {why}", now)
+            elif kind == "write" and request is not None:
+                out += self._write_deadline(request, timer[2], now)
+        return out
+
+    def _write_deadline(self, request: _Request, rank: int, now: float) -> list[Any]:
+        assert request.dests is not None
+        dest = request.dests[rank]
+        if dest.state is not _Dest.INFLIGHT:
+            return []
+        self.stats["write_deadline_expiries"] += 1
+        handles = tuple(dest.handles)
+        dest.handles.clear()
+        dest.error = f"WRITE to D rank {rank} did not complete within {self.s.write_deadline_s:g}s; aborted"
+        engine = self._engines.get(request.engine_id)
+        if engine is not None:
+            engine.drop_when_idle = dest.error  # a fresh connection for the next push
+        return [Abort(handles), *self._dest_settled(request, rank, now)]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _fresh_until(self, reg: PushRegistration) -> float:
+        if reg.grant is None or reg.fresh_s <= 0:
+            return float("-inf")
+        return reg.grant + reg.fresh_s
+
+    def _reject(self, agent: str, note: Notification, why: str) -> None:
+        self.stats["rejected_notifications"] += 1
+        logger.warning("dropped %s for %r from %s: %s", note.kind.value, note.request_id or "-", agent, why)
+
+    def inflight_handles(self) -> Mapping[Any, tuple[str, int]]:
+        """Every WRITE handle in flight -> (match key, D rank), for the driver to poll."""
+        out = {}
+        for request in self._requests.values():
+            for rank, dest in (request.dests or {}).items():
+                for handle in dest.handles:
+                    out[handle] = (request.key, rank)
+        return out
