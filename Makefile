@@ -5,7 +5,7 @@ PYTHON ?= python3
 # On a GPU machine pass TORCH=torch (or a CUDA build spec) to keep the CUDA torch.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-vllm lint bench clean
 
 setup: $(VENV)/.kvpush-installed
 
@@ -20,6 +20,19 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest
+
+# The vLLM connector suite (tests_vllm/) in its own venv: vLLM 0.33.0 is ~4.5 GB of wheels and
+# ~12 min to install, so it stays out of `make test`. The suite is its own pytest root.
+VLLM_VENV ?= .venv-vllm
+
+$(VLLM_VENV)/.kvpush-installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --disable-pip-version-check -q "vllm==0.33.0" "nixl==1.5.1" pytest pytest-timeout msgpack
+	$(VLLM_VENV)/bin/pip install --disable-pip-version-check -q -e .
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.kvpush-installed
+	cd tests_vllm && ../$(VLLM_VENV)/bin/python -m pytest
 
 lint: setup
 	$(VENV)/bin/ruff check .

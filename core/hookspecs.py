@@ -66,7 +66,26 @@ def kvpush_layouts() -> Iterable[LayoutProvider]:
 
     When: once, when the manager is asked for a layout or lists plugins.
 
-    :return: an iterable of :class:`~kvpush.core.types.LayoutProvider`.
+    :return: an iterable of :class:`~kvpush.core.types.LayoutProvider`. Its
+        ``describe_regions(kv_caches, parallel, model)`` must return regions that follow the
+        layout rules (checked when a rank starts, each broken rule a ``ConfigError`` naming it;
+        helpers and checks in :mod:`kvpush.layouts.regions`):
+
+        - ``layer_names``: each region names the model layer whose KV it holds, the same name
+          for every region of that layer (K and V share it), distinct between layers; a rank
+          owning n layers describes n distinct names.
+        - region order: layer by layer in model order (a layer's regions adjacent, layers in
+          natural name order), because PP slicing pairs a stage's regions with a window of the
+          decode side's list by position.
+        - components: distinct inside a layer (``K``, ``V``, ``KV``, ``latent``), the same
+          sequence for every layer of a KV group.
+        - in-block order: ``block_order`` says how a block is laid out; ``heads_outer`` blocks
+          hold ``num_heads`` equal head slices (``block_len`` divides by ``num_heads``),
+          ``tokens_outer`` blocks one row per head per token (``block_tokens`` set); a
+          replicated region has ``num_heads == 1``.
+
+        Optional ``allocate`` and ``demo_model`` let ``kvpush demo --layout NAME`` and
+        ``kvpush.testing.run_cluster`` push with the layout.
 
     Combining rule: all results are collected and flattened; two providers with one name raise
     ``PluginError`` naming both plugins.

@@ -1,0 +1,569 @@
+"""kvpush as an out-of-tree vLLM KV connector (vLLM 0.33).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KvpushConnector",
+                           "kv_connector_module_path": "kvpush.engines.vllm",
+                           "kv_role": "kv_producer" | "kv_consumer",
+                           "kv_connector_extra_config": {...}}'
+
+vLLM builds the connector twice: a **scheduler half** in the engine-core process and a **worker
+half** in every worker (one per PP stage × TP rank). This module imports vLLM; nothing else in
+kvpush imports it. The flow (docs/vllm.md has the details and the comparison with vLLM's
+in-tree ``NixlPushConnector``):
+
+- Start-up: every worker builds a :class:`PushSender` (P) or :class:`PushReceiver` (D) in
+  ``register_kv_caches``; its handshake payload reaches the scheduler through
+  ``get_handshake_metadata`` → ``set_xfer_handshake_metadata_pp_aware``, and the scheduler half's
+  :class:`SideChannelServer` serves it per ``(pp_rank, tp_rank)``.
+- D: ``update_state_after_alloc`` stages the request's uncached blocks; the worker adds the
+  request to its receiver (handshake with P, ``PUSH_REG``) and reports it in
+  ``finished_recving`` once the KV landed, or failed (``failed_recving`` → vLLM's
+  ``kv_load_failure_policy``). An abort while receiving returns ``(True, None)``; the worker
+  cancels and reports the request only when kvpush says no WRITE can land any more, so vLLM
+  frees the blocks only then.
+- P: ``request_finished`` stages the finished blocks and returns the ``kv_transfer_params`` D
+  needs; the worker hands them to its sender and reports ``finished_sending`` when every WRITE
+  settled (or failed, or the lease expired), keeping ``has_pending_push_work`` true meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from kvpush.core.errors import ConfigError
+from kvpush.engines.vllm_config import ConnectorSettings, match_key
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class KvpushHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """One worker's kvpush handshake payload, carried to the scheduler by vLLM."""
+
+    payload: bytes
+
+
+@dataclass
+class RecvItem:
+    """D: a request to receive, in scheduler block ids per KV-cache (transfer) group."""
+
+    block_ids: BlockIds
+    kv_transfer_params: dict[str, Any]
+
+
+@dataclass
+class SendItem:
+    """P: a finished prefill to push."""
+
+    block_ids: BlockIds
+    match_key: str
+
+
+@dataclass
+class KvpushConnectorMetadata(KVConnectorMetadata):
+    """Scheduler half → worker halves, once per engine step (pickled by vLLM)."""
+
+    recv: dict[str, RecvItem] = field(default_factory=dict)
+    send: dict[str, SendItem] = field(default_factory=dict)
+    cancel: list[str] = field(default_factory=list)
+    """D requests aborted while receiving: cancel, report them once settled."""
+
+
+def _groups(block_ids: Any) -> BlockIds:
+    return tuple(tuple(int(b) for b in group) for group in block_ids)
+
+
+class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvpush's push-mode KV connector (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ConfigError(
+                f"kv_transfer_config.kv_role is {transfer.kv_role!r}; kvpush's connector needs "
+                f"'kv_producer' (prefill engine) or 'kv_consumer' (decode engine)"
+            )
+        parallel = vllm_config.parallel_config
+        if transfer.kv_role == "kv_consumer" and parallel.pipeline_parallel_size > 1:
+            raise ConfigError(
+                f"decode engine has pipeline_parallel_size={parallel.pipeline_parallel_size}; kvpush "
+                f"pushes into non-PP decoders only (PP is supported on the prefill side)"
+            )
+        self.settings = ConnectorSettings.from_extra_config(
+            transfer.kv_connector_extra_config, getattr(parallel, "data_parallel_index", 0)
+        )
+        self.engine_id: str = transfer.engine_id
+        self.is_producer = transfer.kv_role == "kv_producer"
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(self, vllm_config, kv_cache_config)
+        else:
+            self._worker = _WorkerSide(self, vllm_config, kv_cache_config)
+
+    # ------------------------------------------------------------------ class-level
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """HND: heads outermost in a block, so a TP head slice is one byte range (MLA: any)."""
+        model = vllm_config.model_config
+        if model is None or model.use_mla:
+            return None
+        return "HND"
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return False  # P may be writing into a sleeping decoder's registered memory
+
+    # ------------------------------------------------------------------ scheduler half
+
+    def _sched(self) -> _SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side method called on the worker half of KvpushConnector")
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(getattr(self._kv_cache_config, "transfer_group_ids", (0,)))
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): meta for tp, meta in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._sched().publish(metadata)
+
+    # ------------------------------------------------------------------ worker half
+
+    def _work(self) -> _WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("worker-side method called on the scheduler half of KvpushConnector")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._work().handshake_metadata()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KvpushConnectorMetadata):
+            self._work().start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # the whole request lands before vLLM schedules it
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return None  # P pushes whole requests at request_finished
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._work().results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+
+# ---------------------------------------------------------------------------- scheduler half
+
+
+class _SchedulerSide:
+    """Stages registrations (D) and finished prefills (P); serves the engine's side channel."""
+
+    def __init__(self, owner: KvpushConnector, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
+        self.owner = owner
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.server: Any = None
+        self._recv: dict[str, RecvItem] = {}
+        self._send: dict[str, SendItem] = {}
+        self._cancel: list[str] = []
+        self.receiving: set[str] = set()
+        """D requests registered and not yet reported in finished_recving."""
+        self.sending: set[str] = set()
+        """P requests handed to the workers and not yet reported in finished_sending."""
+        self._window_blocks = self._sliding_window_blocks()
+
+    def _sliding_window_blocks(self) -> list[int]:
+        """Per transfer group: blocks a sliding-window group keeps in its window (0: all)."""
+        groups = getattr(self.kv_cache_config, "transfer_groups", self.kv_cache_config.kv_cache_groups)
+        out = []
+        for group in groups:
+            spec = group.kv_cache_spec
+            # Only SlidingWindowSpec groups free out-of-window blocks (a FullAttentionSpec with a
+            # sliding_window keeps every block), as vLLM's own connector clips.
+            sliding = any(cls.__name__ == "SlidingWindowSpec" for cls in type(spec).__mro__)
+            window = getattr(spec, "sliding_window", None) if sliding else None
+            out.append(-(-window // spec.block_size) + 1 if window else 0)
+        return out
+
+    def clip(self, block_ids: Any) -> BlockIds:
+        """The transferable blocks: transfer groups only, sliding-window groups cut to their window
+        (P and D clip alike, and P's end-trim pairs the tails)."""
+        groups = list(block_ids)
+        if not groups:
+            return ()
+        select = getattr(self.kv_cache_config, "select_transfer_block_ids", None)
+        if select is not None and len(groups) == len(self.kv_cache_config.kv_cache_groups):
+            groups = list(select(groups))
+        clipped = []
+        for ids, keep in zip(groups, self._window_blocks):
+            ids = list(ids)
+            clipped.append(tuple(ids[-keep:] if keep and len(ids) > keep else ids))
+        return tuple(clipped)
+
+    # -------------------------------------------------------------- D
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if self.owner.is_producer or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if self.owner.is_producer or not params or not params.get("do_remote_prefill"):
+            return
+        # Only the first pass registers; a re-entry (preemption, second allocation) must not.
+        params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            return  # full local prefix hit: nothing to receive (P releases at its lease)
+        block_ids = self.clip(blocks.get_unhashed_block_ids_all_groups())
+        if not any(block_ids):
+            return
+        rid = request.request_id
+        send_params = dict(params)
+        send_params["transfer_id"] = match_key(rid, params)
+        self._recv[rid] = RecvItem(block_ids=block_ids, kv_transfer_params=send_params)
+        self.receiving.add(rid)
+
+    # -------------------------------------------------------------- both
+
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        params = request.kv_transfer_params
+        if rid in self.receiving:
+            # D aborted (or failed) while P may still write: hold the blocks until kvpush says no
+            # WRITE can land any more (the worker reports the request then).
+            self._cancel.append(rid)
+            return True, None
+        if not params:
+            return False, None
+        if not self.owner.is_producer:
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted on P: nothing to push
+        blocks = self.clip(block_ids)
+        out = self._transfer_params(rid, params)
+        if not any(blocks):
+            return False, out
+        self._send[rid] = SendItem(block_ids=blocks, match_key=match_key(rid, params))
+        self.sending.add(rid)
+        return True, out
+
+    def _transfer_params(self, rid: str, params: dict[str, Any]) -> dict[str, Any]:
+        """What a router forwards to D: P's coordinates and the pairing key."""
+        parallel = self.vllm_config.parallel_config
+        out = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.owner.engine_id,
+            "remote_host": self.owner.settings.side_channel_host,
+            "remote_port": self.owner.settings.side_channel_port,
+            "remote_request_id": rid,
+            "tp_size": parallel.tensor_parallel_size,
+            "pp_size": parallel.pipeline_parallel_size,
+            "transfer_mode": "push",
+        }
+        if params.get("transfer_id"):
+            out["transfer_id"] = params["transfer_id"]
+        return out
+
+    def build_connector_meta(self) -> KvpushConnectorMetadata:
+        meta = KvpushConnectorMetadata(recv=self._recv, send=self._send, cancel=self._cancel)
+        self._recv, self._send, self._cancel = {}, {}, []
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending or ():
+            self.sending.discard(rid)
+        for rid in output.finished_recving or ():
+            self.receiving.discard(rid)
+
+    def has_pending_work(self) -> bool:
+        return bool(self.sending or self._send or self._recv or self._cancel)
+
+    # -------------------------------------------------------------- side channel
+
+    def publish(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        from kvpush.core.sidechannel import SideChannelServer
+        from kvpush.core.types import RankKey
+
+        payloads = {}
+        for (pp_rank, tp_rank), meta in metadata.items():
+            if not isinstance(meta, KvpushHandshakeMetadata):
+                raise ConfigError(
+                    f"worker (pp={pp_rank}, tp={tp_rank}) sent {type(meta).__name__} handshake metadata; "
+                    f"every worker must run KvpushConnector"
+                )
+            payloads[RankKey(pp_rank, tp_rank)] = meta.payload
+        if self.server is None:
+            settings = self.owner.settings
+            self.server = SideChannelServer(
+                self.owner.engine_id, settings.bind_host, settings.side_channel_port
+            )
+            logger.info("kvpush side channel of engine %s at %s", self.owner.engine_id, self.server.address)
+        self.server.publish_all(payloads)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+# ---------------------------------------------------------------------------- worker half
+
+
+class _WorkerSide:
+    """One worker's PushSender (P) or PushReceiver (D)."""
+
+    def __init__(self, owner: KvpushConnector, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
+        self.owner = owner
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.engine: Any = None
+        self.ratios: tuple[int, ...] = ()
+        self._inflight: dict[str, BlockIds] = {}
+        """D: requests added to the receiver and not reported yet (scheduler block ids)."""
+        self._load_errors: set[int] = set()
+        self._failed_now: dict[str, str] = {}
+        """D: requests the receiver refused to add (bad kv_transfer_params), failed next poll."""
+
+    def ranks(self) -> tuple[int, int]:
+        """``(pp_rank, tp_rank)`` of this worker."""
+        try:
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tp_group,
+                model_parallel_is_initialized,
+            )
+
+            if model_parallel_is_initialized():
+                return get_pp_group().rank_in_group, get_tp_group().rank_in_group
+        except ImportError:  # pragma: no cover - vLLM moved its parallel state
+            pass
+        parallel = self.vllm_config.parallel_config
+        tp = parallel.tensor_parallel_size
+        return (parallel.rank // tp) % parallel.pipeline_parallel_size, parallel.rank % tp
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        from vllm.distributed.utils import get_pp_indices
+
+        from kvpush.core.types import ModelSpec, ParallelConfig
+        from kvpush.core.worker import WorkerConfig
+        from kvpush.layouts.vllm import LAYOUT_NAME, group_ratios, layer_caches
+
+        caches = layer_caches(kv_caches, self.kv_cache_config)
+        if not caches:
+            raise ConfigError("register_kv_caches got no attention KV caches to transfer")
+        groups = getattr(self.kv_cache_config, "transfer_groups", self.kv_cache_config.kv_cache_groups)
+        self.ratios = group_ratios(caches, len(groups))
+        model_config = self.vllm_config.model_config
+        parallel_config = self.vllm_config.parallel_config
+        pp_rank, tp_rank = self.ranks()
+        num_layers = model_config.get_total_num_hidden_layers()
+        start, end = get_pp_indices(num_layers, pp_rank, parallel_config.pipeline_parallel_size)
+        parallel = ParallelConfig(
+            tp_size=parallel_config.tensor_parallel_size,
+            tp_rank=tp_rank,
+            pp_size=parallel_config.pipeline_parallel_size,
+            pp_rank=pp_rank,
+            num_layers=num_layers,
+            start_layer=start,
+            end_layer=end,
+        )
+        first = next(iter(caches.values()))
+        settings = self.owner.settings
+        model = ModelSpec(
+            name=settings.model_name or model_config.served_model_name or model_config.model,
+            num_layers=num_layers,
+            attention="mla" if model_config.use_mla else "mha",
+            num_kv_heads=1 if model_config.use_mla else model_config.get_total_num_kv_heads(),
+            head_dim=model_config.get_head_size(),
+            block_size=first.tensor.shape[2],
+            dtype=str(first.tensor.dtype).removeprefix("torch."),
+        )
+        device = first.tensor.device
+        config = WorkerConfig(
+            engine_id=self.owner.engine_id,
+            parallel=parallel,
+            model=model,
+            layout=LAYOUT_NAME,
+            transport=settings.transport,
+            transport_options=dict(settings.transport_options),
+            side_channel_host=settings.side_channel_host,
+            side_channel_port=settings.side_channel_port,
+            handshake_timeout_s=settings.handshake_timeout,
+            request_timeout_s=settings.push_registration_timeout,
+            lease_s=settings.kv_lease_duration,
+            staging_bytes=settings.staging_bytes,
+            cuda_device=device.index if device.type == "cuda" else None,
+        )
+        if self.owner.is_producer:
+            from kvpush.core.sender import PushSender
+
+            self.engine = PushSender(config, caches)
+        else:
+            from kvpush.core.receiver import PushReceiver
+
+            self.engine = PushReceiver(config, caches)
+        self.engine.start()
+        logger.info("kvpush rank (pp=%d, tp=%d) of engine %s started", pp_rank, tp_rank, config.engine_id)
+
+    def _started(self) -> Any:
+        if self.engine is None:
+            raise RuntimeError("KvpushConnector: register_kv_caches() has not run on this worker")
+        return self.engine
+
+    def handshake_metadata(self) -> KvpushHandshakeMetadata:
+        return KvpushHandshakeMetadata(payload=self._started().handshake_payload())
+
+    def kernel_ids(self, block_ids: BlockIds) -> BlockIds:
+        from kvpush.layouts.vllm import expand_block_ids
+
+        return expand_block_ids(block_ids, self.ratios)
+
+    def start(self, meta: KvpushConnectorMetadata) -> None:
+        engine = self._started()
+        if self.owner.is_producer:
+            for rid, item in meta.send.items():
+                engine.request_finished(rid, self.kernel_ids(item.block_ids), match_key=item.match_key)
+            return
+        for rid, item in meta.recv.items():
+            try:
+                engine.add_request_params(rid, self.kernel_ids(item.block_ids), item.kv_transfer_params)
+            except ConfigError as err:
+                logger.error("kvpush cannot receive request %s: %s", rid, err)
+                self._failed_now[rid] = str(err)
+            self._inflight[rid] = item.block_ids
+        for rid in meta.cancel:
+            if rid in self._inflight and rid not in self._failed_now:
+                engine.cancel(rid)
+
+    def results(self) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        if self.engine is None:
+            return out
+        if self.owner.is_producer:
+            sent = self.engine.get_finished()
+            out.finished_sending.update(sent.sent)
+            for rid, reason in sent.failed.items():
+                logger.warning("kvpush push of %s failed (its blocks are released): %s", rid, reason)
+                out.finished_sending.add(rid)
+            return out
+        got = self.engine.get_finished()
+        failed = dict(got.failed)
+        failed.update(self._failed_now)
+        self._failed_now.clear()
+        for rid in got.done:
+            if self._inflight.pop(rid, None) is not None:
+                out.finished_recving.add(rid)
+        for rid, reason in got.cancelled.items():
+            if self._inflight.pop(rid, None) is not None:
+                logger.info("kvpush receive of %s cancelled and settled: %s", rid, reason)
+                out.finished_recving.add(rid)
+        for rid, reason in failed.items():
+            blocks = self._inflight.pop(rid, None)
+            if blocks is None:
+                continue
+            logger.warning("kvpush receive of %s failed: %s", rid, reason)
+            out.finished_recving.add(rid)
+            out.failed_recving.add(rid)
+            if len(blocks) == 1:  # vLLM maps block-level errors to requests for one group only
+                self._load_errors.update(blocks[0])
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None

@@ -1,0 +1,115 @@
+"""Settings of kvpush's vLLM connector, read from ``kv_connector_extra_config``.
+
+Kept apart from :mod:`kvpush.engines.vllm` so it can be read and tested without vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from kvpush.core.errors import ConfigError
+
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+def base_request_id(request_id: str) -> str:
+    """vLLM's request id without the ``-<8 hex>`` suffix each engine appends to the client's id,
+    so a P request and its D request share it."""
+    return _RANDOM_SUFFIX.sub("", request_id)
+
+
+def match_key(request_id: str, kv_transfer_params: Mapping[str, Any] | None) -> str:
+    """The key both legs of one request agree on: the router's ``transfer_id``, else the base id."""
+    transfer_id = (kv_transfer_params or {}).get("transfer_id")
+    if transfer_id is not None and (not isinstance(transfer_id, str) or not transfer_id):
+        raise ConfigError(
+            f"kv_transfer_params['transfer_id'] must be a non-empty string, got {transfer_id!r}"
+        )
+    return transfer_id or base_request_id(request_id)
+
+
+@attrs.frozen(kw_only=True)
+class ConnectorSettings:
+    """Every ``kv_connector_extra_config`` key the connector reads (docs/vllm.md lists them)."""
+
+    side_channel_host: str = "127.0.0.1"
+    """Host this engine's side channel is reached at (put in P's kv_transfer_params and in D's
+    PUSH_REG). Default: ``$VLLM_NIXL_SIDE_CHANNEL_HOST`` if set, else 127.0.0.1."""
+    side_channel_bind_host: str | None = None
+    """Interface the side channel binds (e.g. 0.0.0.0); default: ``side_channel_host``."""
+    side_channel_port: int = 5600
+    """Side-channel port; default ``$VLLM_NIXL_SIDE_CHANNEL_PORT`` (5600) + data-parallel index."""
+    transport: str = "nixl"
+    transport_options: dict[str, Any] = attrs.field(factory=dict)
+    kv_lease_duration: float = 30.0
+    """P: seconds finished blocks wait for D's registration before they are released."""
+    push_registration_timeout: float = 120.0
+    """D: seconds a registered request may wait for its KV before it fails."""
+    handshake_timeout: float = 5.0
+    staging_bytes: int = 64 << 20
+    """Registered staging area for packed transfers; 0 disables packing."""
+    model_name: str | None = None
+    """Name both engines hash into the compatibility check; default: vLLM's served model name."""
+
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, data_parallel_index: int = 0
+    ) -> ConnectorSettings:
+        """Validate ``kv_connector_extra_config``; an unknown key or a bad value names the key."""
+        extra = dict(extra or {})
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config has unknown key(s) {unknown}; kvpush's connector reads "
+                f"{sorted(known)} (docs/vllm.md)"
+            )
+        values: dict[str, Any] = {
+            "side_channel_host": os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "127.0.0.1",
+            "side_channel_port": int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+            + data_parallel_index,
+        }
+        values.update(extra)
+        checks: dict[str, tuple[type | tuple[type, ...], bool]] = {
+            "side_channel_host": (str, False),
+            "side_channel_bind_host": (str, True),
+            "side_channel_port": (int, False),
+            "transport": (str, False),
+            "transport_options": (dict, False),
+            "kv_lease_duration": ((int, float), False),
+            "push_registration_timeout": ((int, float), False),
+            "handshake_timeout": ((int, float), False),
+            "staging_bytes": (int, False),
+            "model_name": (str, True),
+        }
+        for name, (kind, optional) in checks.items():
+            value = values.get(name)
+            if value is None and (optional or name not in values):
+                continue
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise ConfigError(
+                    f"kv_connector_extra_config[{name!r}] must be {getattr(kind, '__name__', 'a number')}, "
+                    f"got {value!r}"
+                )
+        for name in ("kv_lease_duration", "push_registration_timeout", "handshake_timeout"):
+            if name in values and values[name] <= 0:
+                raise ConfigError(
+                    f"kv_connector_extra_config[{name!r}] must be > 0 seconds, got {values[name]}"
+                )
+        if not 0 < values["side_channel_port"] < 65536:
+            raise ConfigError(
+                f"kv_connector_extra_config['side_channel_port'] must be a TCP port (1-65535), "
+                f"got {values['side_channel_port']}"
+            )
+        if values.get("staging_bytes", 0) < 0:
+            raise ConfigError("kv_connector_extra_config['staging_bytes'] must be >= 0 (0 disables packing)")
+        return cls(**values)
+
+    @property
+    def bind_host(self) -> str:
+        return self.side_channel_bind_host or self.side_channel_host

@@ -1,0 +1,260 @@
+"""The ``vllm`` layout: KV regions from vLLM's per-layer cache views and its ``KVCacheConfig``.
+
+vLLM (0.33) allocates one backing buffer and hands every attention layer a 4-D view
+``[kernel_blocks, heads, tokens, content]`` (RFC #42082; K and V are packed into the content
+dim, an MLA latent is one head). The physical order inside a block follows the KV cache layout:
+``HND``/``LBHNC`` keeps heads outermost (a head slice is one byte range: ``heads_outer``),
+``NHD``/``LBNHC`` keeps tokens outermost (one range per token: ``tokens_outer``). Layouts that
+split a block across the buffer (``LHBNC``) cannot be transferred per block and are refused.
+
+What this module turns into regions (one per layer and KV-cache group):
+
+- **MHA/GQA**: one ``KV`` region per layer, split by heads across TP.
+- **MLA**: one ``latent`` region per layer, replicated on every TP rank.
+- **HMA** (full + sliding-window groups): each layer's region carries its group and attention
+  kind; groups overlay the same bytes in vLLM, so NIXL registers each span once (the transport
+  merges touching spans) while descriptors address blocks through each group's own view.
+- **Logical vs kernel blocks**: a view's blocks are *kernel* blocks (an attention backend may
+  split a scheduler block of 64 tokens into 4 of 16); regions are per kernel block so head
+  slices stay contiguous, and block ids are expanded with :func:`expand_block_ids`.
+- **Layers sharing one tensor** (cross-layer KV sharing): one region whose ``layer_names``
+  lists every layer, registered and transferred once.
+
+Regions are matched by meaning (layer names, group, component), like the ``hma`` layout, so a
+PP prefill stage pairs with a non-PP decoder whatever the group interleaving. Nothing here
+imports vLLM: the engine glue (:mod:`kvpush.engines.vllm`) builds the mapping with
+:func:`layer_caches`, which reads ``KVCacheConfig`` by attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kvpush.core.errors import ConfigError
+from kvpush.core.markers import hookimpl
+from kvpush.core.types import (
+    AgentMetadata,
+    KVRegion,
+    LayoutProvider,
+    ModelSpec,
+    ParallelConfig,
+    RegionAlignment,
+)
+from kvpush.layouts.hma import semantic_alignment
+from kvpush.layouts.uniform import natural_key
+
+LAYOUT_NAME = "vllm"
+MATCHING_KEY = "region_matching"
+SEMANTIC = "semantic"
+
+
+@attrs.frozen(kw_only=True)
+class VllmLayerCache:
+    """One layer's KV cache view with what ``KVCacheConfig`` says about it."""
+
+    tensor: Any
+    """vLLM's 4-D view ``[kernel_blocks, heads, tokens, content]`` of this layer."""
+    group: int
+    """Index of the layer's KV-cache group in ``KVCacheConfig.kv_cache_groups``."""
+    attention_kind: str = "full"
+    """``full`` or ``sliding_window``."""
+    mla: bool = False
+    blocks_per_logical: int = 1
+    """Kernel blocks per scheduler (logical) block of the layer's group."""
+
+
+def _spec_kind(spec: Any) -> tuple[str, bool]:
+    """``(attention_kind, is_mla)`` of a vLLM ``KVCacheSpec``, read by class name."""
+    names = {cls.__name__ for cls in type(spec).__mro__}
+    if "MambaSpec" in names:
+        raise ConfigError(
+            "the vllm layout transfers attention KV only; Mamba/SSM state groups are not supported "
+            "(serve the model without kv_transfer_config, or use vLLM's NixlPushConnector)"
+        )
+    if "AttentionSpec" not in names:
+        raise ConfigError(f"KV cache spec {type(spec).__name__} is not an attention spec; cannot transfer it")
+    kind = "sliding_window" if "SlidingWindowSpec" in names else "full"
+    return kind, any("MLA" in name for name in names)
+
+
+def layer_caches(
+    kv_caches: Mapping[str, Any],
+    kv_cache_config: Any,
+    kernel_block_sizes: Sequence[int] | None = None,
+) -> dict[str, VllmLayerCache]:
+    """This layout's ``kv_caches`` from vLLM's ``register_kv_caches`` argument and ``KVCacheConfig``.
+
+    ``kernel_block_sizes[g]`` is the attention kernel's block size of group ``g``; by default it
+    is inferred from each view's token dim. Groups are numbered as vLLM exchanges block ids: over
+    ``KVCacheConfig.transfer_groups``; layers of other groups are left out.
+    """
+    every = list(kv_cache_config.kv_cache_groups)
+    # Only groups that take part in KV transfer (vLLM >= 0.33); block ids are indexed by them.
+    groups = list(getattr(kv_cache_config, "transfer_groups", every))
+    out: dict[str, VllmLayerCache] = {}
+    for gid, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        for name in group.layer_names:
+            if name not in kv_caches:
+                continue  # a layer of another PP stage
+            layer_spec = inner[name] if inner else spec
+            kind, mla = _spec_kind(layer_spec)
+            tensor = kv_caches[name]
+            if tensor.dim() != 4:
+                raise ConfigError(
+                    f"vLLM KV cache of layer {name!r} has shape {tuple(tensor.shape)}; the vllm layout "
+                    f"needs vLLM >= 0.33's 4-D [blocks, heads, tokens, content] views"
+                )
+            kernel = kernel_block_sizes[gid] if kernel_block_sizes else tensor.shape[2]
+            if layer_spec.block_size % kernel:
+                raise ConfigError(
+                    f"kernel block size {kernel} of group {gid} does not divide its block size "
+                    f"{layer_spec.block_size}"
+                )
+            out[name] = VllmLayerCache(
+                tensor=tensor,
+                group=gid,
+                attention_kind=kind,
+                mla=mla,
+                blocks_per_logical=layer_spec.block_size // kernel,
+            )
+    known = {name for group in every for name in group.layer_names}
+    missing = sorted(set(kv_caches) - known)
+    if missing:
+        raise ConfigError(
+            f"KV caches {missing[:4]} belong to no group of the KVCacheConfig; pass the config the "
+            f"caches were allocated from"
+        )
+    return out
+
+
+def expand_block_ids(
+    block_ids: Sequence[Sequence[int]], ratios: Sequence[int]
+) -> tuple[tuple[int, ...], ...]:
+    """Scheduler block ids to kernel block ids, per group (``b`` -> ``b*r .. b*r+r-1``)."""
+    if len(ratios) < len(block_ids):
+        raise ConfigError(f"block ids for {len(block_ids)} groups, kernel ratios for {len(ratios)}")
+    return tuple(
+        tuple(ids) if r == 1 else tuple(b * r + i for b in ids for i in range(r))
+        for ids, r in zip(block_ids, ratios)
+    )
+
+
+def group_ratios(caches: Mapping[str, VllmLayerCache], num_groups: int) -> tuple[int, ...]:
+    """Kernel blocks per scheduler block of each group (1 for a group this rank has no layer of)."""
+    ratios = [1] * num_groups
+    for cache in caches.values():
+        ratios[cache.group] = cache.blocks_per_logical
+    return tuple(ratios)
+
+
+def _block_order(tensor: Any, name: str) -> tuple[str, int]:
+    """``(block_order, block_tokens)`` of a ``[B, H, N, C]`` view, from its strides."""
+    block = tensor[0]
+    if block.is_contiguous():
+        return "heads_outer", 0
+    if block.permute(1, 0, 2).is_contiguous():
+        return "tokens_outer", tensor.shape[2]
+    raise ConfigError(
+        f"a block of layer {name!r} is not one contiguous span (strides {tuple(tensor.stride())}); "
+        f"serve with the HND KV cache layout (the connector asks for it; do not override "
+        f"VLLM_KV_CACHE_LAYOUT)"
+    )
+
+
+def describe_vllm(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec) -> list[KVRegion]:
+    """One region per layer (and group) this rank holds, in natural layer-name order."""
+    bad = [name for name, value in kv_caches.items() if not isinstance(value, VllmLayerCache)]
+    if bad:
+        raise ConfigError(
+            f"the vllm layout needs VllmLayerCache values (got {type(kv_caches[bad[0]]).__name__} for "
+            f"{bad[0]!r}); build them with kvpush.layouts.vllm.layer_caches(kv_caches, kv_cache_config)"
+        )
+    merged: dict[tuple[int, int, int], list[str]] = {}
+    first: dict[tuple[int, int, int], VllmLayerCache] = {}
+    for name in sorted(kv_caches, key=natural_key):
+        cache = kv_caches[name]
+        key = (cache.tensor.data_ptr(), cache.tensor.stride(0), cache.group)
+        merged.setdefault(key, []).append(name)
+        first.setdefault(key, cache)
+    regions = []
+    for key, names in merged.items():
+        cache = first[key]
+        tensor = cache.tensor
+        blocks, heads = tensor.shape[:2]
+        if cache.mla != (model.attention == "mla"):
+            raise ConfigError(
+                f"layer {names[0]!r} is {'an MLA' if cache.mla else 'a non-MLA'} layer but the model "
+                f"spec says attention={model.attention!r}"
+            )
+        if not cache.mla and heads * parallel.tp_size != model.num_kv_heads:
+            raise ConfigError(
+                f"layer {names[0]!r} holds {heads} KV heads on each of {parallel.tp_size} TP ranks but "
+                f"the model has {model.num_kv_heads}; replicated KV heads (TP > KV heads) are not supported"
+            )
+        order, block_tokens = _block_order(tensor, names[0])
+        element = tensor.element_size()
+        regions.append(
+            KVRegion(
+                base_addr=tensor.data_ptr(),
+                block_len=tensor[0].numel() * element,
+                block_stride=tensor.stride(0) * element,
+                num_blocks=blocks,
+                mem_type="VRAM" if tensor.is_cuda else "DRAM",
+                device_id=(tensor.device.index or 0) if tensor.is_cuda else 0,
+                layer_names=tuple(names),
+                kv_group=cache.group,
+                component="latent" if cache.mla else "KV",
+                replicate=cache.mla,
+                attention_kind=cache.attention_kind,
+                num_heads=1 if cache.mla else heads,
+                block_order=order,
+                block_tokens=block_tokens,
+            )
+        )
+    if not regions:
+        raise ConfigError(f"rank {parallel.rank} got no KV caches to register")
+    return regions
+
+
+@hookimpl
+def kvpush_layouts() -> list[LayoutProvider]:
+    return [
+        LayoutProvider(
+            name=LAYOUT_NAME,
+            describe_regions=describe_vllm,
+            description=(
+                "vLLM >= 0.33 per-layer [blocks, heads, tokens, content] views (HND or NHD), MHA/GQA, "
+                "MLA and hybrid groups; kernel-block regions matched by layer name, group and component"
+            ),
+        )
+    ]
+
+
+@hookimpl
+def kvpush_metadata_extensions(local: AgentMetadata) -> dict[str, Any] | None:
+    if local.layout != LAYOUT_NAME:
+        return None
+    return {MATCHING_KEY: SEMANTIC}
+
+
+@hookimpl
+def kvpush_validate_peer(local: AgentMetadata, peer: AgentMetadata) -> list[str]:
+    if local.layout != LAYOUT_NAME or peer.layout == LAYOUT_NAME:
+        return []
+    return [
+        f"this rank uses the vllm layout but the peer uses {peer.layout!r}; both engines must run "
+        f"kvpush's vLLM connector (kvpush.engines.vllm)"
+    ]
+
+
+@hookimpl
+def kvpush_align_regions(local: AgentMetadata, peer: AgentMetadata) -> RegionAlignment | None:
+    if local.layout != LAYOUT_NAME:
+        return None
+    alignment = semantic_alignment(local, peer)
+    return attrs.evolve(alignment, source=LAYOUT_NAME)
