@@ -49,7 +49,6 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "hma": "kvpush.layouts.hma",
     "token_major": "kvpush.layouts.token_major",
     "vllm": "kvpush.layouts.vllm",
-    "vllm": "kvpush.layouts.vllm",
 }
 """Short name → module of every built-in plugin, registered like any third-party plugin."""
 
