@@ -26,7 +26,9 @@ from kvpush.core.errors import ConfigError
 PIECE_BYTES = 1 << 20
 """Spans longer than this are cut into pieces of this size (grid axis 1 stays <= 16 K)."""
 MAX_BLOCK = 1024
-"""Elements one program copies (8 KiB of int64)."""
+"""Elements one program of the general kernel copies (8 KiB of int64)."""
+ALIGNED_BLOCK = 2048
+"""int64 elements one program of the aligned kernel copies (16 KiB)."""
 
 _KERNEL: Any = None
 triton: Any = None
@@ -66,8 +68,38 @@ def _kernel() -> Any:
                 values = tl.load(src + offs, mask=mask)
                 tl.store(dst + offs, values, mask=mask)
 
-            _KERNEL = copy_spans_kernel
+            @triton.jit
+            def copy_aligned_kernel(
+                base, table, n, LEN: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr
+            ):
+                # table: span starts in 16-byte units from ``base`` (an int64 pointer), so
+                # ``start * 2`` is known to be 16-byte aligned and loads vectorise to 16 bytes.
+                i = tl.program_id(0)
+                c = tl.program_id(1)
+                src = base + tl.load(table + i) * 2
+                dst = base + tl.load(table + n + i) * 2
+                offs = c * BLOCK + tl.arange(0, BLOCK)
+                if MASK:
+                    mask = offs < LEN
+                    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+                else:
+                    tl.store(dst + offs, tl.load(src + offs))
+
+            _KERNEL = (copy_spans_kernel, copy_aligned_kernel)
     return _KERNEL
+
+
+class _Address:
+    """A raw device address passed to Triton as an int64 pointer argument."""
+
+    def __init__(self, addr: int) -> None:
+        import torch
+
+        self.addr = addr
+        self.dtype = torch.int64
+
+    def data_ptr(self) -> int:
+        return self.addr
 
 
 def widest(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> int:
@@ -136,7 +168,9 @@ class SpanCopier:
         self._host = torch.empty(0, dtype=torch.int64).pin_memory()
         self._table = torch.empty(0, dtype=torch.int64, device=self.device)
         self._uploaded: Any = None  # event: the last table upload finished reading ``_host``
+        self._timing: tuple[Any, Any] | None = None
         self.launches = 0
+        self.aligned_launches = 0
 
     def _buffers(self, words: int) -> tuple[Any, Any]:
         import torch
@@ -147,7 +181,7 @@ class SpanCopier:
             self._table = torch.empty(size, dtype=torch.int64, device=self.device)
         return self._host, self._table
 
-    def launch(self, src: Any, dst: Any, lengths: Any, *, after: Any = None) -> Any:
+    def launch(self, src: Any, dst: Any, lengths: Any, *, after: Any = None, timed: bool = False) -> Any:
         """Enqueue the copy; returns a ``torch.cuda.Event`` recorded after it (None if empty).
 
         The copier's stream first waits for ``after`` (a stream; default: the device's current
@@ -162,35 +196,73 @@ class SpanCopier:
         if not len(n):
             return None
         s, d, n = split_long(s, d, n)
-        width = widest(s, d, n)
-        elems = n // width
         count = len(n)
+        first = int(n[0])
+        aligned = first % 16 == 0 and not ((s | d) & 15).any()
+        aligned = aligned and bool((n == first).all()) and first // 8 <= 65535 * ALIGNED_BLOCK
         host, table = self._buffers(3 * count)
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous upload has finished reading ``host``
         view = host[: 3 * count].numpy()
-        view[:count], view[count : 2 * count], view[2 * count :] = s, d, elems
+        if aligned:  # one length, 16-byte aligned: starts in 16-byte units from the lowest
+            base = int(min(s.min(), d.min()))
+            words = 2 * count
+            view[:count], view[count:words] = (s - base) >> 4, (d - base) >> 4
+            elems = first // 8
+            block = min(ALIGNED_BLOCK, 1 << max(0, (elems - 1).bit_length()))
+            grid: tuple[int, int] = (count, -(-elems // block))
+        else:
+            width = widest(s, d, n)
+            words = 3 * count
+            view[:count], view[count : 2 * count], view[2 * count :] = s, d, n // width
+            longest = int(n.max()) // width
+            block = min(MAX_BLOCK, 1 << max(0, (longest - 1).bit_length()))
+            grid = (count, -(-longest // block))
         stream = self.stream
         waited = after if after is not None else torch.cuda.current_stream(self.device)
         stream.wait_stream(waited)
-        longest = int(elems.max())
-        block = min(MAX_BLOCK, 1 << max(0, (longest - 1).bit_length()))
-        grid = (count, -(-longest // block))
+        plain, fast = _kernel()
         with torch.cuda.stream(stream):
-            table[: 3 * count].copy_(host[: 3 * count], non_blocking=True)
+            start = None
+            if timed:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+            table[:words].copy_(host[:words], non_blocking=True)
             uploaded = torch.cuda.Event()
             uploaded.record(stream)
-            _kernel()[grid](table, count, WIDTH=width, BLOCK=block, num_warps=4 if block >= 512 else 2)
-            done = torch.cuda.Event()
+            warps = max(1, min(8, block // 256))
+            if aligned:
+                fast[grid](
+                    _Address(base),
+                    table,
+                    count,
+                    LEN=elems,
+                    BLOCK=block,
+                    MASK=elems % block != 0,
+                    num_warps=warps,
+                )
+            else:
+                plain[grid](table, count, WIDTH=width, BLOCK=block, num_warps=warps)
+            done = torch.cuda.Event(enable_timing=timed)
             done.record(stream)
         self._uploaded = uploaded
+        self._timing = (start, done) if timed else None
         self.launches += 1
+        self.aligned_launches += int(aligned)
         return done
 
-    def copy(self, src: Any, dst: Any, lengths: Any, *, after: Any = None) -> int:
+    def gpu_ms(self) -> float | None:
+        """Device time of the last ``timed`` launch (table upload and kernel), once it finished."""
+        if self._timing is None:
+            return None
+        start, done = self._timing
+        done.synchronize()
+        return float(start.elapsed_time(done))
+
+    def copy(self, src: Any, dst: Any, lengths: Any, *, after: Any = None, timed: bool = False) -> int:
         """Copy and wait for the copy's event; returns the bytes copied."""
         _, _, n = as_spans(src, dst, lengths)
-        event = self.launch(src, dst, lengths, after=after)
+        event = self.launch(src, dst, lengths, after=after, timed=timed)
         if event is not None:
             event.synchronize()
         return int(n.sum())

@@ -23,6 +23,8 @@ pipe hop), with D waiting for the data the way each method needs:
 - ``ceiling`` (GPU): the same one-kernel copy of P's scattered blocks into scattered blocks of
   a second KV allocation on D's device, in P's process (peer access, no IPC, no host protocol):
   what one launch can do;
+  ``ceiling_kernel`` is the same copy's device time alone (CUDA events around the
+  descriptor upload and the kernel);
 - ``copy``: one gather of the same blocks into a buffer, in P's process (the memory
   bandwidth the bytes would need without any transfer).
 
@@ -362,6 +364,7 @@ class BenchPair:
             self.packer = Packer(self.regions)
             self.copy_buffer = torch.zeros(spec.staging_bytes or 1, dtype=torch.uint8, device=spec.device)
             self.ceiling_regions: Any = None
+            self.ceiling_gpu_s = 0.0
             if spec.device.startswith("cuda") and spec.transport == "nixl":
                 self._start_ceiling(config)
         except BaseException:
@@ -490,8 +493,10 @@ class BenchPair:
 
             def ceiling() -> float:
                 start = time.perf_counter()
-                copier.copy(src, dst, lengths)
-                return time.perf_counter() - start
+                copier.copy(src, dst, lengths, timed=True)
+                elapsed = time.perf_counter() - start
+                self.ceiling_gpu_s = (copier.gpu_ms() or 0.0) / 1e3
+                return elapsed
 
             return ceiling
         if method == "copy":
@@ -511,7 +516,7 @@ class BenchPair:
         rid = f"{method}-{next(self._ids)}"
         key = f"x-{rid}"
         self._call(("add", rid, d_ids, {**self.params, "transfer_id": key, "remote_request_id": rid}))
-        self._until(lambda: self.sender.call_on_writer(lambda: key in self.sender._registrations), "PUSH_REG")
+        self._until(self._registration_stashed, "PUSH_REG")
         self.force.name = "direct" if method == "cuda_ipc" else method
         self.conn.send(("wait", rid, timeout))
 
@@ -524,6 +529,11 @@ class BenchPair:
             return elapsed
 
         return push
+
+    def _registration_stashed(self) -> bool:
+        """D's PUSH_REG reached P's core (one request at a time: one stashed registration)."""
+        core = self.sender.core
+        return core is not None and core.state_sizes()["stashed"] >= 1
 
     def settle(self) -> None:
         """Wait (bounded) until P reported the last push sent (its staging is free again)."""
@@ -719,6 +729,8 @@ def sweep(
                                     packing.VRAM_CHUNK_BYTES = saved
                             else:
                                 got.setdefault(method, []).append(pair.run(method, p_ids, d_ids))
+                            if method == "ceiling":  # its device time alone (upload + kernel)
+                                got.setdefault("ceiling_kernel", []).append(pair.ceiling_gpu_s)
                     key = (blocks, pattern)
                     loads[key] = max(loads.get(key, 0.0), foreign_cores(since, pair.pids))
                     picks[key][transport] = pair.default_strategy(p_ids, d_ids)
@@ -733,7 +745,7 @@ def sweep(
                 "bytes": 2 * n_layers * size * blocks,
                 "descriptors": 2 * n_layers * blocks,
             }
-            for method in (*METHODS, "packed_pipe"):
+            for method in (*METHODS, "packed_pipe", "ceiling_kernel"):
                 med = statistics.median(times[key][method]) if times[key].get(method) else None
                 row[f"{method}_gbps"] = row["bytes"] / med / 1e9 if med else None
                 row[f"{method}_ms"] = med * 1e3 if med else None
@@ -778,6 +790,7 @@ COLUMNS = (
     ("pipe", "packed_pipe_gbps"),
     ("ipc", "cuda_ipc_gbps"),
     ("ceil", "ceiling_gbps"),
+    ("ceilK", "ceiling_kernel_gbps"),
     ("copy", "copy_gbps"),
 )
 HEADER = (

@@ -123,7 +123,10 @@ def test_triton_copy_is_byte_exact(shift: int) -> None:
     lengths = np.full(300, 4096 - (8 if shift else 0)) + (rng.integers(0, 2, 300) * 3 * bool(shift))
     dst_starts = np.arange(300) * 8192 + shift
     copier = kernels.copier_for("cuda")
-    copier.copy(source.data_ptr() + starts, target.data_ptr() + dst_starts, lengths)
+    aligned = copier.aligned_launches
+    copier.copy(source.data_ptr() + starts, target.data_ptr() + dst_starts, lengths, timed=True)
+    assert copier.gpu_ms() is not None
+    assert copier.aligned_launches == aligned + (shift == 0)  # 16-byte aligned, one length
     host_s, host_t = source.cpu(), target.cpu()
     for s, d, n in zip(starts, dst_starts, lengths):
         assert torch.equal(host_t[d : d + n], host_s[s : s + n])

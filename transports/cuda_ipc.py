@@ -95,7 +95,7 @@ def decode_blob(blob: bytes) -> tuple[bytes, dict[str, Any] | None]:
 
 
 class _Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # not c_char: that reads as bytes cut at a NUL
 
 
 class Driver:
@@ -142,8 +142,10 @@ class Driver:
         return bytes(handle.reserved)
 
     def open(self, handle: bytes) -> int:
+        if len(handle) != 64:
+            raise TransferError(f"cuda_ipc: a peer IPC handle has {len(handle)} bytes, not 64")
         raw = _Handle()
-        raw.reserved = handle
+        ctypes.memmove(ctypes.addressof(raw), handle, 64)
         ptr = ctypes.c_uint64()
         status = self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw, ctypes.c_uint(1))  # lazy peer access
         self._check(status, "cuIpcOpenMemHandle")
