@@ -521,14 +521,14 @@ def _fmt(value: Any, spec: str) -> str:
 
 def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
     header = (
-        f"{'layout':<7}{'P':>8}{'D':>5}{'reqs':>6}{'verified':>10}{'MiB':>9}"
+        f"{'layout':<{width}}{'P':>8}{'D':>5}{'reqs':>6}{'verified':>10}{'MiB':>9}"
         f"{'hs full ms':>12}{'hs notif ms':>13}{'p50 ms':>9}{'p99 ms':>9}{'GB/s':>8}"
     )
     print(header, file=out)
     print("-" * len(header), file=out)
     for row in rows:
         print(
-            f"{row['layout']:<7}{'PP' + str(row['prefill_pp']) + 'xTP' + str(row['prefill_tp']):>8}"
+            f"{row['layout']:<{width}}{'PP' + str(row['prefill_pp']) + 'xTP' + str(row['prefill_tp']):>8}"
             f"{'TP' + str(row['decode_tp']):>5}{row['requests']:>6}{row['verified_requests']:>10}"
             f"{row['bytes'] / 2**20:>9.1f}{_fmt(row['handshake_ms_full'], '.1f'):>12}"
             f"{_fmt(row['handshake_ms_notif_only'], '.1f'):>13}{_fmt(row['latency_ms_p50'], '.1f'):>9}"
@@ -545,6 +545,7 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-pp", type=int, default=2, help="P pipeline stages (default 2)")
+    width = max([7, *(len(row["layout"]) + 1 for row in rows)])  # layout names of plugins are longer
     parser.add_argument("--prefill-tp", type=int, default=1, help="P TP ranks per stage (default 1)")
     parser.add_argument("--decode-tp", type=int, default=2, help="D TP ranks (default 2)")
     parser.add_argument(
