@@ -520,6 +520,7 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
+    width = max([7, *(len(row["layout"]) + 1 for row in rows)])  # layout names of plugins are longer
     header = (
         f"{'layout':<{width}}{'P':>8}{'D':>5}{'reqs':>6}{'verified':>10}{'MiB':>9}"
         f"{'hs full ms':>12}{'hs notif ms':>13}{'p50 ms':>9}{'p99 ms':>9}{'GB/s':>8}"
@@ -545,7 +546,6 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-pp", type=int, default=2, help="P pipeline stages (default 2)")
-    width = max([7, *(len(row["layout"]) + 1 for row in rows)])  # layout names of plugins are longer
     parser.add_argument("--prefill-tp", type=int, default=1, help="P TP ranks per stage (default 1)")
     parser.add_argument("--decode-tp", type=int, default=2, help="D TP ranks (default 2)")
     parser.add_argument(
