@@ -14,6 +14,7 @@ entry ``n`` of the local ids pairs with entry ``n`` of the remote ids.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,14 +23,22 @@ from kvpush.core.errors import ConfigError
 from kvpush.core.types import BlockIds, KVRegion
 
 
-def region_descriptors(regions: Sequence[KVRegion], part: tuple[int, int] = (0, 1)) -> np.ndarray:
+def region_descriptors(
+    regions: Sequence[KVRegion], part: tuple[int, int] = (0, 1), *, per_token: bool = True
+) -> np.ndarray:
     """Nx3 uint64 ``(addr, len, device)`` for every row of every block of every region.
 
     ``part = (index, count)`` selects head slice ``index`` of ``count`` equal slices of each
     block (heterogeneous TP): one byte range (``heads_outer``), or one per token
-    (``tokens_outer``, see the module docstring).
+    (``tokens_outer``, see the module docstring). ``per_token=False`` keeps whole
+    ``tokens_outer`` blocks as one descriptor: only for lists no sliced transfer pairs with
+    (equal TP), and with the same flag to :func:`descriptor_ids`.
     """
-    rows = [slice_rows(r, part, per_token=True) for r in regions]
+    if not per_token and part[1] > 1 and any(token_rows(r) > 1 for r in regions):
+        raise ConfigError(
+            f"part {part} of a tokens_outer block is a descriptor per token; use per_token=True"
+        )
+    rows = [slice_rows(r, part, per_token=per_token) for r in regions]
     out = np.empty((sum(r.num_blocks * s.rows for r, s in zip(regions, rows)), 3), dtype=np.uint64)
     start = 0
     for region, cut in zip(regions, rows):
@@ -43,24 +52,32 @@ def region_descriptors(regions: Sequence[KVRegion], part: tuple[int, int] = (0, 
     return out
 
 
-def region_offsets(regions: Sequence[KVRegion]) -> np.ndarray:
+def _rows(region: KVRegion, per_token: bool) -> int:
+    return token_rows(region) if per_token else 1
+
+
+def region_offsets(regions: Sequence[KVRegion], *, per_token: bool = True) -> np.ndarray:
     """Descriptor id of each region's first row (the running sum of ``num_blocks x rows``)."""
-    counts = np.fromiter((r.num_blocks * token_rows(r) for r in regions), dtype=np.int64, count=len(regions))
+    rows = (r.num_blocks * _rows(r, per_token) for r in regions)
+    counts = np.fromiter(rows, dtype=np.int64, count=len(regions))
     return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
 
 
-def descriptor_ids(regions: Sequence[KVRegion], groups: Sequence[int], block_ids: BlockIds) -> np.ndarray:
-    """int32 descriptor ids of ``block_ids`` in every region (``groups[i]`` is region i's group).
+def descriptor_ids(
+    regions: Sequence[KVRegion], groups: Sequence[int], block_ids: BlockIds, *, per_token: bool = True
+) -> np.ndarray:
+    """int32 descriptor ids of ``block_ids`` in every region (``groups[i]`` is region i's group),
+    in lists built by :func:`region_descriptors` with the same ``per_token``.
 
     Raises ``ConfigError`` for a block id beyond a region's capacity.
     """
-    offsets, capacities, offsets32 = _region_table(regions)
+    offsets, capacities, offsets32 = _region_table(regions, per_token)
     top = max(groups, default=-1)
     if top >= len(block_ids):
         raise ConfigError(
             f"regions use KV-cache group {top} but block ids were given for {len(block_ids)} group(s)"
         )
-    rows = [token_rows(r) for r in regions]
+    rows = [_rows(r, per_token) for r in regions]
     if len(set(groups)) == 1 and set(rows) == {1}:  # common case: one broadcast, int32 throughout
         ids = np.asarray(block_ids[groups[0]], dtype=np.int64)
         _check_capacity(ids, capacities.min(initial=np.iinfo(np.int64).max), groups[0])
@@ -78,23 +95,22 @@ def descriptor_ids(regions: Sequence[KVRegion], groups: Sequence[int], block_ids
     return out.astype(np.int32)
 
 
-_TABLES: dict[tuple[int, ...], tuple[tuple[KVRegion, ...], np.ndarray, np.ndarray, np.ndarray]] = {}
+_TABLES: dict[tuple[Any, ...], tuple[tuple[KVRegion, ...], np.ndarray, np.ndarray, np.ndarray]] = {}
 _TABLES_MAX = 256
 
 
-def _region_table(regions: Sequence[KVRegion]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _region_table(regions: Sequence[KVRegion], per_token: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(offsets, capacities, offsets as int32)`` of a region list, cached per list of region
     objects (a per-request call otherwise rebuilds them: ~25 µs for 32 regions)."""
-    key = tuple(map(id, regions))
+    key = (per_token, *map(id, regions))
     hit = _TABLES.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], regions)):
         return hit[1], hit[2], hit[3]
-    offsets = region_offsets(regions)
+    offsets = region_offsets(regions, per_token=per_token)
     capacities = np.fromiter((r.num_blocks for r in regions), dtype=np.int64, count=len(regions))
-    if len(offsets) and int(offsets[-1] + capacities[-1] * token_rows(regions[-1])) > np.iinfo(np.int32).max:
-        raise ConfigError(
-            f"{int(offsets[-1] + capacities[-1] * token_rows(regions[-1]))} descriptors do not fit int32 ids"
-        )
+    last = int(offsets[-1] + capacities[-1] * _rows(regions[-1], per_token)) if len(offsets) else 0
+    if last > np.iinfo(np.int32).max:
+        raise ConfigError(f"{last} descriptors do not fit int32 ids")
     if len(_TABLES) >= _TABLES_MAX:
         _TABLES.clear()
     _TABLES[key] = (tuple(regions), offsets, capacities, offsets.astype(np.int32))

@@ -120,6 +120,27 @@ def test_descriptor_ids_are_region_block_token_major() -> None:
     assert len(region_descriptors(regions, (1, 2))) == len(regions) * 8 * t
 
 
+def test_whole_block_lists_for_equal_tp() -> None:
+    """``per_token=False``: one descriptor per tokens_outer block (equal TP needs no cut)."""
+    (src, rs), (dst, rd) = nhd(2, 1), nhd(2, 1)
+    for tensor in dst.values():
+        tensor.zero_()
+    groups = [0] * len(rs)
+    local = region_descriptors(rs, per_token=False)
+    assert len(local) == len(rs) * 16 and set(local[:, 1].tolist()) == {rs[0].block_len}
+    ids_p, ids_d = ((4, 9),), ((12, 0),)
+    copy_descriptors(
+        local,
+        descriptor_ids(rs, groups, ids_p, per_token=False),
+        region_descriptors(rd, per_token=False),
+        descriptor_ids(rd, groups, ids_d, per_token=False),
+    )
+    for name in src:
+        assert torch.equal(kv_bytes(dst[name])[[12, 0]], kv_bytes(src[name])[[4, 9]])
+    with pytest.raises(ConfigError, match="a descriptor per token; use per_token=True"):
+        region_descriptors(rs, (1, 2), per_token=False)
+
+
 def test_packed_rows_gather_and_scatter_head_slices() -> None:
     """P TP1 -> D TP2 packed: P gathers its (s, 2) token slices, D rank s scatters whole blocks."""
     src, rs = nhd(1)
