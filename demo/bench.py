@@ -351,6 +351,9 @@ class BenchPair:
             self._fill()
             self.sender = PushSender(config, self.caches, pm=self.pm)
             self.sender.start()
+            self.trace: dict[str, float] = {}
+            self.traces: dict[str, list[list[float]]] = {}
+            self._instrument(self.sender.transport)
             assert self.sender.metadata is not None
             self.regions = self.sender.metadata.regions
             self.p_server.publish(RankKey(0, 0), self.sender.handshake_payload())
@@ -378,6 +381,25 @@ class BenchPair:
             "remote_host": "127.0.0.1",
             "remote_port": self.p_server.port,
         }
+
+    def _instrument(self, transport: Any) -> None:
+        """Time P's posts: finish -> post starts -> post returns -> WRITE settled -> D's ack."""
+        post, poll = transport.post_write, transport.poll
+        trace = self.trace
+
+        def timed_post(*args: Any) -> Any:
+            trace.setdefault("post", time.perf_counter())
+            handle = post(*args)
+            trace["posted"] = time.perf_counter()
+            return handle
+
+        def timed_poll(handle: Any) -> Any:
+            state = poll(handle)
+            if state.value == "done":
+                trace.setdefault("done", time.perf_counter())
+            return state
+
+        transport.post_write, transport.poll = timed_post, timed_poll
 
     def _start_ceiling(self, config: Any) -> None:
         """A second KV allocation on D's device, written by one kernel from P's blocks."""
@@ -521,12 +543,17 @@ class BenchPair:
         self.conn.send(("wait", rid, timeout))
 
         def push() -> float:
+            self.trace.clear()
             start = time.perf_counter()
             self.sender.request_finished(rid, [p_ids], match_key=key)
             self._reply(("wait",), timeout + 5)
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
             self._unsettled = rid
-            return elapsed
+            if self.trace.get("posted") and self.trace.get("done"):
+                marks = (start, self.trace["post"], self.trace["posted"], self.trace["done"], end)
+                steps = [1e3 * (b - a) for a, b in itertools.pairwise(marks)]
+                self.traces.setdefault(method, []).append(steps)
+            return end - start
 
         return push
 
@@ -693,6 +720,7 @@ def sweep(
         times: dict[tuple[int, str], dict[str, list[float]]] = {(b, p): {} for b, p, _ in shapes_}
         picks: dict[tuple[int, str], dict[str, str]] = {(b, p): {} for b, p, _ in shapes_}
         loads: dict[tuple[int, str], float] = {}
+        trace_rows: dict[tuple[int, str], dict[str, list[float]]] = {}
         by_transport = [("nixl", [m for m in methods if m != "cuda_ipc"])]
         if "cuda_ipc" in methods:
             by_transport.append(("cuda_ipc", ["cuda_ipc"]))
@@ -732,6 +760,11 @@ def sweep(
                             if method == "ceiling":  # its device time alone (upload + kernel)
                                 got.setdefault("ceiling_kernel", []).append(pair.ceiling_gpu_s)
                     key = (blocks, pattern)
+                    for method, steps in pair.traces.items():
+                        trace_rows.setdefault(key, {})[method] = [
+                            round(statistics.median(col), 3) for col in zip(*steps)
+                        ]
+                    pair.traces.clear()
                     loads[key] = max(loads.get(key, 0.0), foreign_cores(since, pair.pids))
                     picks[key][transport] = pair.default_strategy(p_ids, d_ids)
         for blocks, pattern, label in shapes_:
@@ -757,6 +790,9 @@ def sweep(
                 row["strategy_cuda_ipc"] = picks[key]["cuda_ipc"]
                 row["default_gbps"] = row["cuda_ipc_gbps"] if picks[key]["cuda_ipc"] == "direct" else None
             row["foreign_cores"] = round(loads.get(key, 0.0), 2)
+            # per kvpush method, median ms of: finish -> first post, the posts, posted -> WRITEs
+            # settled on P, settled -> D's acknowledgement reached P
+            row["trace_ms"] = trace_rows.get(key, {})
             rows.append(row)
             say(_row_line(row))
     return rows
