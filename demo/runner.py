@@ -14,11 +14,13 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import random
+import secrets
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -278,6 +280,24 @@ def placement(cfg: RunConfig) -> str:
     return f"P at {p_where}, D at {d_where}" + (f"; {ucx}" if ucx else "")
 
 
+@contextlib.contextmanager
+def side_channel_secret(hosts: tuple[str, ...], say: Callable[[str], None]) -> Iterator[None]:
+    """Off loopback the side channel needs a shared secret: unless ``KVPUSH_SIDE_CHANNEL_SECRET``
+    is set, set a random one for this run (every process started meanwhile inherits it)."""
+    from kvpush.core.addresses import is_loopback
+    from kvpush.core.sidechannel import SECRET_ENV
+
+    if all(is_loopback(host) for host in hosts) or os.environ.get(SECRET_ENV):
+        yield
+        return
+    os.environ[SECRET_ENV] = secrets.token_hex(32)
+    say(f"side channels off loopback: {SECRET_ENV} set to a random secret for this run")
+    try:
+        yield
+    finally:
+        os.environ.pop(SECRET_ENV, None)
+
+
 def run_config(cfg: RunConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run one configuration end to end and return its report row."""
     if cfg.netns:
@@ -286,6 +306,11 @@ def run_config(cfg: RunConfig, progress: Callable[[str], None] | None = None) ->
         with NetnsPair() as pair:
             return run_config(placed_in_netns(cfg, pair), progress)
     say = progress or (lambda _msg: None)
+    with side_channel_secret((cfg.prefill_host, cfg.decode_host), say):
+        return _run_placed(cfg, say)
+
+
+def _run_placed(cfg: RunConfig, say: Callable[[str], None]) -> dict[str, Any]:
     model, layout = (
         (cfg.model, cfg.layout) if cfg.model is not None else model_for(cfg.layout, cfg.num_layers)
     )

@@ -43,7 +43,14 @@ from typing import Any
 from kvpush.core.types import ModelSpec, ParallelConfig, RankKey
 from kvpush.demo import netns
 from kvpush.demo.rank import RankSpec
-from kvpush.demo.runner import EngineSideChannel, _Rank, _start_ranks, _stop, start_side_channel
+from kvpush.demo.runner import (
+    EngineSideChannel,
+    _Rank,
+    _start_ranks,
+    _stop,
+    side_channel_secret,
+    start_side_channel,
+)
 
 MODEL = ModelSpec(name="multihost-gqa", num_layers=4, num_kv_heads=4, head_dim=64, block_size=16)
 """16 KiB per block and layer (K+V, bf16): big enough that WRITEs take a while over TCP."""
@@ -52,10 +59,21 @@ QUICK_TIMERS: dict[str, float] = {
     "request_timeout_s": 20.0,
     "lease_s": 6.0,
     "heartbeat_interval_s": 0.5,
-    "cancel_ack_timeout_s": 2.0,
-    "peer_silence_s": 10.0,
+    "peer_silence_s": 15.0,
+    "write_deadline_s": 10.0,
 }
-"""Short timers for the tests (the defaults are 120 s / 30 s / 5 s / 5 s)."""
+"""Short timers for the tests (defaults: 120 s, 30 s, lease_s / 6, 3 heartbeats + 5 s, 10 s);
+``fresh_s`` stays at its default, two heartbeat intervals. ``peer_silence_s`` and
+``write_deadline_s`` outlast a 5 s outage plus TCP's retransmission backoff (the next
+retransmission after 5 s without a link comes at ~6.2 s), so such an outage is ridden through."""
+
+
+def quarantine_s(timers: dict[str, float]) -> float:
+    """How long D keeps a failed request's blocks when P does not acknowledge the cancel:
+    ``fresh_s`` + ``write_deadline_s`` + 1 s (``WorkerConfig``)."""
+    fresh = timers.get("fresh_s", 2 * timers["heartbeat_interval_s"])
+    return fresh + timers["write_deadline_s"] + 1.0
+
 
 D_PORT = 5601
 """D's side-channel port inside its namespace (fixed, so a restarted D serves the same one)."""
@@ -103,8 +121,11 @@ class MultiHost:
         self.plans: dict[str, dict[str, Any]] = {}
         self.record: dict[str, Any] = {}
         """What a test measured (saved by the test module)."""
+        self._secret = contextlib.ExitStack()
         self.pair.create()
         try:
+            hosts = (self.pair.prefill_host, self.pair.decode_host)
+            self._secret.enter_context(side_channel_secret(hosts, lambda _msg: None))
             self.transport_options = {
                 "ucx_tls": "tcp",
                 "ucx_net_devices": self.pair.link,
@@ -169,6 +190,9 @@ class MultiHost:
 
     def reset_results(self) -> None:
         self.d_results: dict[RankKey, dict[str, tuple[str, Any, float]]] = {r.key: {} for r in self.d_ranks}
+        """D rank -> request -> (``done``/``corrupt``/``failed``/``cancelled``, detail, when)."""
+        self.d_released: dict[RankKey, dict[str, float]] = {r.key: {} for r in self.d_ranks}
+        """D rank -> failed request -> when its blocks were released (no WRITE can land)."""
         self.p_results: dict[RankKey, dict[str, str | None]] = {r.key: {} for r in self.p_ranks}
 
     # ------------------------------------------------------------------ requests
@@ -226,6 +250,8 @@ class MultiHost:
             for kind in ("failed", "cancelled"):
                 for rid, reason in polled[kind].items():
                     self.d_results[rank.key][rid] = (kind, reason, now)
+            for rid in polled.get("released", ()):
+                self.d_released[rank.key][rid] = now
         for rank in self.p_ranks:
             if not rank.process.is_alive():
                 continue
@@ -250,7 +276,12 @@ class MultiHost:
             time.sleep(0.05)
 
     def resolved(self, rids: list[str]) -> bool:
-        return all(rid in results for results in self.d_results.values() for rid in rids)
+        """Every D rank reported each request done, or failed and released its blocks."""
+        return all(
+            rid in results and (results[rid][0] in ("done", "corrupt") or rid in self.d_released[key])
+            for key, results in self.d_results.items()
+            for rid in rids
+        )
 
     def wait_decode(self, rids: list[str], timeout_s: float) -> float:
         return self.wait(f"D to resolve {rids}", lambda: self.resolved(rids), timeout_s)
@@ -267,15 +298,22 @@ class MultiHost:
         return bad
 
     def leaks(self) -> list[str]:
-        """What any live rank still holds (transfer handles, pending requests, stashed state)."""
+        """What any live rank still holds: transfer handles, requests (finished, in flight,
+        stashed, pending, quarantined)."""
         found = []
         for rank in self.ranks:
             if not rank.process.is_alive():
                 continue
             health = rank.call(("health",), timeout_s=60)
-            held = {k: v for k, v in health.items() if k != "stats" and v}
+            state = health.get("state", {})
+            counts = {
+                "outstanding_handles": health["outstanding_handles"],
+                **{k: health.get(k, 0) for k in ("finished", "inflight", "stashed_registrations", "pending")},
+                **{f"state.{k}": state.get(k, 0) for k in ("requests", "inflight", "quarantined")},
+            }
+            held = {k: v for k, v in counts.items() if v}
             if held:
-                found.append(f"rank {rank.key} ({rank.process.name}) holds {held}")
+                found.append(f"{rank.process.name} rank {rank.key} holds {held}")
         return found
 
     def wait_no_leaks(self, timeout_s: float) -> list[str]:
@@ -315,6 +353,7 @@ class MultiHost:
                 time.sleep(0.5)
         self.d_ranks = self._start(self.d_specs, self.d_channel)
         self.d_results = {r.key: {} for r in self.d_ranks}
+        self.d_released = {r.key: {} for r in self.d_ranks}
 
     def _ns_run(self, ns: str, *args: str) -> None:
         _run(*self.pair.exec_args(ns, *args))
@@ -393,6 +432,7 @@ class MultiHost:
             with contextlib.suppress(Exception):
                 proc.communicate(timeout=10)
         self.pair.close()
+        self._secret.close()
 
     def __enter__(self) -> MultiHost:
         return self
