@@ -95,6 +95,7 @@ class EngineSpec:
     num_blocks: int = 128
     max_tokens_per_step: int = 64
     kernel_block_size: int | None = None
+    max_model_len: int = 1024
 
 
 def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
@@ -109,7 +110,9 @@ def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
         VllmConfig,
     )
 
-    model = ModelConfig(model=spec.model_dir, seed=42, skip_tokenizer_init=True, max_model_len=1024)
+    model = ModelConfig(
+        model=spec.model_dir, seed=42, skip_tokenizer_init=True, max_model_len=spec.max_model_len
+    )
     parallel = ParallelConfig(tensor_parallel_size=spec.tp, pipeline_parallel_size=spec.pp)
     parallel.rank = rank
     extra = {"side_channel_port": spec.port, **spec.extra}
@@ -119,7 +122,7 @@ def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
             max_num_batched_tokens=spec.max_tokens_per_step,
-            max_model_len=1024,
+            max_model_len=spec.max_model_len,
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
         ),
@@ -590,3 +593,19 @@ def prompt(seed: int, length: int, prefix: list[int] | None = None) -> list[int]
 
 def suffix() -> str:
     return os.urandom(4).hex()
+
+
+def assert_scheduler_empty(engine: Engine) -> None:
+    """No request, queue entry or block is left behind (what vLLM's own tests check)."""
+    scheduler = engine.scheduler
+    assert not scheduler.requests, f"requests left: {list(scheduler.requests)}"
+    assert len(scheduler.waiting) == 0 and len(scheduler.running) == 0
+    assert not scheduler.finished_req_ids
+    assert not scheduler.finished_recving_kv_req_ids and not scheduler.failed_recving_kv_req_ids
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1, "blocks leaked"
+    assert all(block.ref_cnt == 0 for block in pool.blocks)
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        assert not manager.req_to_blocks and not manager.num_cached_block
+    connector = engine.connector
+    assert not connector.has_pending_push_work(), "the connector still reports push work"

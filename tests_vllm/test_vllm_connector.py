@@ -1,10 +1,26 @@
-"""kvpush's vLLM connector against vLLM 0.33's real scheduler, over real NIXL between processes."""
+"""kvpush's vLLM connector against vLLM 0.33's real schedulers, over real NIXL between processes.
+
+Every test ends with both schedulers empty: no request, block or pending push left.
+"""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from harness import Engine, PrefillModel, make_request, prompt, run_until, suffix
+import pytest
+from harness import (
+    BLOCK_SIZE,
+    Engine,
+    PrefillModel,
+    assert_scheduler_empty,
+    make_request,
+    prompt,
+    run_until,
+    suffix,
+)
+
+FAULTY_NONE = {"transport": "faulty", "transport_options": {"inner": "nixl"}}
 
 
 def dispatch(
@@ -30,14 +46,21 @@ def dispatch(
 
 
 def verify(d: Engine, d_id: str, tokens: list[int]) -> None:
+    """Every D rank holds, in the blocks D's scheduler gave the request, what P computed."""
     blocks = d.block_ids(d_id)
     for worker in d.workers:
         problems = worker.call("verify", tokens=tokens, block_ids=blocks)
         assert not problems, f"D rank {worker.rank}: {problems[:3]}"
 
 
+def receive(p: Engine, d: Engine, model: PrefillModel, d_id: str) -> None:
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to receive {d_id}", kv_producer=model)
+
+
 def drain(p: Engine, d: Engine, model: PrefillModel) -> None:
     run_until([p, d], lambda: not p.busy() and not d.busy(), "both engines idle", kv_producer=model)
+    assert_scheduler_empty(p)
+    assert_scheduler_empty(d)
 
 
 def test_tp1_to_tp1_mha_byte_exact(engines: Any, llama_dir: str) -> None:
@@ -46,10 +69,141 @@ def test_tp1_to_tp1_mha_byte_exact(engines: Any, llama_dir: str) -> None:
     model = PrefillModel()
     tokens = prompt(1, 45)
     p_id, d_id = dispatch(p, d, "cmpl-1-0", tokens)
-    run_until([p, d], lambda: d_id in d.finished_recving, "D to receive", kv_producer=model)
+    before = {w.rank: w.call("snapshot") for w in d.workers}
+    receive(p, d, model, d_id)
     verify(d, d_id, tokens)
+    for worker in d.workers:  # nothing outside the request's blocks was written
+        assert worker.call("changed_blocks", before=before[worker.rank]) == set(d.block_ids(d_id)[0])
     drain(p, d, model)
     assert p_id in p.finished_sending
     assert d.finish_reason(d_id) == "length"
     params = p.kv_transfer_params(p_id)
     assert params["remote_engine_id"] == p.spec.engine_id and params["remote_port"] == p.port
+
+
+def test_pp2_prefill_to_tp2_decode(engines: Any, llama_dir: str) -> None:
+    """Each P stage pushes its own layers; each D rank gets its head of every layer."""
+    p = engines(llama_dir, "kv_producer", pp=2)
+    d = engines(llama_dir, "kv_consumer", tp=2)
+    model = PrefillModel()
+    requests = [(prompt(10 + i, 20 + 17 * i), f"cmpl-pp-{i}") for i in range(3)]
+    ids = [dispatch(p, d, base, tokens, transfer_id=f"xfer-{i}") for i, (tokens, base) in enumerate(requests)]
+    for (tokens, _), (_, d_id) in zip(requests, ids):
+        receive(p, d, model, d_id)
+        verify(d, d_id, tokens)
+    drain(p, d, model)
+    assert {p_id for p_id, _ in ids} <= p.finished_sending
+
+
+def test_mla_tp1_to_tp2_replicates_the_latent(engines: Any, deepseek_dir: str) -> None:
+    p = engines(deepseek_dir, "kv_producer")
+    d = engines(deepseek_dir, "kv_consumer", tp=2)
+    assert p.config.model_config.use_mla
+    model = PrefillModel()
+    tokens = prompt(3, 50)
+    _, d_id = dispatch(p, d, "cmpl-mla-0", tokens)
+    receive(p, d, model, d_id)
+    verify(d, d_id, tokens)  # both D ranks hold the whole latent
+    drain(p, d, model)
+
+
+def test_prefix_hit_on_d_registers_only_the_suffix(engines: Any, llama_dir: str) -> None:
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer")
+    model = PrefillModel()
+    first = prompt(4, 40)
+    _, d_first = dispatch(p, d, "cmpl-a-0", first)
+    receive(p, d, model, d_first)
+    drain(p, d, model)
+    second = prompt(5, 60, prefix=first[: 2 * BLOCK_SIZE])
+    before = d.workers[0].call("snapshot")
+    _, d_second = dispatch(p, d, "cmpl-b-0", second)
+    receive(p, d, model, d_second)
+    verify(d, d_second, second)
+    blocks = d.block_ids(d_second)[0]
+    written = d.workers[0].call("changed_blocks", before=before)
+    assert written == set(blocks[2:]), "P wrote into the cached prefix (or outside the request)"
+    drain(p, d, model)
+
+
+def test_d_abort_while_receiving_holds_blocks_until_the_cancel_settles(engines: Any, llama_dir: str) -> None:
+    """P's WRITE is in flight (held 2 s) when D aborts: vLLM keeps the blocks until kvpush says the
+    cancel settled, and nothing lands in them after they are freed."""
+    slow = {
+        "transport": "faulty",
+        "transport_options": {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 2.0},
+    }
+    p = engines(llama_dir, "kv_producer", extra=slow)
+    d = engines(llama_dir, "kv_consumer", extra=FAULTY_NONE)
+    model = PrefillModel()
+    tokens = prompt(6, 64)
+    p_id, d_id = dispatch(p, d, "cmpl-abort-0", tokens)
+    run_until(
+        [p, d], lambda: p.kv_transfer_params(p_id) is not None, "P to finish the prefill", kv_producer=model
+    )
+    deadline = time.monotonic() + 0.5  # PUSH_REG reaches P, P posts the (slow) WRITE
+    while time.monotonic() < deadline:
+        p.step(model)
+        d.step()
+    blocks = d.block_ids(d_id)[0]
+    free_before = d.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    from vllm.v1.request import RequestStatus
+
+    d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
+    aborted = time.monotonic()
+    while d_id not in d.finished_recving:
+        assert time.monotonic() - aborted < 30, "the cancel never settled"
+        assert d_id in d.scheduler.requests, "vLLM freed the request before the cancel settled"
+        assert d.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+        p.step(model)
+        d.step()
+    assert d_id not in d.scheduler.requests  # freed exactly when kvpush reported it
+    for worker in d.workers:
+        worker.call("fill", block_ids=blocks, value=0x5A5A)
+    deadline = time.monotonic() + 2.5  # longer than the WRITE delay: a late WRITE would show
+    while time.monotonic() < deadline:
+        p.step(model)
+        d.step()
+    for worker in d.workers:
+        assert worker.call("holds", block_ids=blocks, value=0x5A5A), "P wrote into freed blocks"
+    drain(p, d, model)
+    assert p_id in p.finished_sending
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_failed_write(engines: Any, llama_dir: str, policy: str) -> None:
+    """Every WRITE of P fails: D learns at once (no watchdog) and vLLM applies its policy."""
+    failing = {"transport": "faulty", "transport_options": {"inner": "nixl", "fail_writes": 1.0}}
+    p = engines(llama_dir, "kv_producer", extra=failing)
+    d = engines(llama_dir, "kv_consumer", extra=FAULTY_NONE, policy=policy)
+    model = PrefillModel()
+    p_id, d_id = dispatch(p, d, "cmpl-fail-0", prompt(7, 40))
+    started = time.monotonic()
+    run_until([p, d], lambda: d_id in d.finished_recving, "D to learn of the failure", kv_producer=model)
+    assert time.monotonic() - started < 30  # far below the 120 s registration watchdog
+    assert d_id in d.failed_recving
+    drain(p, d, model)
+    assert p_id in p.finished_sending  # P released its blocks
+    assert d.finish_reason(d_id) == ("error" if policy == "fail" else "length")
+
+
+def test_preemption_on_p_pushes_the_recomputed_blocks(engines: Any, llama_dir: str) -> None:
+    """A tiny block pool on P preempts a prefill midway; it is recomputed and pushed byte-exact."""
+    p = engines(llama_dir, "kv_producer", num_blocks=10, max_tokens_per_step=32, max_model_len=128)
+    d = engines(llama_dir, "kv_consumer")
+    preempted: set[str] = set()
+    model = PrefillModel()
+
+    def step(engine: Engine, out: Any) -> None:
+        preempted.update(out.preempted_req_ids or ())
+        model(engine, out)
+
+    requests = [(prompt(20 + i, 70), f"cmpl-pre-{i}") for i in range(2)]
+    ids = [dispatch(p, d, base, tokens) for tokens, base in requests]
+    for (tokens, _), (_, d_id) in zip(requests, ids):
+        run_until([p, d], lambda d_id=d_id: d_id in d.finished_recving, "D to receive", kv_producer=step)
+        verify(d, d_id, tokens)
+    run_until([p, d], lambda: not p.busy() and not d.busy(), "both engines idle", kv_producer=step)
+    assert preempted, "the pool was meant to force a preemption on P"
+    assert_scheduler_empty(p)
+    assert_scheduler_empty(d)
