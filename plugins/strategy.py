@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvpush.core.block_order import token_rows
 from kvpush.core.markers import hookimpl
 from kvpush.core.packing import STAGING_KEY
 from kvpush.core.types import PushJob, ReadSpec
@@ -50,10 +51,12 @@ def merged_descriptors(spec: ReadSpec, job: PushJob) -> tuple[int, int]:
         breaks = np.count_nonzero((np.diff(lo) != 1) | (np.diff(ro) != 1))
         runs_per_group.append(1 + int(breaks))
     descriptors = nbytes = 0
+    sliced = spec.local_part[1] > 1 or spec.remote_part[1] > 1
     for region in job.local.regions:
         group = region.kv_group
         if group < len(runs_per_group):
-            descriptors += runs_per_group[group]
+            rows = token_rows(region) if sliced else 1  # a sliced tokens_outer block: a row per token
+            descriptors += runs_per_group[group] if rows == 1 else rows * len(spec.local_block_ids[group])
             nbytes += region.block_len // spec.local_part[1] * len(spec.local_block_ids[group])
     return descriptors, nbytes
 

@@ -332,3 +332,23 @@ def test_a_layout_lying_about_its_order_delivers_wrong_heads(nhd_cluster: Any) -
                 for name, got in caches.items()
             )
             assert ok is exact, layout
+
+
+def test_strategy_counts_a_descriptor_per_token_of_a_sliced_nhd_block() -> None:
+    """Sliced NHD direct posts a descriptor per token (measured 2.5x slower than packed on the
+    CPU box), so the strategy sees them and packs; HND slices stay one descriptor per block."""
+    from kvpush.core.packing import STAGING_KEY
+    from kvpush.core.types import PushJob, ReadSpec
+    from kvpush.plugins.strategy import choose, merged_descriptors
+
+    staging = {STAGING_KEY: {"addr": 0, "len": 1 << 20, "dev": 0}}
+    ids = list(range(0, 128, 2))
+    for order, want in [("tokens_outer", "packed"), ("heads_outer", "direct")]:
+        meta = attrs.evolve(_meta("prefill", 1, order, block_tokens=16), extensions=staging)
+        job = PushJob(local=meta, decode_tp_size=2, local_block_ids=[ids], remote_block_ids=[ids])
+        spec = ReadSpec(dst_tp_rank=1, local_block_ids=[ids], remote_block_ids=[ids], local_part=(1, 2))
+        rows = 16 if order == "tokens_outer" else 1
+        assert merged_descriptors(spec, job)[0] == len(meta.regions) * len(ids) * rows
+        assert choose(job, spec) == want, order
+        whole = ReadSpec(dst_tp_rank=0, local_block_ids=[ids], remote_block_ids=[ids])
+        assert merged_descriptors(whole, job)[0] == len(meta.regions) * len(ids)  # equal TP: runs
