@@ -26,10 +26,13 @@ The layout rules (:data:`RULES`), checked by :func:`check_regions` whenever a ra
     another KV group may differ; semantic matching pairs by ``(layer_names, kv_group,
     component)``).
 ``in-block order``
-    Heads are outermost inside a block (``(heads, tokens, head_dim)``, "HND"), so head ``h`` of
-    ``num_heads`` is the ``h``-th equal byte slice of the block. Heterogeneous TP moves head
-    slices as byte slices, so ``block_len`` must divide by ``num_heads``; a replicated region
-    (MLA latent) has ``num_heads == 1``.
+    A region declares how its blocks are laid out (``KVRegion.block_order``,
+    :mod:`kvpush.core.block_order`): ``heads_outer`` (``(heads, tokens, head_dim)``, "HND"; head
+    ``h`` of ``num_heads`` is the ``h``-th equal byte slice of the block) or ``tokens_outer``
+    (``(tokens, heads, head_dim)``, "NHD", with ``block_tokens``; a head slice is one range per
+    token). A region that declares neither moves whole blocks only: heterogeneous TP is refused
+    at handshake. ``block_len`` must divide by ``num_heads``; a replicated region (MLA latent)
+    has ``num_heads == 1``.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def tensor_region(tensor: Any, **identity: Any) -> KVRegion:
     ``identity`` holds the :class:`KVRegion` fields that say what the region is
     (``layer_names``, ``component``, ``kv_group``, ``num_heads``, ...); the address, block
     length and stride, block count, memory type and device come from the tensor. ``tensor[b]``
-    must be block ``b`` laid out heads-outermost (see the in-block order rule).
+    must be block ``b``, laid out as ``identity``'s ``block_order`` says (the in-block order rule).
     """
     if not tensor[0].is_contiguous():
         raise ConfigError(
