@@ -1,7 +1,9 @@
 """The side channel: a real ZMQ ROUTER server, real REQ/DEALER clients on 127.0.0.1.
 
 Every bad request gets an error reply (or, for an oversized frame, a dropped connection) and
-the server keeps answering valid requests afterwards. Every wait is bounded.
+the server keeps answering valid requests afterwards. The bounds (request size, unpack limits,
+queued replies, connection cap, idle timeout, rate-limited warnings) each have a test here; the
+floods that need many clients are in test_sidechannel_floods.py. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ import pytest
 import zmq
 
 from kvpush.core import wire
-from kvpush.core.errors import HandshakeError, WireError
-from kvpush.core.sidechannel import GET_META, SideChannelServer, fetch_metadata
+from kvpush.core.errors import ConfigError, HandshakeError, WireError
+from kvpush.core.sidechannel import (
+    GET_META,
+    MAX_REQUEST_BYTES,
+    TRANSPORT_LIMIT_BYTES,
+    SideChannelServer,
+    _Warnings,
+    fetch_metadata,
+)
 from kvpush.core.types import RankKey
 
 WAIT_MS = 30_000
@@ -268,3 +277,143 @@ def test_malformed_reply_is_a_wire_error(reply: bytes, error: str) -> None:
     with pytest.raises(WireError, match=error):
         fetch_metadata("127.0.0.1", port, RankKey(0, 0), timeout_s=30)
     thread.join(timeout=30)
+
+
+# ---------------------------------------------------------------------------- bounds
+
+
+def _raw_connection(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.settimeout(0.2)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, wait_s: float) -> bool:
+    """Whether the server closed ``sock`` within ``wait_s`` (its ZMTP greeting is skipped)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if not sock.recv(4096):
+                return True
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return True
+    return False
+
+
+def test_request_over_the_request_limit_is_refused_before_decoding(server: SideChannelServer) -> None:
+    reply = _request(server.address, [b"\x90" * (MAX_REQUEST_BYTES + 1)])
+    assert reply["payload"] is None
+    size = MAX_REQUEST_BYTES + 1
+    assert reply["error"] == f"request of {size} bytes refused: a side-channel request is at most {size - 1}"
+    _assert_still_serves(server)
+
+
+def test_frame_over_the_transport_limit_cuts_the_connection(server: SideChannelServer) -> None:
+    assert _request(server.address, [b"\x90" * (TRANSPORT_LIMIT_BYTES + 1)], timeout_ms=1000) is None
+    assert server.requests_rejected == 0  # never read: libzmq cut it at the frame header
+    _assert_still_serves(server)
+
+
+def test_a_small_msgpack_bomb_hits_the_unpack_limits(server: SideChannelServer) -> None:
+    bomb = b"\xdc\x00\x50" + b"\x80" * 80  # an array of 80 empty maps in 83 bytes
+    reply = _request(server.address, [bomb])
+    assert reply["payload"] is None and "exceeds max_array_len(8)" in reply["error"]
+    _assert_still_serves(server)
+
+
+def test_replies_to_a_peer_that_does_not_read_are_dropped() -> None:
+    srv = SideChannelServer("P", max_queued_replies=2)
+    srv.publish(RankKey(0, 0), b"m" * (512 << 10))
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVBUF, 4096)  # the kernel holds little: unread replies queue in the server
+    try:
+        dealer.connect(srv.address)
+        for _ in range(40):
+            dealer.send_multipart([b"", wire.pack([GET_META, wire.WIRE_VERSION, 0, 0])])
+        deadline = time.monotonic() + 20
+        while srv.requests_served + srv.replies_dropped < 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.requests_served + srv.replies_dropped == 40, srv.stats()
+        assert srv.replies_dropped >= 25, srv.stats()
+        _assert_still_serves_one(srv)
+    finally:
+        dealer.close()
+        srv.close()
+
+
+def _assert_still_serves_one(srv: SideChannelServer) -> None:
+    assert fetch_metadata("127.0.0.1", srv.port, RankKey(0, 0), timeout_s=30) == b"m" * (512 << 10)
+
+
+def test_an_idle_connection_is_shut_down() -> None:
+    srv = SideChannelServer("P", idle_timeout_s=0.3, handshake_timeout_s=30)
+    try:
+        with _raw_connection(srv.port) as idle:
+            assert _closed_by_server(idle, 10), "an idle connection was kept"
+        assert srv.connections_idle_closed == 1
+    finally:
+        srv.close()
+
+
+def test_the_connection_cap_shuts_down_the_least_recently_active() -> None:
+    srv = SideChannelServer("P", max_connections=4, handshake_timeout_s=30)
+    srv.publish(RankKey(0, 0), b"p")
+    conns = []
+    try:
+        for _ in range(10):
+            conns.append(_raw_connection(srv.port))
+            time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while srv.connections_evicted < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.connections_evicted == 6 and srv.connections == 4, srv.stats()
+        assert all(_closed_by_server(c, 2) for c in conns[:6])
+        assert not any(_closed_by_server(c, 0.3) for c in conns[6:])
+        assert fetch_metadata("127.0.0.1", srv.port, RankKey(0, 0), timeout_s=30) == b"p"
+        assert srv.peak_connections <= 5 + 1
+    finally:
+        for conn in conns:
+            conn.close()
+        srv.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"max_connections": 0}, "max_connections=0"),
+        ({"idle_timeout_s": -1}, "idle_timeout_s=-1"),
+        ({"max_queued_replies": 0}, "max_queued_replies=0"),
+        ({"handshake_timeout_s": "2"}, "handshake_timeout_s='2'"),
+    ],
+)
+def test_bad_bounds_are_config_errors_naming_the_argument(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ConfigError, match=f"SideChannelServer {name} must be a positive number"):
+        SideChannelServer("P", **kwargs)
+
+
+def test_rejection_warnings_are_rate_limited(
+    server: SideChannelServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvpush.core.sidechannel"):
+        for _ in range(20):
+            _request(server.address, [b"\xc1"])
+    assert server.requests_rejected == 20
+    assert sum("rejected a request" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_rate_limited_warning_counts_the_ones_it_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    warnings = _Warnings("side channel of P: ", interval_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="kvpush.core.sidechannel"):
+        for _ in range(5):
+            warnings.warn("kind", "something")
+        warnings.warn("other", "something else")
+        time.sleep(0.25)
+        warnings.warn("kind", "something")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0] == "side channel of P: something"
+    assert messages[1] == "side channel of P: something else"
+    assert messages[2].startswith("side channel of P: something (4 more like it in the last ")
+    assert len(messages) == 3
