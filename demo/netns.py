@@ -46,6 +46,21 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def sweep_stale() -> list[str]:
+    """Delete namespaces a killed run left behind: ``kvpush-<pid>-<tag>-p|d`` whose pid is gone.
+    Returns the names deleted."""
+    swept = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(NETNS_DIR):
+            parts = name.split("-")
+            ours = len(parts) == 4 and parts[0] == "kvpush" and parts[3] in ("p", "d")
+            if not ours or not parts[1].isdigit() or os.path.exists(f"/proc/{parts[1]}"):
+                continue
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20, check=False)
+            swept.append(name)
+    return swept
+
+
 def _run(*args: str, timeout_s: float = 20.0) -> str:
     try:
         done = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -127,6 +142,7 @@ class NetnsPair:
         reason = unavailable_reason()
         if reason:
             raise ConfigError(reason)
+        sweep_stale()
         tag = f"{os.getpid() % 10**5}{random.randrange(10**4):04d}"
         outside = (f"kvp{tag}", f"kvd{tag}")  # temporary names (<= 15 chars) in this namespace
         try:

@@ -153,3 +153,12 @@ def test_worker_config_advertise_fields() -> None:
     config = _config(side_channel_host="0.0.0.0", network_interface="lo")
     with pytest.raises(ConfigError, match="network_interface"):
         advertise_for_config(config, "10.213.0.1")
+
+
+def test_a_decode_rank_refuses_to_advertise_loopback_to_a_remote_prefill() -> None:
+    from cluster import Cluster
+
+    with Cluster(decode_tp=1) as cluster:
+        with pytest.raises(ConfigError, match="side_channel_host") as err:
+            cluster.add("req-remote", [[0, 1]], "xfer-remote", remote_host="10.213.0.1")
+        assert "127.0.0.1" in str(err.value) and "10.213.0.1" in str(err.value)
