@@ -187,23 +187,26 @@ def test_failed_write(engines: Any, llama_dir: str, policy: str) -> None:
     assert d.finish_reason(d_id) == ("error" if policy == "fail" else "length")
 
 
-def test_preemption_on_p_pushes_the_recomputed_blocks(engines: Any, llama_dir: str) -> None:
-    """A tiny block pool on P preempts a prefill midway; it is recomputed and pushed byte-exact."""
-    p = engines(llama_dir, "kv_producer", num_blocks=10, max_tokens_per_step=32, max_model_len=128)
-    d = engines(llama_dir, "kv_consumer")
-    preempted: set[str] = set()
+def test_preemption_on_d_after_receiving_does_not_register_again(engines: Any, llama_dir: str) -> None:
+    """Decode growth in a tiny pool preempts a received request; it resumes from its cached
+    blocks without a second registration, and both requests finish."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", num_blocks=10, max_model_len=144)
     model = PrefillModel()
+    preempted: set[str] = set()
 
-    def step(engine: Engine, out: Any) -> None:
+    def watch(engine: Engine, out: Any) -> None:
         preempted.update(out.preempted_req_ids or ())
-        model(engine, out)
 
-    requests = [(prompt(20 + i, 70), f"cmpl-pre-{i}") for i in range(2)]
-    ids = [dispatch(p, d, base, tokens) for tokens, base in requests]
+    requests = [(prompt(20 + i, 48), f"cmpl-pre-{i}") for i in range(2)]
+    ids = [dispatch(p, d, base, tokens, max_tokens=60) for tokens, base in requests]
     for (tokens, _), (_, d_id) in zip(requests, ids):
-        run_until([p, d], lambda d_id=d_id: d_id in d.finished_recving, "D to receive", kv_producer=step)
+        run_until([p, d], lambda d_id=d_id: d_id in d.finished_recving, "D to receive", kv_producer=model)
         verify(d, d_id, tokens)
-    run_until([p, d], lambda: not p.busy() and not d.busy(), "both engines idle", kv_producer=step)
-    assert preempted, "the pool was meant to force a preemption on P"
+    idle = lambda: not p.busy() and not d.busy()  # noqa: E731
+    run_until([p, d], idle, "both engines idle", kv_producer=model, kv_consumer=watch)
+    assert preempted & {d_id for _, d_id in ids}, "the pool was meant to force a preemption on D"
+    assert all(d.finish_reason(d_id) == "length" for _, d_id in ids)
+    assert not d.connector._scheduler.receiving  # no request registered twice
     assert_scheduler_empty(p)
     assert_scheduler_empty(d)
