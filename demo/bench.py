@@ -899,6 +899,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="also measure packed with VRAM WRITEs cut into chunks of this many MiB (packed_pipe)",
     )
+    from kvpush.demo import serve
+
+    serve.add_arguments(parser)
     parser.add_argument(
         "--serve",
         action="store_true",

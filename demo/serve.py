@@ -1,0 +1,794 @@
+"""``kvpush bench --serve``: serving-shaped load at real model geometry.
+
+Requests arrive open-loop (Poisson at ``--rate`` per second) with prompt lengths drawn from a
+log-normal distribution (``--median-tokens``, ``--sigma``, capped at ``--max-tokens``) or a
+fixed list (``--tokens``). This process is P (a real :class:`PushSender`, TP1, PP1); a spawned
+process is D (a real :class:`PushReceiver`, TP1). Both allocate each request's blocks at random
+from a churned pool, the way a paged cache does (blocks return to the pool as requests end).
+
+Per request: at arrival D registers it (its ``PUSH_REG`` goes to P); ``--prefill-ms`` later
+P's "prefill" finishes (``request_finished``; no compute is simulated) and the clock starts;
+the clock stops when D's receiver reports the request done, i.e. decode may start (both
+clocks are ``CLOCK_MONOTONIC`` of one host). That interval is the **added latency** kvpush
+owns in time-to-first-token. Every ``--verify-every``-th request is filled with a pattern on
+P before its finish and checked block by block on D (the sample rate is reported).
+
+The same arrivals and prompt lengths are replayed against the **ideal**: a raw NIXL WRITE of
+the request's per-block descriptors (ids computed before the finish, posted at the finish,
+one notification, as a connector that needs nothing else would do).
+
+``--sweep`` doubles the rate from ``--rate`` until p99 exceeds ``--p99-factor`` x the
+unloaded p50 (the first rate's) or the achieved rate falls below 90 % of the offered one,
+and reports the **knee** (the highest rate that kept p99 under that bound). ``--plot FILE``
+writes latency against offered rate as a PNG (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+import numpy as np
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-8b": {"layers": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16},
+    "llama3-70b-tp8": {"layers": 80, "kv_heads": 1, "head_dim": 128, "block_size": 16},
+    "deepseek-v3-mla": {"layers": 61, "attention": "mla", "head_dim": 576, "block_size": 16},
+    "hybrid": {"layers": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16, "window_tokens": 1024},
+}
+"""KV geometry per rank: Llama-3-8B (32 layers, 8 KV heads x 128, bf16, block 16); Llama-3-70B
+at TP8 (80 layers, 1 KV head per rank); a DeepSeek-V3-like MLA (61 layers, latent 576); a
+hybrid of full and sliding-window layers (alternating, window ``window_tokens``)."""
+
+
+@attrs.frozen(kw_only=True)
+class Workload:
+    preset: str = "llama3-8b"
+    layers: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    block_size: int | None = None
+    median_tokens: int = 256
+    sigma: float = 0.6
+    max_tokens: int = 2048
+    tokens: tuple[int, ...] = ()
+    requests: int = 100
+    prefill_ms: float = 2.0
+    verify_every: int = 4
+    pool_blocks: int = 0
+    device: str = "cpu"
+    decode_device: str | None = None
+    transport: str = "nixl"
+    seed: int = 0
+    poll_s: float = 50e-6
+    timeout_s: float = 30.0
+
+    def geometry(self) -> dict[str, Any]:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown --preset {self.preset!r}; choose from {sorted(PRESETS)}")
+        geo = dict(PRESETS[self.preset])
+        for name in ("layers", "kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if value is not None:
+                if value <= 0:
+                    raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+                geo[name] = value
+        return geo
+
+    def model(self) -> Any:
+        from kvpush.core.types import ModelSpec
+
+        geo = self.geometry()
+        layers = geo["layers"]
+        extra: dict[str, Any] = {}
+        if "window_tokens" in geo:
+            extra = {
+                "layer_groups": [i % 2 for i in range(layers)],
+                "layer_kinds": ["full" if i % 2 == 0 else "sliding_window" for i in range(layers)],
+            }
+        return ModelSpec(
+            name=f"serve-{self.preset}",
+            num_layers=layers,
+            attention=geo.get("attention", "mha"),
+            num_kv_heads=geo.get("kv_heads", 1),
+            head_dim=geo["head_dim"],
+            block_size=geo["block_size"],
+            **extra,
+        )
+
+    @property
+    def layout(self) -> str:
+        return "hma" if "window_tokens" in self.geometry() else "uniform"
+
+    def blocks_per_group(self, tokens: int) -> list[int]:
+        """Blocks a prompt of ``tokens`` needs in each KV-cache group."""
+        geo = self.geometry()
+        full = -(-tokens // geo["block_size"])
+        if "window_tokens" not in geo:
+            return [full]
+        return [full, min(full, -(-geo["window_tokens"] // geo["block_size"]) + 1)]
+
+    def prompt_lengths(self) -> list[int]:
+        rng = np.random.default_rng(self.seed)
+        if self.tokens:
+            return [self.tokens[i % len(self.tokens)] for i in range(self.requests)]
+        draws = rng.lognormal(np.log(self.median_tokens), self.sigma, self.requests)
+        return [int(x) for x in np.clip(np.round(draws), 1, self.max_tokens)]
+
+    def pool(self) -> list[int]:
+        """Blocks per group of each side's pool (default: room for ~16 of the longest prompts)."""
+        need = self.blocks_per_group(self.max_tokens if not self.tokens else max(self.tokens))
+        if self.pool_blocks:
+            if self.pool_blocks < max(need):
+                raise ValueError(
+                    f"--pool-blocks {self.pool_blocks} cannot hold one prompt ({max(need)} blocks)"
+                )
+            return [self.pool_blocks for _ in need]
+        return [16 * n for n in need]
+
+
+class BlockPool:
+    """Free block ids handed out at random (a churned paged-cache pool)."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.free = list(range(size))
+        self.rng = np.random.default_rng(seed)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        picks = self.rng.choice(len(self.free), n, replace=False)
+        taken = [self.free[i] for i in picks]
+        for i in sorted(picks.tolist(), reverse=True):
+            self.free[i] = self.free[-1]
+            self.free.pop()
+        return taken
+
+    def release(self, ids: Sequence[int]) -> None:
+        self.free.extend(ids)
+
+
+# ------------------------------------------------------------------------------ content
+
+
+def pattern(request: int, regions: int, blocks: int) -> np.ndarray:
+    """int16 fill value of block ``j`` of region ``r`` of request ``request``: ``[r, j]``."""
+    r = np.arange(regions, dtype=np.int64)[:, None]
+    j = np.arange(blocks, dtype=np.int64)[None, :]
+    return (((request * 131 + r * 31 + j * 7) % 30_000) + 1).astype(np.int16)
+
+
+def region_rows(region: Any) -> Any:
+    """A region as a ``(num_blocks, block_len / 2)`` int16 view (one row per block)."""
+    import torch
+
+    from kvpush.core.packing import span_tensor
+
+    span = span_tensor(
+        region.base_addr,
+        (region.num_blocks - 1) * region.block_stride + region.block_len,
+        region.mem_type,
+        region.device_id,
+    ).view(torch.int16)
+    return span.as_strided((region.num_blocks, region.block_len // 2), (region.block_stride // 2, 1))
+
+
+class Content:
+    """Writes (P) or checks (D) the pattern of a request's blocks, one op per region."""
+
+    def __init__(self, regions: Sequence[Any]) -> None:
+        self.regions = list(regions)
+        self.rows = [region_rows(r) for r in self.regions]
+
+    def _index(self, ids: Sequence[int], device: Any) -> Any:
+        import torch
+
+        return torch.tensor(list(ids), dtype=torch.int64, device=device)
+
+    def fill(self, request: int, block_ids: Sequence[Sequence[int]]) -> None:
+        import torch
+
+        for r, (region, rows) in enumerate(zip(self.regions, self.rows)):
+            ids = block_ids[region.kv_group]
+            values = torch.from_numpy(pattern(request, len(self.regions), len(ids))[r]).to(rows.device)
+            rows[self._index(ids, rows.device)] = values[:, None]
+        if self.rows and self.rows[0].is_cuda:
+            torch.cuda.synchronize(self.rows[0].device)
+
+    def check(self, request: int, block_ids: Sequence[Sequence[int]]) -> bool:
+        import torch
+
+        for r, (region, rows) in enumerate(zip(self.regions, self.rows)):
+            ids = block_ids[region.kv_group]
+            want = torch.from_numpy(pattern(request, len(self.regions), len(ids))[r]).to(rows.device)
+            if not bool((rows[self._index(ids, rows.device)] == want[:, None]).all()):
+                return False
+        return True
+
+
+# ------------------------------------------------------------------------------ D
+
+
+def _worker_config(w: Workload, engine: str, port: int, device: str) -> Any:
+    from kvpush.core.types import ParallelConfig
+    from kvpush.core.worker import WorkerConfig
+
+    model = w.model()
+    cuda = int(device.split(":")[1]) if device.startswith("cuda:") else None
+    return WorkerConfig(
+        engine_id=engine,
+        parallel=ParallelConfig(tp_size=1, num_layers=model.num_layers),
+        model=model,
+        layout=w.layout,
+        side_channel_port=port,
+        busy_poll_s=w.poll_s,
+        request_timeout_s=w.timeout_s,
+        cuda_device=cuda,
+        transport=w.transport,
+    )
+
+
+def _allocate(w: Workload, config: Any, device: str) -> dict[str, Any]:
+    pool = w.pool()
+    if w.layout == "hma":
+        from kvpush.layouts.hma import allocate_hma_caches
+
+        return allocate_hma_caches(config.model, config.parallel, pool, device=device)
+    from kvpush.layouts.uniform import allocate_kv_caches
+
+    return allocate_kv_caches(config.model, config.parallel, pool[0], device=device)
+
+
+def _decode_main(w: Workload, port: int, conn: Connection) -> None:
+    """D: register requests as they arrive, report each one's done time, verify samples."""
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    try:
+        import torch
+
+        from kvpush.core.receiver import PushReceiver
+        from kvpush.core.types import RequestMetadata, TransferParams
+        from kvpush.demo.bench import RawAgent
+
+        device = w.decode_device or w.device
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        torch.set_num_threads(1)
+        config = _worker_config(w, "serve-D", port, device)
+        caches = _allocate(w, config, device)
+        receiver = PushReceiver(config, caches)
+        receiver.start()
+        assert receiver.metadata is not None
+        raw = RawAgent("serve-raw-D", receiver.metadata.regions)
+        content = Content(receiver.metadata.regions)
+        pools = [BlockPool(n, w.seed + 1 + g) for g, n in enumerate(w.pool())]
+        conn.send(("ready", (receiver.handshake_payload(), raw.metadata())))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    live: dict[str, tuple[int, list[list[int]], bool]] = {}
+    raw_tags: dict[bytes, str] = {}
+    try:
+        while True:
+            while conn.poll(0):
+                message = conn.recv()
+                kind = message[0]
+                if kind == "stop":
+                    return
+                if kind == "connect":
+                    raw.connect(message[1])
+                elif kind == "add":  # (add, rid, number, blocks per group, params, verify, raw)
+                    _, rid, number, counts, params, verify, is_raw = message
+                    ids = [pool.alloc(n) for pool, n in zip(pools, counts)]
+                    if any(i is None for i in ids):
+                        for pool, got in zip(pools, ids):
+                            if got is not None:
+                                pool.release(got)
+                        conn.send(("failed", rid, time.monotonic(), "D's block pool is full"))
+                        continue
+                    blocks = [list(i) for i in ids if i is not None]
+                    live[rid] = (number, blocks, verify)
+                    if is_raw:
+                        raw_tags[rid.encode()] = rid
+                    else:
+                        meta = RequestMetadata(
+                            request_id=rid, block_ids=blocks, params=TransferParams.from_dict(params)
+                        )
+                        receiver.add_request(meta)
+                    conn.send(("blocks", rid, blocks))
+            finished: list[tuple[str, str | None]] = []
+            if raw_tags:
+                for messages in raw.agent.get_new_notifs().values():
+                    for tag in messages:
+                        rid = raw_tags.pop(bytes(tag), None)
+                        if rid is not None:
+                            finished.append((rid, None))
+            got = receiver.get_finished()
+            finished += [(rid, None) for rid in got.done]
+            finished += [(rid, str(reason)) for rid, reason in got.failed.items()]
+            for rid, reason in finished:
+                now = time.monotonic()
+                number, blocks, verify = live.pop(rid, (0, [], False))
+                ok = None
+                if reason is None and verify:
+                    ok = content.check(number, blocks)
+                for pool, ids_ in zip(pools, blocks):
+                    pool.release(ids_)
+                conn.send(("done", rid, now, reason, ok))
+            if not finished:
+                conn.poll(w.poll_s)  # wakes at once for a new message
+    except Exception:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        receiver.close()
+
+
+# ------------------------------------------------------------------------------ P and the driver
+
+
+@attrs.define
+class Outcome:
+    number: int
+    rid: str
+    tokens: int
+    nbytes: int
+    arrival: float = 0.0
+    finish: float = 0.0
+    done: float = 0.0
+    failure: str | None = None
+    verified: bool | None = None
+
+
+class ServePair:
+    """P (this process) and D (a child process) for one workload."""
+
+    def __init__(self, w: Workload) -> None:
+        import torch
+
+        from kvpush.core.manager import get_plugin_manager
+        from kvpush.core.sender import PushSender
+        from kvpush.core.sidechannel import SideChannelServer
+        from kvpush.core.types import RankKey
+        from kvpush.demo.bench import RawAgent
+
+        os.environ.setdefault("UCX_LOG_LEVEL", "error")
+        torch.set_num_threads(1)
+        self.w = w
+        self.p_server = SideChannelServer("serve-P")
+        self.d_server = SideChannelServer("serve-D")
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_decode_main, args=(w, self.d_server.port, child), daemon=True, name="kvpush-serve-D"
+        )
+        self.process.start()
+        self.sender: Any = None
+        try:
+            config = _worker_config(w, "serve-P", self.p_server.port, w.device)
+            self.caches = _allocate(w, config, w.device)
+            self.sender = PushSender(config, self.caches, pm=get_plugin_manager())
+            self.sender.start()
+            assert self.sender.metadata is not None
+            self.regions = self.sender.metadata.regions
+            self.p_server.publish(RankKey(0, 0), self.sender.handshake_payload())
+            self.raw = RawAgent("serve-raw-P", self.regions)
+            status, value = self._recv(180)
+            if status != "ready":
+                raise RuntimeError(f"serve D failed to start:\n{value}")
+            d_payload, d_raw = value
+            self.d_server.publish(RankKey(0, 0), d_payload)
+            from kvpush.core import wire
+
+            self.d_regions = wire.decode_metadata(d_payload, expected_hash=None, source="serve D").regions
+            self.raw.connect(d_raw, self.d_regions)
+            self.conn.send(("connect", self.raw.metadata()))
+            self.content = Content(self.regions)
+            self.pools = [BlockPool(n, w.seed + 100 + g) for g, n in enumerate(w.pool())]
+            self.region_bytes = [r.block_len for r in self.regions]
+            self.groups = [r.kv_group for r in self.regions]
+        except BaseException:
+            self.close()
+            raise
+        self.runs = 0
+        self.params = {
+            "remote_engine_id": "serve-P",
+            "remote_host": "127.0.0.1",
+            "remote_port": self.p_server.port,
+        }
+
+    def _recv(self, timeout_s: float) -> tuple[Any, ...]:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"serve D sent nothing within {timeout_s}s")
+        return self.conn.recv()
+
+    def nbytes(self, counts: Sequence[int]) -> int:
+        return sum(size * counts[g] for size, g in zip(self.region_bytes, self.groups))
+
+    def run(
+        self,
+        rate: float,
+        lengths: Sequence[int],
+        *,
+        ideal: bool,
+        say: Callable[[str], None],
+        prefill_ms: float | None = None,
+    ) -> list[Outcome]:
+        """One open-loop run at ``rate`` requests/s; returns every request's outcome."""
+        from kvpush.core.planning import descriptor_ids
+
+        w = self.w
+        self.runs += 1
+        prefill_s = (w.prefill_ms if prefill_ms is None else prefill_ms) / 1e3
+        rng = np.random.default_rng(w.seed + int(rate * 1000))
+        gaps = rng.exponential(1.0 / rate, len(lengths))
+        start = time.monotonic() + 0.05
+        arrivals = start + np.cumsum(gaps) - gaps[0]
+        outcomes = [
+            Outcome(number=i, rid=f"{'raw' if ideal else 'kv'}{self.runs}-{rate:g}-{i}", tokens=t, nbytes=0)
+            for i, t in enumerate(lengths)
+        ]
+        by_rid = {o.rid: o for o in outcomes}
+        p_blocks: dict[str, list[list[int]]] = {}
+        d_blocks: dict[str, list[list[int]]] = {}
+        finishes: list[tuple[float, str]] = []
+        raw_handles: dict[str, Any] = {}
+        pending = len(outcomes)
+        next_arrival = 0
+        deadline = arrivals[-1] + w.timeout_s + 5
+
+        def finish(rid: str) -> None:
+            o = by_rid[rid]
+            o.finish = time.monotonic()
+            if ideal:
+                groups = self.groups
+                lids = descriptor_ids(self.regions, groups, tuple(tuple(b) for b in p_blocks[rid]))
+                rids = descriptor_ids(self.d_regions, groups, tuple(tuple(b) for b in d_blocks[rid]))
+                handle = self.raw.agent.make_prepped_xfer(
+                    "WRITE", self.raw.local, lids, self.raw.remote, rids, rid.encode()
+                )
+                self.raw.agent.transfer(handle)
+                raw_handles[rid] = handle
+            else:
+                self.sender.request_finished(rid, p_blocks[rid], match_key=rid)
+
+        while pending:
+            now = time.monotonic()
+            if now > deadline:
+                for o in outcomes:
+                    if not o.done and o.failure is None:
+                        o.failure = "timed out"
+                break
+            while next_arrival < len(outcomes) and arrivals[next_arrival] <= now:
+                o = outcomes[next_arrival]
+                next_arrival += 1
+                o.arrival = float(arrivals[o.number])
+                counts = w.blocks_per_group(o.tokens)
+                o.nbytes = self.nbytes(counts)
+                ids = [pool.alloc(n) for pool, n in zip(self.pools, counts)]
+                if any(i is None for i in ids):
+                    for pool, got in zip(self.pools, ids):
+                        if got is not None:
+                            pool.release(got)
+                    o.failure = "P's block pool is full"
+                    pending -= 1
+                    continue
+                p_blocks[o.rid] = [list(i) for i in ids if i is not None]
+                verify = w.verify_every > 0 and o.number % w.verify_every == 0
+                if verify:
+                    self.content.fill(o.number, p_blocks[o.rid])
+                params = {**self.params, "transfer_id": o.rid, "remote_request_id": o.rid}
+                self.conn.send(("add", o.rid, o.number, counts, params, verify, ideal))
+                finishes.append((o.arrival + prefill_s, o.rid))
+            finishes.sort()
+            while finishes and finishes[0][0] <= time.monotonic() and finishes[0][1] in d_blocks:
+                finish(finishes.pop(0)[1])
+            for rid, handle in list(raw_handles.items()):
+                state = self.raw.agent.check_xfer_state(handle)
+                if state != "PROC":
+                    self.raw.agent.release_xfer_handle(handle)
+                    del raw_handles[rid]
+                    self._release_p(rid, p_blocks)
+                    if state != "DONE":
+                        by_rid[rid].failure = f"raw WRITE ended in {state}"
+            if not ideal:
+                got = self.sender.get_finished()
+                for rid in (*got.sent, *got.failed):
+                    self._release_p(rid, p_blocks)
+            while self.conn.poll(0):
+                message = self.conn.recv()
+                if message[0] == "blocks":
+                    d_blocks[message[1]] = message[2]
+                elif message[0] in ("done", "failed"):
+                    o = by_rid[message[1]]
+                    if message[0] == "failed":
+                        o.failure = message[3]
+                        finishes = [f for f in finishes if f[1] != o.rid]
+                        self._release_p(o.rid, p_blocks)
+                    else:
+                        o.done, o.failure, o.verified = message[2], message[3], message[4]
+                    pending -= 1
+                elif message[0] == "error":
+                    raise RuntimeError(f"serve D failed:\n{message[1]}")
+            waits = [arrivals[next_arrival] if next_arrival < len(outcomes) else now + 0.01]
+            if finishes:
+                waits.append(finishes[0][0])
+            sleep = min(waits) - time.monotonic()
+            if sleep > 0 and not raw_handles:
+                self.conn.poll(min(sleep, 0.001))
+        for rid in list(p_blocks):
+            self._release_p(rid, p_blocks)
+        return outcomes
+
+    def _release_p(self, rid: str, p_blocks: dict[str, list[list[int]]]) -> None:
+        blocks = p_blocks.pop(rid, None)
+        if blocks is not None:
+            for pool, ids in zip(self.pools, blocks):
+                pool.release(ids)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(Exception):
+                self.conn.send(("stop",))
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.kill()
+        if self.sender is not None:
+            self.sender.close()
+        self.p_server.close()
+        self.d_server.close()
+
+    def __enter__(self) -> ServePair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------ summary
+
+
+def summarize(rate: float, outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    done = [o for o in outcomes if o.failure is None and o.done]
+    lat = sorted(1e3 * (o.done - o.finish) for o in done)
+    span = (max(o.done for o in done) - min(o.arrival for o in outcomes)) if done else 0.0
+    nbytes = sum(o.nbytes for o in done)
+    sampled = [o for o in done if o.verified is not None]
+
+    def pct(p: float) -> float | None:
+        return float(np.percentile(lat, p)) if lat else None
+
+    return {
+        "offered_rps": rate,
+        "achieved_rps": len(done) / span if span > 0 else None,
+        "requests": len(outcomes),
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "failures": sorted({o.failure for o in outcomes if o.failure})[:5],
+        "p50_ms": pct(50),
+        "p90_ms": pct(90),
+        "p99_ms": pct(99),
+        "max_ms": max(lat) if lat else None,
+        "gbps": nbytes / span / 1e9 if span > 0 else None,
+        "mean_bytes": statistics.mean(o.nbytes for o in done) if done else None,
+        "verified": sum(1 for o in sampled if o.verified),
+        "verify_failed": sum(1 for o in sampled if not o.verified),
+        "sample_rate": len(sampled) / len(done) if done else None,
+    }
+
+
+def _line(tag: str, s: dict[str, Any]) -> str:
+    def f(v: Any, spec: str = ".2f") -> str:
+        return "-" if v is None else format(v, spec)
+
+    return (
+        f"{tag:>7} {f(s['offered_rps'], '.1f'):>8} {f(s['achieved_rps'], '.1f'):>8} {f(s['p50_ms']):>8} "
+        f"{f(s['p90_ms']):>8} {f(s['p99_ms']):>8} {f(s['max_ms']):>8} {f(s['gbps']):>7} "
+        f"{s['completed']:>5}/{s['requests']:<5} {s['verified']:>4} ok {s['verify_failed']} bad"
+    )
+
+
+HEADER = (
+    f"{'method':>7} {'offered':>8} {'achieved':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
+    f"{'GB/s':>7} {'done':>11} verified"
+)
+
+
+def run(
+    w: Workload,
+    rates: Sequence[float],
+    *,
+    sweep: bool,
+    p99_factor: float,
+    ideal: bool,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    lengths = w.prompt_lengths()
+    results: list[dict[str, Any]] = []
+    with ServePair(w) as pair:
+        warm = lengths[: min(5, len(lengths))]
+        # handshakes, first posts, kernel compiles; registrations land before the finish
+        pair.run(min(rates), warm, ideal=False, say=say, prefill_ms=300)
+        if ideal:
+            pair.run(min(rates), warm, ideal=True, say=say, prefill_ms=300)
+        strategy_before = dict(pair.sender.stats)
+        say(HEADER)
+        queue = list(rates)
+        bound = None
+        knee = None
+        while queue:
+            rate = queue.pop(0)
+            kv = summarize(rate, pair.run(rate, lengths, ideal=False, say=say))
+            say(_line("kvpush", kv))
+            entry: dict[str, Any] = {"rate": rate, "kvpush": kv}
+            if ideal:
+                entry["ideal"] = summarize(rate, pair.run(rate, lengths, ideal=True, say=say))
+                say(_line("ideal", entry["ideal"]))
+            results.append(entry)
+            if bound is None and kv["p50_ms"] is not None:
+                bound = p99_factor * kv["p50_ms"]
+            ok = (
+                kv["failed"] == 0
+                and kv["p99_ms"] is not None
+                and bound is not None
+                and kv["p99_ms"] <= bound
+                and (kv["achieved_rps"] or 0) >= 0.9 * rate
+            )
+            if ok:
+                knee = rate
+            if sweep and ok and not queue and len(results) < 12:
+                queue.append(rate * 2)
+        stats = pair.sender.stats
+        mix = {k: stats.get(k, 0) - strategy_before.get(k, 0) for k in ("packed_writes", "packed_fallbacks")}
+        mix["ipc_writes"] = getattr(pair.sender.transport, "ipc_writes", 0)
+        lengths_arr = np.array(lengths)
+    return {
+        "workload": attrs.asdict(w),
+        "geometry": w.geometry(),
+        "prompt_tokens": {
+            "median": float(np.median(lengths_arr)),
+            "p90": float(np.percentile(lengths_arr, 90)),
+            "max": int(lengths_arr.max()),
+        },
+        "strategy_mix": mix,
+        "p99_bound_ms": bound,
+        "knee_rps": knee,
+        "runs": results,
+    }
+
+
+def plot(result: dict[str, Any], path: str) -> str:
+    """Write latency against offered rate as a PNG; returns a line saying what happened."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"--plot: matplotlib is not installed; no plot written to {path}"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, style in (("kvpush", "-"), ("ideal", "--")):
+        runs = [r for r in result["runs"] if method in r]
+        if not runs:
+            continue
+        x = [r["rate"] for r in runs]
+        for key, marker in (("p50_ms", "o"), ("p99_ms", "s")):
+            ax.plot(x, [r[method][key] for r in runs], style, marker=marker, label=f"{method} {key[:3]}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("offered rate (requests/s)")
+    ax.set_ylabel("added latency, finish -> D may decode (ms)")
+    ax.set_title(f"kvpush bench --serve: {result['workload']['preset']} on {result['workload']['device']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"--plot: wrote {path}"
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--serve`` options (the bench parser's ``--device``, ``--decode-device``, ``--json``
+    and ``--seed`` apply too)."""
+    group = parser.add_argument_group("--serve (serving-shaped load)")
+    group.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b", help="model KV geometry")
+    group.add_argument("--kv-heads", type=int, default=None, help="custom geometry: KV heads per rank")
+    group.add_argument("--head-dim", type=int, default=None, help="custom geometry: head (or latent) size")
+    group.add_argument("--block-size", type=int, default=None, help="custom geometry: tokens per block")
+    group.add_argument("--serve-layers", type=int, default=None, help="custom geometry: layers")
+    group.add_argument("--rate", type=float, action="append", help="requests/s, repeatable (default 10)")
+    group.add_argument("--requests", type=int, default=100, help="requests per rate (default 100)")
+    group.add_argument(
+        "--median-tokens", type=int, default=256, help="log-normal prompt median (default 256)"
+    )
+    group.add_argument(
+        "--sigma", type=float, default=0.6, help="log-normal sigma of prompt lengths (default 0.6)"
+    )
+    group.add_argument("--max-tokens", type=int, default=2048, help="prompt length cap (default 2048)")
+    group.add_argument(
+        "--tokens", type=int, action="append", help="fixed prompt lengths, cycled (repeatable)"
+    )
+    group.add_argument("--prefill-ms", type=float, default=2.0, help="registration -> finish (default 2)")
+    group.add_argument("--verify-every", type=int, default=4, help="verify every Nth request (0: none)")
+    group.add_argument(
+        "--pool-blocks", type=int, default=0, help="blocks per group per side (default: 16 prompts)"
+    )
+    group.add_argument("--transport", choices=["nixl", "cuda_ipc"], default=None, help="default: nixl")
+    group.add_argument("--sweep", action="store_true", help="double the rate until p99 breaks the bound")
+    group.add_argument("--p99-factor", type=float, default=2.0, help="knee bound: p99 <= this x unloaded p50")
+    group.add_argument("--no-ideal", action="store_true", help="skip the raw-NIXL ideal replay")
+    group.add_argument("--plot", default=None, metavar="PNG", help="write latency vs offered rate here")
+
+
+def workload_from(args: argparse.Namespace) -> Workload:
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    return Workload(
+        preset=args.preset,
+        layers=args.serve_layers,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        median_tokens=args.median_tokens,
+        sigma=args.sigma,
+        max_tokens=args.max_tokens,
+        tokens=tuple(args.tokens or ()),
+        requests=args.requests,
+        prefill_ms=args.prefill_ms,
+        verify_every=args.verify_every,
+        pool_blocks=args.pool_blocks,
+        device=device,
+        decode_device=args.decode_device,
+        transport=args.transport or "nixl",
+        seed=args.seed,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        w = workload_from(args)
+        w.model()
+        rates = args.rate or [10.0]
+        if any(r <= 0 for r in rates):
+            raise ValueError(f"--rate must be positive, got {rates}")
+        result = run(
+            w,
+            rates,
+            sweep=args.sweep,
+            p99_factor=args.p99_factor,
+            ideal=not args.no_ideal,
+            say=lambda msg: print(msg, file=sys.stderr, flush=True),
+        )
+    except Exception as err:
+        traceback.print_exc()
+        print(f"kvpush bench --serve failed: {err}", file=sys.stderr)
+        return 1
+    if args.plot:
+        print(plot(result, args.plot), file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(
+            f"knee: {result['knee_rps']} requests/s (p99 <= {_fmt(result['p99_bound_ms'])} ms); "
+            f"strategy mix {result['strategy_mix']}; prompts {result['prompt_tokens']}"
+        )
+    return 0
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+__all__ = ["PRESETS", "Workload", "add_arguments", "main", "run", "summarize"]
