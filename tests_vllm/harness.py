@@ -96,6 +96,11 @@ class EngineSpec:
     max_tokens_per_step: int = 64
     kernel_block_size: int | None = None
     max_model_len: int = 1024
+    sliding_layers: tuple[int, ...] = ()
+    """Layers given a sliding window of ``SLIDING_WINDOW`` tokens (a hybrid model: HMA groups)."""
+
+
+SLIDING_WINDOW = 32
 
 
 def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
@@ -138,14 +143,18 @@ def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
         device_config=DeviceConfig("cpu"),
     )
     config.cache_config.num_gpu_blocks_override = spec.num_blocks
+    if spec.sliding_layers:
+        # vLLM turns the hybrid allocator off on the CPU platform only; a GPU engine of a hybrid
+        # model runs with it, and so do these tests (the scheduler needs no GPU).
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
     return config
 
 
-def layer_specs(config: Any, pp_rank: int) -> dict[str, Any]:
+def layer_specs(config: Any, pp_rank: int, sliding_layers: tuple[int, ...] = ()) -> dict[str, Any]:
     """The KV cache spec of every attention layer one PP stage owns, as the model would report."""
     import torch
     from vllm.distributed.utils import get_pp_indices
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     model = config.model_config
     layers = model.get_total_num_hidden_layers()
@@ -159,25 +168,32 @@ def layer_specs(config: Any, pp_rank: int) -> dict[str, Any]:
             )
         else:
             heads = model.get_total_num_kv_heads() // config.parallel_config.tensor_parallel_size
-            spec = FullAttentionSpec(
-                block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=model.get_head_size(), dtype=dtype
-            )
+            shape = {"block_size": BLOCK_SIZE, "num_kv_heads": heads, "head_size": model.get_head_size()}
+            if layer in sliding_layers:
+                spec = SlidingWindowSpec(**shape, dtype=dtype, sliding_window=SLIDING_WINDOW)
+            else:
+                spec = FullAttentionSpec(**shape, dtype=dtype)
         specs[LAYER.format(layer)] = spec
     return specs
 
 
-def kv_cache_configs(config: Any) -> tuple[Any, list[Any]]:
-    """``(scheduler's KVCacheConfig, [each worker's])`` from vLLM's own planner."""
+def kv_cache_configs(
+    config: Any, sliding_layers: tuple[int, ...] = (), layouts: tuple[str, ...] = ("LBNHC", "LBHNC")
+) -> tuple[Any, list[Any]]:
+    """``(scheduler's KVCacheConfig, [each worker's])`` from vLLM's own planner; ``layouts``: what
+    the attention backend supports, most preferred first (the connector's preference wins)."""
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 
     parallel = config.parallel_config
     tp = parallel.tensor_parallel_size
-    specs = [layer_specs(config, rank // tp) for rank in range(parallel.world_size)]
+    specs = [layer_specs(config, rank // tp, sliding_layers) for rank in range(parallel.world_size)]
+    # What the engine core does first: one layout for the model (a backend supporting both, as
+    # FlashAttention does, lets the connector's HND win), then the groups.
+    every = [spec for worker in specs for spec in worker.values()]
+    layout = resolve_kv_cache_layout(config, [list(layouts)] * parallel.world_size, every)
     groups = get_global_kv_cache_groups(config, specs)
-    # A backend supporting both layouts (as FlashAttention does): the connector's HND wins.
-    layout = resolve_kv_cache_layout(config, [["LBNHC", "LBHNC"]] * parallel.world_size)
     memory = [1 << 30] * parallel.world_size
     workers = get_kv_cache_configs(config, specs, memory, groups)
     for worker in workers:
@@ -426,7 +442,7 @@ class Engine:
 
         self.spec = spec
         self.config = vllm_config(spec)
-        scheduler_config, worker_configs = kv_cache_configs(self.config)
+        scheduler_config, worker_configs = kv_cache_configs(self.config, spec.sliding_layers)
         self.config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
         self.scheduler = Scheduler(
             vllm_config=self.config,
