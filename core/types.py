@@ -508,7 +508,7 @@ class LayoutProvider:
     allocate: Callable[..., Mapping[str, Any]] | None = None
     """Optional: ``allocate(model, parallel, blocks_per_group, device) -> kv_caches``, zeroed
     caches in this layout for the layers a rank owns (``blocks_per_group[g]`` blocks in KV group
-    ``g``). ``kvpush demo --layout NAME`` and :mod:`kvpush.testing.cluster` need it."""
+    ``g``). ``kvpush demo --layout NAME`` and ``kvpush.testing.run_cluster`` need it."""
     demo_model: ModelSpec | None = None
     """Optional: a small model this layout describes, used by ``kvpush demo --layout NAME``
     and the test cluster when no model is given."""

@@ -199,7 +199,7 @@ class RankWorker:
                 f"back to that port before it writes; pass the port of its SideChannelServer"
             )
         layout = self.pm.layout(self.config.layout)
-        regions = tuple(layout.describe_regions(self._kv_caches, self.config.parallel, self.config.model))
+        regions = layout.describe(self._kv_caches, self.config.parallel, self.config.model)  # rules checked
         if not regions:
             raise ConfigError(f"layout {layout.name!r} described no KV regions")
         if len({r.mem_type for r in regions}) > 1:
