@@ -241,7 +241,7 @@ def _block_ids(value: Any, what: str) -> tuple[tuple[int, ...], ...]:
         for block in group:
             if not isinstance(block, int) or isinstance(block, bool) or not 0 <= block <= MAX_BLOCK_ID:
                 raise WireError(
-                    f"{what} field 'local_block_ids' holds {str(block)[:40]!r}; block ids must be ints "
+                    f"{what} field 'local_block_ids' holds {str(block)[:40]}; block ids must be ints "
                     f"in [0, {MAX_BLOCK_ID}]"
                 )
         if len(set(group)) != len(group):

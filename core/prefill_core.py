@@ -282,7 +282,7 @@ class PrefillCore:
                     Send(
                         agent,
                         wire.encode_failed(
-                            reg.request_id, self.s.rank, f"P no longer holds {key!r} (it {tomb[0]})"
+                            reg.request_id, self.s.rank, f"P no longer holds {key!r}: {tomb[2] or tomb[0]}"
                         ),
                     )
                 ]
@@ -657,13 +657,9 @@ class PrefillCore:
         request = self._requests.get(key)
         if request is None:
             return []
-        engine = self._engines.get(request.engine_id)
-        if engine is not None:  # D may have died: the next push opens a fresh connection
-            engine.drop_when_idle = engine.drop_when_idle or reason
-        out = self._fail_request(request, f"WRITE to D rank {rank} failed: {reason}", now)
-        if engine is not None and not engine.inflight:
-            out += self._drop_engine(engine, engine.drop_when_idle, now)
-        return out
+        # The engine stays loaded: a refused post is usually local, and a D that died and came
+        # back is recognised by its new incarnation.
+        return self._fail_request(request, f"WRITE to D rank {rank} failed: {reason}", now)
 
     def write_settled(self, key: str, rank: int, handle: Any, ok: bool, now: float) -> list[Any]:
         request = self._requests.get(key)
@@ -693,8 +689,6 @@ class PrefillCore:
                 out.append(
                     Send(entry.agent, wire.encode_failed(entry.reg.request_id, self.s.rank, dest.error))
                 )
-            if engine is not None:
-                engine.drop_when_idle = engine.drop_when_idle or dest.error
         else:
             dest.state = _Dest.DONE
         if engine is not None and engine.drop_when_idle and not engine.inflight:

@@ -529,6 +529,7 @@ def _summarise(
         "remote_lists_prepared_by_decode": sum(s["counters"]["remote_lists_prepared"] for s in d_stats),
         "writes": sum(s["counters"]["writes_posted"] for s in p_stats),
         "packed_destinations": sum(s["stats"].get("packed_writes", 0) for s in p_stats),
+        "packed_fallbacks": sum(s["stats"].get("packed_fallbacks", 0) for s in p_stats),
     }
 
 

@@ -498,40 +498,47 @@ def test_hook_kvpush_transfer_strategy(kvpush_pm, kvpush_pm_factory):
 
 
 @pytest.mark.parametrize(
-    ("p_tp", "p_pp", "d_tp", "expected"),
+    ("p_tp", "p_pp", "d_tp", "d_rank", "expected"),
     [
-        (1, 1, 1, 1),
-        (2, 1, 1, 2),
-        (1, 1, 2, 1),
-        (4, 1, 2, 2),
-        (2, 2, 4, 2),
-        (4, 2, 1, 8),
-        (8, 4, 2, 16),
+        (1, 1, 1, 0, {(0, 0)}),
+        (2, 1, 1, 0, {(0, 0), (0, 1)}),
+        (1, 1, 2, 1, {(0, 0)}),
+        (4, 1, 2, 1, {(0, 2), (0, 3)}),
+        (2, 2, 4, 3, {(0, 1), (1, 1)}),
+        (4, 2, 1, 0, {(pp, tp) for pp in range(2) for tp in range(4)}),
     ],
 )
-def test_hook_kvpush_expected_notifications(kvpush_pm, p_tp, p_pp, d_tp, expected):
-    decode = ParallelConfig(tp_size=d_tp, tp_rank=d_tp - 1, num_layers=8)
-    count = kvpush_pm.expected_notifications(request(p_tp=p_tp, p_pp=p_pp), decode)
-    assert count == expected == p_pp * max(1, p_tp // d_tp)
+def test_hook_kvpush_expected_producers(kvpush_pm, p_tp, p_pp, d_tp, d_rank, expected):
+    prefill = ParallelConfig(tp_size=p_tp, pp_size=p_pp, num_layers=8)
+    producers = kvpush_pm.expected_producers(prefill, d_rank, d_tp)
+    assert {(p.pp_rank, p.tp_rank) for p in producers} == expected
+    # one rule for both sides: every producer a D rank waits for lists that D rank among the
+    # destinations it writes, and no other producer does
+    from kvpush.core.producers import destinations
+
+    for pp in range(p_pp):
+        for tp in range(p_tp):
+            writes_here = d_rank in destinations(tp, p_tp, d_tp)
+            assert (RankKey(pp, tp) in producers) == writes_here
 
 
-def test_hook_kvpush_expected_notifications_plugin(kvpush_pm_factory):
-    class Doubled:
+def test_hook_kvpush_expected_producers_plugin(kvpush_pm_factory):
+    class StageZeroOnly:
         @staticmethod
         @hookimpl
-        def kvpush_expected_notifications(request):
-            return 2 * request.pp_size
+        def kvpush_expected_producers(prefill):
+            return [RankKey(0, 0)]
 
-    class Zero:
+    class OutOfRange:
         @staticmethod
         @hookimpl
-        def kvpush_expected_notifications():
-            return 0
+        def kvpush_expected_producers():
+            return [RankKey(5, 0)]
 
-    decode = ParallelConfig(tp_size=1, num_layers=4)
-    assert kvpush_pm_factory(("d", Doubled)).expected_notifications(request(p_tp=1, p_pp=3), decode) == 6
-    with pytest.raises(PluginError, match="returned 0 for request 'req-1'"):
-        kvpush_pm_factory(("z", Zero)).expected_notifications(request(p_tp=1, p_pp=1), decode)
+    prefill = ParallelConfig(tp_size=1, pp_size=3, num_layers=6)
+    assert kvpush_pm_factory(("z", StageZeroOnly)).expected_producers(prefill, 0, 1) == {RankKey(0, 0)}
+    with pytest.raises(PluginError, match="inside P's PP 3 x TP 1"):
+        kvpush_pm_factory(("o", OutOfRange)).expected_producers(prefill, 0, 1)
 
 
 def test_hook_kvpush_decode_notification_round_trips(kvpush_pm):
@@ -564,6 +571,8 @@ def test_hook_kvpush_decode_notification_round_trips(kvpush_pm):
 
 
 def pack(obj: object) -> bytes:
+    if isinstance(obj, dict):
+        obj = {**obj, "v": [2, 0]}  # the current notification format
     return msgpack.packb(obj, use_bin_type=True)
 
 
@@ -573,10 +582,10 @@ def pack(obj: object) -> bytes:
         (b"DONE:\xc1", "DONE is not valid msgpack"),
         (b"DONE:" + pack([1, 2]), "DONE body must be a map"),
         (b"DONE:" + pack({"pp": 0, "tp": 0}), "DONE field 'request_id' must be a non-empty string"),
-        (b"DONE:" + pack({"request_id": "r", "pp": -1, "tp": 0}), "DONE field 'pp'"),
+        (b"DONE:" + pack({"request_id": "r", "pp": -1, "tp": 0, "ptp": 1}), "DONE field 'pp'"),
         (b"FAIL:" + pack({"request_id": "r", "pp": 0, "tp": True}), "FAIL field 'tp'"),
         (b"CANCEL:" + pack({"request_id": ""}), "CANCEL field 'request_id'"),
-        (b"HB:" + pack({"request_ids": "r"}), "HB field 'request_ids' must be a list of strings"),
+        (b"HB:" + pack({"request_ids": "r"}), "HB field 'request_ids' must be a list of at most"),
         (b"PUSH_REG:" + pack({"request_id": "r"}), "PUSH_REG field 'match_key'"),
         (
             b"PUSH_REG:"
@@ -588,11 +597,12 @@ def pack(obj: object) -> bytes:
                     "decode_host": "h",
                     "decode_port": 1,
                     "decode_tp_size": 1,
+                    "tp": 0,
                     "local_block_ids": [[1, -2]],
                     "remote_engine_id": "p",
                 }
             ),
-            "PUSH_REG is malformed: block id -2",
+            "PUSH_REG field 'local_block_ids' holds -2",
         ),
     ],
 )

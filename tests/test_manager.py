@@ -13,7 +13,7 @@ import pytest
 from kvpush import hookimpl
 from kvpush.core.errors import PluginError
 from kvpush.core.manager import BUILTIN_PLUGINS, KvpushPluginManager, get_plugin_manager
-from kvpush.core.types import ParallelConfig, PushJob, RequestMetadata, Role, TransferParams
+from kvpush.core.types import ParallelConfig, PushJob, Role
 from kvpush.testing import make_agent_metadata, register_plugin
 
 # ------------------------------------------------------------------------------ built-ins
@@ -30,7 +30,7 @@ def test_builtins_registered_with_provenance(kvpush_pm):
         assert info.hooks == tuple(sorted(info.hooks))
     assert infos["defaults"].hooks == (
         "kvpush_decode_notification",
-        "kvpush_expected_notifications",
+        "kvpush_expected_producers",
         "kvpush_handshake_mode",
         "kvpush_validate_peer",
     )
@@ -136,15 +136,14 @@ def test_wrappers_do_not_break_collect_hooks(kvpush_pm):
 
         @staticmethod
         @hookimpl(wrapper=True)
-        def kvpush_expected_notifications():
+        def kvpush_expected_producers():
             calls.append("expected")
             return (yield)
 
     register_plugin(kvpush_pm, Timing)
     assert "nixl" in kvpush_pm.transports()
-    params = TransferParams(remote_engine_id="p", remote_host="h", remote_port=1, tp_size=2)
-    request = RequestMetadata(request_id="r", block_ids=[1], params=params)
-    assert kvpush_pm.expected_notifications(request, ParallelConfig(tp_size=1, num_layers=2)) == 2
+    prefill = ParallelConfig(tp_size=2, num_layers=2)
+    assert len(kvpush_pm.expected_producers(prefill, 0, 1)) == 2
     assert calls == ["expected"]  # a first-result hook runs its wrapper; collect hooks skip it
 
 

@@ -66,9 +66,7 @@ def test_absent_sizes_come_from_p_published_config_never_a_default() -> None:
         stage0 = [s for k, s in cluster.senders.items() if k.pp_rank == 0]
         for sender in stage0:  # only stage 0 pushes: D must keep waiting for stage 1
             sender.request_finished("p-1", [[5, 6]], match_key="x-1")
-        wait_until(
-            lambda: all(s.stats["pushes"] == 1 for s in stage0), what="stage 0's pushes"
-        )
+        wait_until(lambda: all(s.stats["pushes"] == 1 for s in stage0), what="stage 0's pushes")
         settle(cluster.receivers[0])
         cluster.poll()
         assert "d-1" not in cluster.d_results[0], "done with half the layers written"
