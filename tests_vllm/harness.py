@@ -268,6 +268,12 @@ class _Worker:
             kv_cache_config, torch.device("cpu"), KVCacheLayout[kv_cache_config.kv_cache_layout], kernel
         )
         self.ratio = BLOCK_SIZE // (spec.kernel_block_size or BLOCK_SIZE)
+        self.group_of = {
+            name: gid
+            for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+            for name in group.layer_names
+        }
+        self.sliding = {LAYER.format(i) for i in spec.sliding_layers}
         for tensor in self.caches.values():
             tensor.view(torch.int16).fill_(-1)
         self.connector = KVConnectorFactory.create_connector(
@@ -295,12 +301,18 @@ class _Worker:
         connector.clear_connector_metadata()
         return output
 
-    def _slots(self, block_ids: list[list[int]], positions: Iterable[int]) -> list[tuple[int, int, int]]:
-        """``(position, kernel block, slot)`` of token positions, through the request's block table."""
+    def _slots(
+        self, name: str, block_ids: list[list[int]], positions: Iterable[int]
+    ) -> list[tuple[int, int, int]]:
+        """``(position, kernel block, slot)`` of token positions in layer ``name``'s group, through
+        the request's block table; positions in a null block (out of a sliding window) are left out."""
         kernel = BLOCK_SIZE // self.ratio
+        table = block_ids[self.group_of[name]]
         out = []
         for pos in positions:
-            block = block_ids[0][pos // BLOCK_SIZE]
+            if pos // BLOCK_SIZE >= len(table) or table[pos // BLOCK_SIZE] == 0:
+                continue
+            block = table[pos // BLOCK_SIZE]
             within = pos % BLOCK_SIZE
             out.append((pos, block * self.ratio + within // kernel, within % kernel))
         return out
@@ -318,27 +330,32 @@ class _Worker:
         import torch
 
         hashes = prefix_hashes(tokens[:end])
-        slots = self._slots(block_ids, range(start, end))
+        written = 0
         for name, tensor in self.caches.items():
-            values = torch.from_numpy(self._expected(name, tensor, hashes[start:end]))
+            values = torch.from_numpy(self._expected(name, tensor, hashes))
             raw = tensor.view(torch.int16)
-            for i, (_, block, slot) in enumerate(slots):
-                raw[block, :, slot, :] = values[i]
-        return len(slots)
+            for pos, block, slot in self._slots(name, block_ids, range(start, end)):
+                raw[block, :, slot, :] = values[pos]
+                written += 1
+        return written
 
     def verify(self, tokens: list[int], block_ids: list[list[int]]) -> list[str]:
-        """D: every token slot of the request holds what P computed; mismatches, described."""
+        """D: every token slot of the request holds what P computed (sliding-window layers: the
+        tokens in the window); mismatches, described."""
         import torch
 
         hashes = prefix_hashes(tokens)
-        slots = self._slots(block_ids, range(len(tokens)))
         problems = []
         for name, tensor in self.caches.items():
+            # The next token attends to the last SLIDING_WINDOW - 1 prompt tokens (and itself).
+            first = max(0, len(tokens) - SLIDING_WINDOW + 1) if name in self.sliding else 0
             expected = self._expected(name, tensor, hashes)
             raw = tensor.view(torch.int16)
-            for i, (pos, block, slot) in enumerate(slots):
-                got = raw[block, :, slot, :].numpy()
-                if not np.array_equal(got, expected[i]):
+            slots = self._slots(name, block_ids, range(first, len(tokens)))
+            if len(slots) != len(tokens) - first:
+                problems.append(f"{name}: only {len(slots)} of tokens {first}-{len(tokens) - 1} have blocks")
+            for pos, block, slot in slots:
+                if not np.array_equal(raw[block, :, slot, :].numpy(), expected[pos]):
                     problems.append(f"{name} token {pos} (block {block} slot {slot}) differs")
                     break
         return problems

@@ -126,6 +126,21 @@ def test_prefix_hit_on_d_registers_only_the_suffix(engines: Any, llama_dir: str)
     drain(p, d, model)
 
 
+def test_hma_pp2_prefill_to_tp1_decode(engines: Any, llama_dir: str) -> None:
+    """A hybrid model (full + sliding-window groups, vLLM's hybrid allocator) with PP on P: each
+    stage's regions pair with D's by layer name and group; sliding-window groups send their window."""
+    p = engines(llama_dir, "kv_producer", pp=2, sliding_layers=(1, 3))
+    d = engines(llama_dir, "kv_consumer", sliding_layers=(1, 3))
+    assert len(d.scheduler.kv_cache_config.kv_cache_groups) == 2
+    model = PrefillModel()
+    requests = [(prompt(30 + i, 40 + 23 * i), f"cmpl-hma-{i}") for i in range(2)]
+    ids = [dispatch(p, d, base, tokens) for tokens, base in requests]
+    for (tokens, _), (_, d_id) in zip(requests, ids):
+        receive(p, d, model, d_id)
+        verify(d, d_id, tokens)
+    drain(p, d, model)
+
+
 def test_d_abort_while_receiving_holds_blocks_until_the_cancel_settles(engines: Any, llama_dir: str) -> None:
     """P's WRITE is in flight (held 2 s) when D aborts: vLLM keeps the blocks until kvpush says the
     cancel settled, and nothing lands in them after they are freed."""
