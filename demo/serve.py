@@ -126,6 +126,14 @@ class Workload:
         draws = rng.lognormal(np.log(self.median_tokens), self.sigma, self.requests)
         return [int(x) for x in np.clip(np.round(draws), 1, self.max_tokens)]
 
+    def max_request_bytes(self) -> int:
+        """Bytes of the longest prompt (an upper bound for hybrid models)."""
+        geo = self.geometry()
+        tokens = max(self.tokens) if self.tokens else self.max_tokens
+        sides = 1 if geo.get("attention") == "mla" else 2
+        per_block = sides * geo.get("kv_heads", 1) * geo["head_dim"] * geo["block_size"] * 2
+        return geo["layers"] * per_block * max(self.blocks_per_group(tokens))
+
     def pool(self) -> list[int]:
         """Blocks per group of each side's pool (default: room for ~16 of the longest prompts)."""
         need = self.blocks_per_group(self.max_tokens if not self.tokens else max(self.tokens))
@@ -169,52 +177,45 @@ def pattern(request: int, regions: int, blocks: int) -> np.ndarray:
     return (((request * 131 + r * 31 + j * 7) % 30_000) + 1).astype(np.int16)
 
 
-def region_rows(region: Any) -> Any:
-    """A region as a ``(num_blocks, block_len / 2)`` int16 view (one row per block)."""
-    import torch
-
-    from kvpush.core.packing import span_tensor
-
-    span = span_tensor(
-        region.base_addr,
-        (region.num_blocks - 1) * region.block_stride + region.block_len,
-        region.mem_type,
-        region.device_id,
-    ).view(torch.int16)
-    return span.as_strided((region.num_blocks, region.block_len // 2), (region.block_stride // 2, 1))
-
-
 class Content:
-    """Writes (P) or checks (D) the pattern of a request's blocks, one op per region."""
+    """Writes (P) or checks (D) the pattern of a request's blocks with one gather or scatter
+    launch (:class:`kvpush.core.packing.Packer`) against a buffer of the expected bytes."""
 
-    def __init__(self, regions: Sequence[Any]) -> None:
-        self.regions = list(regions)
-        self.rows = [region_rows(r) for r in self.regions]
-
-    def _index(self, ids: Sequence[int], device: Any) -> Any:
+    def __init__(self, regions: Sequence[Any], max_bytes: int, device: str) -> None:
         import torch
 
-        return torch.tensor(list(ids), dtype=torch.int64, device=device)
+        from kvpush.core.packing import Packer
+
+        self.regions = list(regions)
+        self.packer = Packer(self.regions)
+        self.buffer = torch.zeros(max_bytes + 256, dtype=torch.uint8, device=device)
+        self.device = device
+
+    def _expected(self, request: int, block_ids: Sequence[Sequence[int]]) -> tuple[list[int], Any]:
+        import torch
+
+        counts = np.array([len(block_ids[r.kv_group]) for r in self.regions], dtype=np.int64)
+        sizes = np.array([r.block_len for r in self.regions], dtype=np.int64)
+        offsets = np.concatenate(([0], np.cumsum(counts * sizes)[:-1])).tolist()
+        values = pattern(request, len(self.regions), int(counts.max()))
+        flat = np.concatenate([values[r, : counts[r]] for r in range(len(self.regions))])
+        repeats = torch.from_numpy(np.repeat(sizes // 2, counts)).to(self.device)
+        return offsets, torch.repeat_interleave(torch.from_numpy(flat).to(self.device), repeats)
+
+    def _ids(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(ids) for ids in block_ids)
 
     def fill(self, request: int, block_ids: Sequence[Sequence[int]]) -> None:
-        import torch
-
-        for r, (region, rows) in enumerate(zip(self.regions, self.rows)):
-            ids = block_ids[region.kv_group]
-            values = torch.from_numpy(pattern(request, len(self.regions), len(ids))[r]).to(rows.device)
-            rows[self._index(ids, rows.device)] = values[:, None]
-        if self.rows and self.rows[0].is_cuda:
-            torch.cuda.synchronize(self.rows[0].device)
+        offsets, expected = self._expected(request, block_ids)
+        self.buffer[: 2 * expected.numel()].view(expected.dtype).copy_(expected)
+        self.packer.copy(self.buffer, offsets, self.regions, self._ids(block_ids), (0, 1), gather=False)
 
     def check(self, request: int, block_ids: Sequence[Sequence[int]]) -> bool:
         import torch
 
-        for r, (region, rows) in enumerate(zip(self.regions, self.rows)):
-            ids = block_ids[region.kv_group]
-            want = torch.from_numpy(pattern(request, len(self.regions), len(ids))[r]).to(rows.device)
-            if not bool((rows[self._index(ids, rows.device)] == want[:, None]).all()):
-                return False
-        return True
+        offsets, expected = self._expected(request, block_ids)
+        self.packer.copy(self.buffer, offsets, self.regions, self._ids(block_ids), (0, 1), gather=True)
+        return bool(torch.equal(self.buffer[: 2 * expected.numel()].view(expected.dtype), expected))
 
 
 # ------------------------------------------------------------------------------ D
@@ -233,6 +234,7 @@ def _worker_config(w: Workload, engine: str, port: int, device: str) -> Any:
         layout=w.layout,
         side_channel_port=port,
         busy_poll_s=w.poll_s,
+        staging_bytes=max(64 << 20, 4 * w.max_request_bytes()),
         request_timeout_s=w.timeout_s,
         cuda_device=cuda,
         transport=w.transport,
@@ -270,7 +272,7 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
         receiver.start()
         assert receiver.metadata is not None
         raw = RawAgent("serve-raw-D", receiver.metadata.regions)
-        content = Content(receiver.metadata.regions)
+        content = Content(receiver.metadata.regions, w.max_request_bytes(), device)
         pools = [BlockPool(n, w.seed + 1 + g) for g, n in enumerate(w.pool())]
         conn.send(("ready", (receiver.handshake_payload(), raw.metadata())))
     except Exception:
@@ -316,8 +318,8 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
             got = receiver.get_finished()
             finished += [(rid, None) for rid in got.done]
             finished += [(rid, str(reason)) for rid, reason in got.failed.items()]
+            now = time.monotonic()  # every request of this batch finished by now
             for rid, reason in finished:
-                now = time.monotonic()
                 number, blocks, verify = live.pop(rid, (0, [], False))
                 ok = None
                 if reason is None and verify:
@@ -393,7 +395,7 @@ class ServePair:
             self.d_regions = wire.decode_metadata(d_payload, expected_hash=None, source="serve D").regions
             self.raw.connect(d_raw, self.d_regions)
             self.conn.send(("connect", self.raw.metadata()))
-            self.content = Content(self.regions)
+            self.content = Content(self.regions, w.max_request_bytes(), w.device)
             self.pools = [BlockPool(n, w.seed + 100 + g) for g, n in enumerate(w.pool())]
             self.region_bytes = [r.block_len for r in self.regions]
             self.groups = [r.kv_group for r in self.regions]
