@@ -78,6 +78,8 @@ class Engines:
             self.close()
             raise
         self.d_results: dict[RankKey, dict[str, tuple[str, Any]]] = {r.key: {} for r in self.d_ranks}
+        self.released: set[tuple[RankKey, str]] = set()
+        """(D rank, request) pairs whose blocks were released after a failure or cancel."""
         self.p_results: dict[RankKey, dict[str, str | None]] = {r.key: {} for r in self.p_ranks}
         self.plans: dict[str, dict[str, Any]] = {}
 
@@ -128,6 +130,7 @@ class Engines:
             for kind in ("done", "failed", "cancelled"):
                 for rid, value in polled[kind].items():
                     self.d_results[rank.key][rid] = (kind, value)
+            self.released.update((rank.key, rid) for rid in polled["released"])
         for rank in self.p_ranks:
             if not rank.process.is_alive():
                 continue
@@ -155,9 +158,18 @@ class Engines:
         return {key: results[rid] for key, results in self.d_results.items() if rid in results}
 
     def wait_decode(self, rids: list[str], timeout_s: float = 30.0) -> float:
+        """Wait until every D rank reported each request (done, failed or cancelled)."""
         return self.wait(
             f"D to resolve {rids}",
             lambda: all(rid in results for results in self.d_results.values() for rid in rids),
+            timeout_s,
+        )
+
+    def wait_released(self, rids: list[str], timeout_s: float = 30.0) -> float:
+        """Wait until every D rank released each (failed or cancelled) request's blocks."""
+        return self.wait(
+            f"D to release {rids}",
+            lambda: all((key, rid) in self.released for key in self.d_results for rid in rids),
             timeout_s,
         )
 
@@ -186,6 +198,7 @@ class Engines:
                 self.kill(rank)
         self.d_ranks = self._start(self.d_specs, self.d_server)
         self.d_results = {r.key: {} for r in self.d_ranks}
+        self.released = set()
 
     def close(self) -> None:
         _stop(self.ranks)

@@ -255,9 +255,7 @@ def _kill_decode_mid_transfer(engines: Engines) -> None:
     health = engines.health(engines.p_ranks)[0]
     assert health["outstanding_handles"] == 0
     assert health["finished"] == health["inflight"] == 0
-    # At least once: a heartbeat D sent just before it died can make P load it again, and
-    # P then finds it dead a second time (bounded, and still no state left behind).
-    assert health["stats"]["dead_engines"] >= 1
+    assert health["state"]["requests"] == 0  # nothing held for the dead D
     assert took < 2.0 + 5
 
 
@@ -266,12 +264,9 @@ def test_sigkill_decode_mid_transfer_fails_requests_without_leaks() -> None:
         _kill_decode_mid_transfer(engines)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known flake (about 1 run in 12 on the 2-core CI box): the restarted decode's "
-    "notifications to P sometimes never complete in UCX; see docs/reliability.md",
-)
 def test_restarted_decode_under_the_same_name_is_reloaded() -> None:
+    """Issue 11.2: the restarted D has a new incarnation, so P drops the stale agents and loads
+    the new ones at its HELLO (no longer a flake: see the 20-run figure in docs/reliability.md)."""
     with Engines(prefill_pp=1, decode_tp=1, lease_s=2.0, heartbeat_interval_s=0.2) as engines:
         _kill_decode_mid_transfer(engines)
         engines.restart_decode()  # same agent name: P must have removed the dead one
@@ -290,7 +285,7 @@ def test_sigkill_prefill_stage_mid_transfer_fails_decode_requests_within_the_bou
         request_timeout_s=30.0,
         heartbeat_interval_s=0.2,
         peer_silence_s=1.0,
-        cancel_ack_timeout_s=1.0,
+        write_deadline_s=1.0,
     ) as engines:
         engines.plan("warm", [0], [0])
         engines.add("warm")
@@ -309,7 +304,10 @@ def test_sigkill_prefill_stage_mid_transfer_fails_decode_requests_within_the_bou
         )  # not the 30s watchdog
         for rid in rids[:20]:
             for kind, reason in engines.decode_outcome(rid).values():
-                assert kind == "failed" and "prefill-0-prefill-pp1-tp0" in reason and "unreachable" in reason
+                assert kind == "failed" and "prefill-0-prefill-pp1-tp0" in reason, reason
+                assert "unreachable" in reason or "answered no heartbeat" in reason, reason
+        # Released once the freshness window (0.4 s) and P's WRITE deadline (1 s) passed.
+        engines.wait_released(rids[:20], timeout_s=0.4 + 1.0 + 1.0 + 5)
         for health in engines.health(engines.d_ranks):
             assert health["outstanding_handles"] == 0 and health["pending"] == 0
             assert health["stats"]["dead_peers"] >= 1
@@ -328,7 +326,8 @@ def test_cancel_before_and_after_registration_and_during_a_write_across_processe
             assert kind == "cancelled" and "before any PUSH_REG" in reason
         engines.finish("before")
         engines.wait_prefill(["before"])
-        assert "cancelled by D" in engines.p_results[RankKey(0, 0)]["before"]
+        # D never registered, so nothing binds the key to D: P's lease releases the blocks.
+        assert "lease" in engines.p_results[RankKey(0, 0)]["before"]
 
         # after registration, before P finished
         engines.plan("after", [2, 3], [2, 3])
@@ -352,7 +351,7 @@ def test_cancel_before_and_after_registration_and_during_a_write_across_processe
         )
         engines.finish("during")
         engines.wait(
-            "the WRITE to be in flight", lambda: engines.health(engines.p_ranks)[0]["inflight"] == 1, 10
+            "the WRITEs to be in flight", lambda: engines.health(engines.p_ranks)[0]["inflight"] >= 1, 10
         )
         engines.cancel("during")
         engines.wait_decode(["during"])
