@@ -350,6 +350,8 @@ class Outcome:
     done: float = 0.0
     failure: str | None = None
     verified: bool | None = None
+    marks: dict[str, float] = attrs.Factory(dict)
+    """P-side stamps of kvpush requests: first post starts, posts returned, WRITE settled."""
 
 
 class ServePair:
@@ -381,6 +383,9 @@ class ServePair:
             self.caches = _allocate(w, config, w.device)
             self.sender = PushSender(config, self.caches, pm=get_plugin_manager())
             self.sender.start()
+            self.trace: dict[str, dict[str, float]] = {}
+            self._live: list[str] = []
+            self._instrument(self.sender.transport)
             assert self.sender.metadata is not None
             self.regions = self.sender.metadata.regions
             self.p_server.publish(RankKey(0, 0), self.sender.handshake_payload())
@@ -408,6 +413,30 @@ class ServePair:
             "remote_host": "127.0.0.1",
             "remote_port": self.p_server.port,
         }
+
+    def _instrument(self, transport: Any) -> None:
+        """Stamp, per request, P's first post, its return, and the WRITE settling (monotonic)."""
+        post, poll = transport.post_write, transport.poll
+        owners: dict[Any, str] = {}
+
+        def timed_post(*args: Any) -> Any:
+            start = time.monotonic()
+            handle = post(*args)
+            rid = next((r for r in self._live if r.encode() in args[-1]), None)
+            if rid is not None:
+                marks = self.trace.setdefault(rid, {})
+                marks.setdefault("post", start)
+                marks["posted"] = time.monotonic()
+                owners[handle] = rid
+            return handle
+
+        def timed_poll(handle: Any) -> Any:
+            state = poll(handle)
+            if state.value != "pending" and handle in owners:
+                self.trace.setdefault(owners.pop(handle), {})["settled"] = time.monotonic()
+            return state
+
+        transport.post_write, transport.poll = timed_post, timed_poll
 
     def _recv(self, timeout_s: float) -> tuple[Any, ...]:
         if not self.conn.poll(timeout_s):
@@ -441,6 +470,8 @@ class ServePair:
             for i, t in enumerate(lengths)
         ]
         by_rid = {o.rid: o for o in outcomes}
+        self._live = sorted(by_rid, key=len, reverse=True)  # longest first: no prefix matches
+        self.trace.clear()
         p_blocks: dict[str, list[list[int]]] = {}
         d_blocks: dict[str, list[list[int]]] = {}
         finishes: list[tuple[float, str]] = []
@@ -530,6 +561,8 @@ class ServePair:
                 self.conn.poll(min(sleep, 0.001))
         for rid in list(p_blocks):
             self._release_p(rid, p_blocks)
+        for o in outcomes:
+            o.marks = self.trace.get(o.rid, {})
         return outcomes
 
     def _release_p(self, rid: str, p_blocks: dict[str, list[list[int]]]) -> None:
@@ -586,7 +619,23 @@ def summarize(rate: float, outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "verified": sum(1 for o in sampled if o.verified),
         "verify_failed": sum(1 for o in sampled if not o.verified),
         "sample_rate": len(sampled) / len(done) if done else None,
+        "trace_ms": _trace(done),
     }
+
+
+def _trace(done: Sequence[Outcome]) -> dict[str, float] | None:
+    """Median ms of finish -> first post (P's hop, planning, hooks), the posts themselves,
+    posted -> settled on P (the copy or WRITE), settled -> D reports done (notification, D)."""
+    marked = [o for o in done if {"post", "posted", "settled"} <= set(o.marks)]
+    if not marked:
+        return None
+    steps = {
+        "finish_to_post": [o.marks["post"] - o.finish for o in marked],
+        "post": [o.marks["posted"] - o.marks["post"] for o in marked],
+        "posted_to_settled": [o.marks["settled"] - o.marks["posted"] for o in marked],
+        "settled_to_done": [o.done - o.marks["settled"] for o in marked],
+    }
+    return {k: round(1e3 * statistics.median(v), 3) for k, v in steps.items()}
 
 
 def _line(tag: str, s: dict[str, Any]) -> str:
@@ -624,6 +673,7 @@ def run(
         if ideal:
             pair.run(min(rates), warm, ideal=True, say=say, prefill_ms=300)
         strategy_before = dict(pair.sender.stats)
+        ipc_before = getattr(pair.sender.transport, "ipc_writes", 0)
         say(HEADER)
         queue = list(rates)
         bound = None
@@ -652,7 +702,7 @@ def run(
                 queue.append(rate * 2)
         stats = pair.sender.stats
         mix = {k: stats.get(k, 0) - strategy_before.get(k, 0) for k in ("packed_writes", "packed_fallbacks")}
-        mix["ipc_writes"] = getattr(pair.sender.transport, "ipc_writes", 0)
+        mix["ipc_writes"] = getattr(pair.sender.transport, "ipc_writes", 0) - ipc_before
         lengths_arr = np.array(lengths)
     return {
         "workload": attrs.asdict(w),
