@@ -87,7 +87,16 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-_SERVER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_ACCEPT_FAILED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+_SERVER_EVENTS = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_ACCEPT_FAILED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | _HANDSHAKE_FAILED
+)
+CLIENT_RESENDS = 5
+"""Times ``fetch_metadata`` re-sends its request after its connection dropped (a server at its
+connection cap shuts down the least recently active connection)."""
 
 
 def _secret(secret: bytes | str | None) -> bytes | None:
@@ -251,7 +260,10 @@ class SideChannelServer:
         self._replies: dict[RankKey, bytes] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._conns: collections.OrderedDict[int, _Conn] = collections.OrderedDict()
+        # Open connections by fd, least recently active first: those that have not asked yet
+        # (shut down first when over the cap), and those that have.
+        self._waiting: collections.OrderedDict[int, _Conn] = collections.OrderedDict()
+        self._asked: collections.OrderedDict[int, _Conn] = collections.OrderedDict()
         self.requests_served = 0
         self.requests_rejected = 0
         self.replies_dropped = 0
@@ -271,6 +283,8 @@ class SideChannelServer:
         self._router.setsockopt(zmq.RCVHWM, 8)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full reply queue raises, not blocks
         self._router.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake_timeout_s * 1000)))
+        # Pending connections cost no descriptor; a full backlog drops SYNs (1 s client retry).
+        self._router.setsockopt(zmq.BACKLOG, 128)
         if self._secret is not None:
             keys = curve_keys(self._secret)
             self._router.curve_server = True
@@ -310,7 +324,7 @@ class SideChannelServer:
     @property
     def connections(self) -> int:
         """Connections the server holds now (accepted and not yet closed)."""
-        return len(self._conns)
+        return len(self._waiting) + len(self._asked)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -402,12 +416,11 @@ class SideChannelServer:
         poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                ready = dict(poller.poll(100))
-                if self._monitor in ready:
-                    self._drain_monitor()
-                if self._router in ready:
-                    self._drain_requests()
-                self._drain_monitor()  # every close libzmq reported, before shutting any fd down
+                poller.poll(100)
+                # Connection events first (a request can only come after its connection's),
+                # then requests (a connection that asked is shut down last), then the bounds.
+                self._drain_monitor()
+                self._drain_requests()
                 self._enforce_bounds()
             except zmq.ZMQError as err:
                 if self._stop.is_set():
@@ -439,45 +452,66 @@ class SideChannelServer:
                 self.requests_served -= 1
 
     def _touch(self, frame: zmq.Frame) -> None:
-        """Mark the connection ``frame`` came from as active (most recently used last)."""
+        """Mark the connection ``frame`` came from as active."""
         try:
             fd = frame.get(zmq.SRCFD)
         except zmq.ZMQError:
             return
-        conn = self._conns.get(fd)
-        if conn is not None:
-            conn.last_active = time.monotonic()
-            conn.requests += 1
-            self._conns.move_to_end(fd)
+        self._touch_fd(fd, request=True)
+
+    def _touch_fd(self, fd: int, request: bool = False) -> None:
+        """The connection on ``fd`` made progress (handshake or request): most recent last."""
+        conn = self._waiting.pop(fd, None) if request else self._waiting.get(fd)
+        if conn is None:
+            conn = self._asked.get(fd)
+        if conn is None:
+            return
+        conn.last_active = time.monotonic()
+        conn.requests += request
+        if conn.requests:
+            self._asked[fd] = conn
+            self._asked.move_to_end(fd)
+        else:
+            self._waiting.move_to_end(fd)
 
     def _send(self, identity: bytes, reply: bytes) -> bool:
         """Queue ``reply`` (zero-copy: every queued reply of a rank shares one buffer)."""
-        try:
-            self._router.send_multipart([identity, b"", reply], zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            # The peer has max_queued_replies unread replies: drop this one instead of growing.
-            self.replies_dropped += 1
-            self._warnings.warn("unread", "dropped a request from a peer that does not read its replies")
-        except zmq.ZMQError as err:  # EHOSTUNREACH: the peer left before its reply
-            self._warnings.warn("send", f"reply failed: {err}")
+        for attempt in range(2):
+            try:
+                self._router.send_multipart([identity, b"", reply], zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                if attempt == 0:
+                    # send() processes libzmq's commands only every ~1 ms: the "peer read a
+                    # reply" notice may be waiting. Reading EVENTS processes them; then retry.
+                    self._router.getsockopt(zmq.EVENTS)
+                    continue
+                # The peer has max_queued_replies unread replies: drop this one, do not grow.
+                self.replies_dropped += 1
+                self._warnings.warn("unread", "dropped a request from a peer that does not read its replies")
+            except zmq.ZMQError as err:  # EHOSTUNREACH: the peer left before its reply
+                self._warnings.warn("send", f"reply failed: {err}")
+                return False
         return False
 
     # ------------------------------------------------------------------------ connections
 
-    def _drain_monitor(self) -> None:
-        while True:
+    def _drain_monitor(self, budget: int = 256) -> None:
+        for _ in range(budget):
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
             kind, value = event["event"], event["value"]
             if kind == zmq.EVENT_ACCEPTED:
-                self._conns[value] = _Conn(time.monotonic())
+                self._waiting[value] = _Conn(time.monotonic())
                 self.connections_accepted += 1
-                self.peak_connections = max(self.peak_connections, len(self._conns))
+                self.peak_connections = max(self.peak_connections, self.connections)
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._touch_fd(value)  # progress: a stalled connection is shut down before it
             elif kind == zmq.EVENT_DISCONNECTED:
-                self._conns.pop(value, None)
+                self._waiting.pop(value, None)
+                self._asked.pop(value, None)
             elif kind == zmq.EVENT_ACCEPT_FAILED:
                 self.accepts_failed += 1
                 self._warnings.warn("accept", f"accept failed: {os.strerror(value)}")
@@ -490,17 +524,17 @@ class SideChannelServer:
                 )
 
     def _enforce_bounds(self) -> None:
-        """Shut down connections idle for ``idle_timeout_s``, then the least recently active
-        ones while more than ``max_connections`` are open."""
+        """Shut down connections idle for ``idle_timeout_s``, then apply the cap."""
         idle_before = time.monotonic() - self.idle_timeout_s
-        while self._conns:
-            fd, conn = next(iter(self._conns.items()))
-            if conn.last_active >= idle_before:
-                break
-            del self._conns[fd]
-            self.connections_idle_closed += self._shut_down(fd)
-        while len(self._conns) > self.max_connections:
-            fd, _ = self._conns.popitem(last=False)
+        for conns in (self._waiting, self._asked):
+            while conns:
+                fd, conn = next(iter(conns.items()))
+                if conn.last_active >= idle_before:
+                    break
+                del conns[fd]
+                self.connections_idle_closed += self._shut_down(fd)
+        while self.connections > self.max_connections:
+            fd, _ = (self._waiting or self._asked).popitem(last=False)
             self.connections_evicted += self._shut_down(fd)
             self._warnings.warn(
                 "evicted", f"{self.max_connections} connections open; shut down the least recently active"
@@ -551,7 +585,7 @@ def _handshake_error(address: str, rank: RankKey, has_secret: bool, mismatch: bo
     if has_secret:
         return (
             f"the CURVE handshake with side channel {address} failed {CLIENT_HANDSHAKE_FAILURES} times "
-            f"{asking}; the engines do not share the same {SECRET_ENV}"
+            f"{asking}; the engines do not share the same {SECRET_ENV}, or that engine has none"
         )
     return (
         f"side channel {address} requires a shared secret (CURVE encryption) and this engine has none "
@@ -579,13 +613,14 @@ def fetch_metadata(
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes or wire.MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.REQ_RELAXED, 1)  # a request lost with its connection may be sent again
     if key is not None:
         keys = curve_keys(key)
         sock.curve_serverkey = keys.server_public
         sock.curve_publickey = keys.client_public
         sock.curve_secretkey = keys.client_secret
     monitor_address = f"inproc://kvpush-fetch-monitor-{uuid.uuid4().hex}"
-    sock.monitor(monitor_address, _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.monitor(monitor_address, _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
     monitor = ctx.socket(zmq.PAIR)
     monitor.setsockopt(zmq.LINGER, 0)
     monitor.connect(monitor_address)
@@ -596,24 +631,36 @@ def fetch_metadata(
     try:
         sock.connect(address)
         request = wire.pack([GET_META, wire.WIRE_VERSION, rank.pp_rank, rank.tp_rank])
-        sock.send(seal(key, b"req", nonce, request) if key else request, zmq.NOBLOCK)
+        request = seal(key, b"req", nonce, request) if key else request
+        sock.send(request, zmq.NOBLOCK)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        failures = 0
+        failures = resends = 0
+        connected = False
         while reply is None and (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(max(1, int(left * 1000))))
+            if sock in ready:
+                reply = sock.recv(zmq.NOBLOCK)
+                break
             if monitor in ready:
                 event = parse_monitor_message(monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    failures = 0
+                    failures, connected = 0, True
+                    continue
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    # The request may be lost with the connection; a reply that came first is
+                    # already queued (a resend would discard it).
+                    if connected and resends < CLIENT_RESENDS and not sock.poll(0, zmq.POLLIN):
+                        resends += 1
+                        sock.send(request, zmq.NOBLOCK)
+                    connected = False
                     continue
                 failures += 1
                 mismatch = event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+                # (a mismatch may also surface as the server closing the connection first)
                 if mismatch or failures >= CLIENT_HANDSHAKE_FAILURES:
                     raise HandshakeError(_handshake_error(address, rank, key is not None, mismatch))
-            if sock in ready:
-                reply = sock.recv(zmq.NOBLOCK)
     except zmq.ZMQError as err:
         raise HandshakeError(f"side channel {address} failed for rank {rank}: {err}") from err
     finally:

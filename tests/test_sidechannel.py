@@ -344,6 +344,24 @@ def test_replies_to_a_peer_that_does_not_read_are_dropped() -> None:
         srv.close()
 
 
+def test_a_peer_that_reads_every_reply_is_never_dropped() -> None:
+    """One connection, 50 requests in turn, with room for one queued reply: all answered."""
+    srv = SideChannelServer("P", max_queued_replies=1)
+    srv.publish(RankKey(0, 0), b"p")
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, WAIT_MS)
+    try:
+        sock.connect(srv.address)
+        for _ in range(50):
+            sock.send(wire.pack([GET_META, wire.WIRE_VERSION, 0, 0]))
+            assert wire.unpack(sock.recv(), "reply")["payload"] == b"p"
+        assert srv.replies_dropped == 0 and srv.requests_served == 50
+    finally:
+        sock.close()
+        srv.close()
+
+
 def _assert_still_serves_one(srv: SideChannelServer) -> None:
     assert fetch_metadata("127.0.0.1", srv.port, RankKey(0, 0), timeout_s=30) == b"m" * (512 << 10)
 
@@ -353,6 +371,9 @@ def test_an_idle_connection_is_shut_down() -> None:
     try:
         with _raw_connection(srv.port) as idle:
             assert _closed_by_server(idle, 10), "an idle connection was kept"
+        deadline = time.monotonic() + 5  # counted just after the shutdown the client saw
+        while srv.connections_idle_closed == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert srv.connections_idle_closed == 1
     finally:
         srv.close()

@@ -364,7 +364,10 @@ def test_client_with_a_wrong_secret_is_refused(secure: SideChannelServer) -> Non
 
 
 def test_client_with_a_secret_refuses_a_server_without_one(server: SideChannelServer) -> None:
-    with pytest.raises(HandshakeError, match=r"serves without a secret but this engine has"):
+    # libzmq reports the mechanism mismatch, or just the server closing the connection first
+    with pytest.raises(
+        HandshakeError, match=r"serves without a secret but this engine has|or that engine has none"
+    ):
         fetch_metadata("127.0.0.1", server.port, R0, timeout_s=3, secret=SECRET)
 
 
