@@ -58,10 +58,14 @@ def _registered_model(layout: str) -> tuple[ModelSpec, str]:
     """Any other name: a registered layout plugin and its ``LayoutProvider.demo_model``."""
     from kvpush.core.manager import get_plugin_manager
 
-    try:
-        provider = get_plugin_manager().layout(layout)
-    except ConfigError as err:
-        raise ConfigError(f"unknown --layout {layout!r}: choose {', '.join(LAYOUTS)} or {err}") from None
+    layouts = get_plugin_manager().layouts()
+    if layout not in layouts:
+        raise ConfigError(
+            f"unknown --layout {layout!r}: choose {', '.join(LAYOUTS)} or a registered layout "
+            f"({', '.join(sorted(layouts))}; `kvpush plugins` lists them), or install the plugin "
+            f"that provides it"
+        )
+    provider = layouts[layout]
     if provider.demo_model is None:
         raise ConfigError(
             f"layout {layout!r} sets no LayoutProvider.demo_model, so the demo has no model to "
