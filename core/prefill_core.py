@@ -661,14 +661,17 @@ class PrefillCore:
         # back is recognised by its new incarnation.
         return self._fail_request(request, f"WRITE to D rank {rank} failed: {reason}", now)
 
-    def write_settled(self, key: str, rank: int, handle: Any, ok: bool, now: float) -> list[Any]:
+    def write_settled(
+        self, key: str, rank: int, handle: Any, ok: bool, now: float, error: str = ""
+    ) -> list[Any]:
+        """A WRITE handle settled (``ok``, or failed with the transport's ``error`` if any)."""
         request = self._requests.get(key)
         if request is None or request.dests is None:
             return []
         dest = request.dests[rank]
         dest.handles.discard(handle)
         if not ok and not dest.error:
-            dest.error = f"WRITE to D rank {rank} ended in error"
+            dest.error = f"WRITE to D rank {rank} ended in error" + (f": {error}" if error else "")
         if dest.handles:
             return []
         return self._dest_settled(request, rank, now)

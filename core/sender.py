@@ -344,15 +344,16 @@ class PushSender(RankWorker):
     def _poll(self, now: float) -> None:
         assert self.core is not None and self.transport is not None
         for handle, (key, dst) in list(self.core.inflight_handles().items()):
+            error = ""
             try:
                 state = self.transport.poll(handle)
             except Exception as err:  # contained: a raising poll is a failed WRITE
                 logger.warning("polling a WRITE of %s raised %r; taking it as failed", key, err)
-                state = TransferState.FAILED
+                state, error = TransferState.FAILED, f"{type(err).__name__}: {err}"
             if state is TransferState.PENDING:
                 continue
             self._release_handle(handle)
-            self._execute(self.core.write_settled(key, dst, handle, state is TransferState.DONE, now))
+            self._execute(self.core.write_settled(key, dst, handle, state is TransferState.DONE, now, error))
 
     def _release_handle(self, handle: Any) -> None:
         """Release a WRITE handle and, for a packed WRITE, its lists and staging bytes."""

@@ -78,6 +78,7 @@ def _fault_options(cfg: SoakConfig) -> dict[str, Any]:
         "fail_writes": rate,
         "slow_writes": min(1.0, 10 * rate),
         "write_delay_s": 0.03,
+        "raise_errors": rate,
     }
 
 
@@ -127,6 +128,7 @@ def _reason_kind(reason: str) -> str:
     """A short kind for a failure reason (for the counts in the report)."""
     for pattern, kind in (
         (r"injected post failure", "injected post failure"),
+        (r"injected non-kvpush error", "injected non-kvpush error (contained)"),
         (r"ended in error", "WRITE ended in error"),
         (r"no completion within", "watchdog (notification lost)"),
         (r"unreachable", "P unreachable"),

@@ -64,6 +64,8 @@ class Cluster:
         self.d_caches: dict[int, dict[str, torch.Tensor]] = {}
         self.d_results: dict[int, dict[str, Any]] = {}
         self.p_results: dict[RankKey, dict[str, Any]] = {}
+        self.released: dict[int, set[str]] = {}
+        """D rank -> requests whose blocks it released (after a failure or cancel)."""
         for pp in range(prefill_pp):
             for tp in range(prefill_tp):
                 parallel = ParallelConfig.for_stage(
@@ -97,6 +99,7 @@ class Cluster:
             self.receivers[tp] = receiver
             self.d_caches[tp] = caches
             self.d_results[tp] = {}
+            self.released[tp] = set()
 
     def _config(
         self, engine: str, parallel: ParallelConfig, transport: str, port: int, extra: dict[str, Any]
@@ -138,6 +141,8 @@ class Cluster:
             got = receiver.get_finished()
             self.d_results[tp].update({rid: None for rid in got.done})
             self.d_results[tp].update(got.failed)
+            self.d_results[tp].update(got.cancelled)
+            self.released[tp].update(got.released)
         for key, sender in self.senders.items():
             got = sender.get_finished()
             self.p_results[key].update({rid: None for rid in got.sent})
@@ -155,6 +160,15 @@ class Cluster:
 
         wait_until(ready, timeout_s, f"D ranks {wanted} to finish {request_id}")
         return {tp: self.d_results[tp][request_id] for tp in wanted}
+
+    def wait_released(self, request_id: str, timeout_s: float = 10.0, ranks: Any = None) -> None:
+        wanted = list(self.receivers) if ranks is None else list(ranks)
+
+        def ready() -> bool:
+            self.poll()
+            return all(request_id in self.released[tp] for tp in wanted)
+
+        wait_until(ready, timeout_s, f"D ranks {wanted} to release {request_id}")
 
     def wait_prefill(self, request_id: str, timeout_s: float = 10.0) -> dict[RankKey, str | None]:
         def ready() -> bool:

@@ -91,7 +91,7 @@ def test_decode_watchdog_fails_with_a_named_reason_and_releases_prefill() -> Non
         cluster.finish("p-1", [[2]], "x-1")
         reason = cluster.wait_decode("d-1", timeout_s=5)[0]
         assert reason is not None and "no completion within 0.3s" in reason and "(pp=0, tp=0)" in reason
-        wait_until(lambda: "d-1" in cluster.receivers[0].get_finished().released, what="the release")
+        cluster.wait_released("d-1")
 
 
 # ---------------------------------------------------------------------------- cancellation
@@ -190,8 +190,7 @@ def test_failure_from_one_stage_releases_only_after_the_other_stage_settled() ->
         reason = cluster.wait_decode("d-1", timeout_s=5)[0]
         assert reason is not None and "injected stage-0 failure" in reason
         assert time.monotonic() - started < 0.2  # reported at once
-        released: tuple[str, ...] = ()
-        wait_until(lambda: bool(released := receiver.get_finished().released), what="the release")
+        cluster.wait_released("d-1")
         assert time.monotonic() - started >= 0.2  # ... released once stage 1 settled
 
 

@@ -15,6 +15,10 @@ Select it with ``WorkerConfig(transport="faulty", transport_options={...})``. Op
   the inner post happens only then, so its bytes and notification land late, as on a busy
   fabric. (Host-memory NIXL finishes a WRITE inside ``transfer()``; this opens the window in
   which a cancel can race a WRITE.)
+- ``raise_errors`` (rate): the transport misbehaves outside its contract, raising a
+  non-kvpush ``RuntimeError``: half of the hits from ``post_write`` (nothing posted), half from
+  the first ``poll`` of the handle (the WRITE itself still runs). kvpush must contain both: the
+  request fails with a reason, nothing else is affected.
 - ``notif_prefixes`` (list of str, default all): only notifications starting with one of these
   are dropped, duplicated or delayed (e.g. ``["DONE:"]``); ``drop_prefixes``,
   ``dup_prefixes`` and ``delay_prefixes`` narrow one kind of fault further.
@@ -40,7 +44,15 @@ from kvpush.core.markers import hookimpl
 from kvpush.core.transport import TransferState, TransportConfig, TransportCounters
 from kvpush.core.types import KVRegion, MemType, TransportProvider
 
-RATES = ("drop_notifs", "dup_notifs", "delay_notifs", "fail_posts", "fail_writes", "slow_writes")
+RATES = (
+    "drop_notifs",
+    "dup_notifs",
+    "delay_notifs",
+    "fail_posts",
+    "fail_writes",
+    "slow_writes",
+    "raise_errors",
+)
 PREFIX_OPTIONS = ("notif_prefixes", "drop_prefixes", "dup_prefixes", "delay_prefixes")
 KNOWN_OPTIONS = (*RATES, *PREFIX_OPTIONS, "inner", "inner_options", "seed", "delay_s", "write_delay_s")
 
@@ -112,10 +124,20 @@ class FaultyTransport:
             TransportConfig(agent_name=config.agent_name, options=inner_options),
         )
         self._failed: set[_FailedWrite] = set()
+        self._raise_on_poll: set[int] = set()
+        """ids of handles whose first poll raises (``raise_errors``)."""
         self._slow: set[_SlowWrite] = set()
         self._delayed: list[tuple[float, int, str, bytes]] = []
         self._order = itertools.count()
-        self.injected = {"drop": 0, "dup": 0, "delay": 0, "fail_post": 0, "fail_write": 0, "slow_write": 0}
+        self.injected = {
+            "drop": 0,
+            "dup": 0,
+            "delay": 0,
+            "fail_post": 0,
+            "fail_write": 0,
+            "slow_write": 0,
+            "raise": 0,
+        }
 
     def _hit(self, rate: str) -> bool:
         value = self.rates[rate]
@@ -175,6 +197,23 @@ class FaultyTransport:
         remote_ids: np.ndarray,
         notif: bytes,
     ) -> Any:
+        raising = self._hit("raise_errors")
+        if raising and self._rng.random() < 0.5:
+            self.injected["raise"] += 1
+            raise RuntimeError("faulty transport: injected non-kvpush error in post_write")
+        handle = self._post(local_list, local_ids, remote_list, remote_ids, notif)
+        if raising:
+            self._raise_on_poll.add(id(handle))
+        return handle
+
+    def _post(
+        self,
+        local_list: int,
+        local_ids: np.ndarray,
+        remote_list: int,
+        remote_ids: np.ndarray,
+        notif: bytes,
+    ) -> Any:
         if self._hit("fail_posts"):
             self.injected["fail_post"] += 1
             self.inner.counters.writes_failed += 1
@@ -194,6 +233,10 @@ class FaultyTransport:
         return self.inner.post_write(local_list, local_ids, remote_list, remote_ids, notif)
 
     def poll(self, handle: Any) -> TransferState:
+        if self._raise_on_poll and id(handle) in self._raise_on_poll:
+            self._raise_on_poll.discard(id(handle))
+            self.injected["raise"] += 1
+            raise RuntimeError("faulty transport: injected non-kvpush error in poll")
         if isinstance(handle, _FailedWrite):
             return TransferState.FAILED
         if isinstance(handle, _SlowWrite):
@@ -209,6 +252,7 @@ class FaultyTransport:
         return self.inner.poll(handle)
 
     def release(self, handle: Any) -> None:
+        self._raise_on_poll.discard(id(handle))
         if isinstance(handle, _FailedWrite):
             self._failed.discard(handle)
             return
