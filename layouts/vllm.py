@@ -166,14 +166,46 @@ def _block_order(tensor: Any, name: str) -> tuple[str, int]:
     )
 
 
-def describe_vllm(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec) -> list[KVRegion]:
-    """One region per layer (and group) this rank holds, in natural layer-name order."""
-    bad = [name for name, value in kv_caches.items() if not isinstance(value, VllmLayerCache)]
-    if bad:
+def _wrap_tensors(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec) -> dict[str, Any]:
+    """Plain 4-D views (no ``KVCacheConfig`` at hand): layer ``i`` of the rank's window, in natural
+    name order, takes its group and kind from the model spec."""
+    if all(isinstance(v, VllmLayerCache) for v in kv_caches.values()):
+        return dict(kv_caches)
+    if any(isinstance(v, VllmLayerCache) for v in kv_caches.values()):
+        raise ConfigError("kv_caches mixes VllmLayerCache values and plain tensors; use one or the other")
+    names = sorted(kv_caches, key=natural_key)
+    if len(names) != parallel.num_local_layers:
         raise ConfigError(
-            f"the vllm layout needs VllmLayerCache values (got {type(kv_caches[bad[0]]).__name__} for "
-            f"{bad[0]!r}); build them with kvpush.layouts.vllm.layer_caches(kv_caches, kv_cache_config)"
+            f"got {len(names)} plain KV tensors but rank {parallel.rank} owns {parallel.num_local_layers} "
+            f"layers; with shared or partial layers build the mapping with "
+            f"kvpush.layouts.vllm.layer_caches(kv_caches, kv_cache_config)"
         )
+    out = {}
+    for position, name in enumerate(names):
+        layer = parallel.start_layer + position
+        tensor = kv_caches[name]
+        if not hasattr(tensor, "dim") or tensor.dim() != 4:
+            raise ConfigError(
+                f"KV cache of layer {name!r} must be a 4-D [blocks, heads, tokens, content] view (or a "
+                f"VllmLayerCache from kvpush.layouts.vllm.layer_caches), got {type(tensor).__name__}"
+            )
+        out[name] = VllmLayerCache(
+            tensor=tensor,
+            group=model.group_of(layer),
+            attention_kind=model.kind_of(layer),
+            mla=model.attention == "mla",
+        )
+    return out
+
+
+def describe_vllm(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec) -> list[KVRegion]:
+    """One region per layer (and group) this rank holds, in natural layer-name order.
+
+    ``kv_caches`` maps layer names to :class:`VllmLayerCache` (:func:`layer_caches` builds them from
+    vLLM's caches and ``KVCacheConfig``) or, without a ``KVCacheConfig``, to plain 4-D views whose
+    groups and kinds come from ``model``.
+    """
+    kv_caches = _wrap_tensors(kv_caches, parallel, model)
     merged: dict[tuple[int, int, int], list[str]] = {}
     first: dict[tuple[int, int, int], VllmLayerCache] = {}
     for name in sorted(kv_caches, key=natural_key):
@@ -221,12 +253,53 @@ def describe_vllm(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model:
     return regions
 
 
+LAYER_NAME = "model.layers.{}.self_attn.attn"
+DEMO_MODEL = ModelSpec(
+    name="vllm-demo-gqa", num_layers=4, num_kv_heads=4, head_dim=8, block_size=16, dtype="bfloat16"
+)
+
+
+def allocate_vllm_caches(
+    model: ModelSpec, parallel: ParallelConfig, blocks_per_group: Sequence[int], device: str = "cpu"
+) -> dict[str, Any]:
+    """Zeroed caches shaped like vLLM 0.33's HND views (demos and tests without vLLM): layer ``i``
+    is ``[blocks of its group, local heads, block_size, content]``, content = K and V packed
+    (``2 x head_dim``) or the MLA latent (one head)."""
+    import torch
+
+    counts = list(blocks_per_group)
+    if len(counts) < model.num_groups or any(not isinstance(n, int) or n <= 0 for n in counts):
+        raise ConfigError(
+            f"model {model.name!r} needs a positive block count for each of its {model.num_groups} "
+            f"KV-cache group(s), got {counts}"
+        )
+    mla = model.attention == "mla"
+    if not mla and model.num_kv_heads % parallel.tp_size:
+        raise ConfigError(
+            f"ModelSpec.num_kv_heads={model.num_kv_heads} cannot be split over tp_size={parallel.tp_size}"
+        )
+    heads = 1 if mla else model.num_kv_heads // parallel.tp_size
+    content = model.head_dim if mla else 2 * model.head_dim
+    dtype = getattr(torch, model.dtype)
+    return {
+        LAYER_NAME.format(layer): torch.zeros(
+            (counts[model.group_of(layer)], heads, model.block_size, content), dtype=dtype, device=device
+        )
+        for layer in range(parallel.start_layer, parallel.end_layer)
+    }
+
+
 @hookimpl
 def kvpush_layouts() -> list[LayoutProvider]:
+    extras: dict[str, Any] = {}
+    fields = attrs.fields_dict(LayoutProvider)
+    if "allocate" in fields and "demo_model" in fields:
+        extras = {"allocate": allocate_vllm_caches, "demo_model": DEMO_MODEL}
     return [
         LayoutProvider(
             name=LAYOUT_NAME,
             describe_regions=describe_vllm,
+            **extras,
             description=(
                 "vLLM >= 0.33 per-layer [blocks, heads, tokens, content] views (HND or NHD), MHA/GQA, "
                 "MLA and hybrid groups; kernel-block regions matched by layer name, group and component"
