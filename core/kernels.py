@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -158,6 +159,8 @@ class SpanCopier:
         self._timing: tuple[Any, Any] | None = None
         self.launches = 0
         self.aligned_launches = 0
+        self.host_seconds = [0.0, 0.0]
+        """Host time of launches: preparing the table, enqueueing upload and kernel (totals)."""
 
     def _buffers(self, words: int) -> tuple[Any, Any]:
         import torch
@@ -176,6 +179,7 @@ class SpanCopier:
         """
         import torch
 
+        began = time.perf_counter()
         s, d, n = as_spans(src, dst, lengths)
         keep = n > 0
         if not keep.all():
@@ -209,6 +213,7 @@ class SpanCopier:
         waited = after if after is not None else torch.cuda.current_stream(self.device)
         stream.wait_stream(waited)
         plain, fast = _kernel()
+        prepared = time.perf_counter()
         with torch.cuda.stream(stream):
             start = None
             if timed:
@@ -234,6 +239,8 @@ class SpanCopier:
             done.record(stream)
         self._uploaded = uploaded
         self._timing = (start, done) if timed else None
+        self.host_seconds[0] += prepared - began
+        self.host_seconds[1] += time.perf_counter() - prepared
         self.launches += 1
         self.aligned_launches += int(aligned)
         return done

@@ -73,6 +73,9 @@ class Workload:
     seed: int = 0
     poll_s: float = 50e-6
     timeout_s: float = 30.0
+    switch_interval_us: float = 0.0
+    """When > 0, ``sys.setswitchinterval`` of P and D (how soon a thread waiting for the GIL
+    gets it from a busy one; Python's default is 5000 us)."""
 
     def geometry(self) -> dict[str, Any]:
         if self.preset not in PRESETS:
@@ -262,6 +265,8 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
         from kvpush.core.types import RequestMetadata, TransferParams
         from kvpush.demo.bench import RawAgent
 
+        if w.switch_interval_us > 0:
+            sys.setswitchinterval(w.switch_interval_us / 1e6)
         device = w.decode_device or w.device
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -368,6 +373,8 @@ class ServePair:
 
         os.environ.setdefault("UCX_LOG_LEVEL", "error")
         torch.set_num_threads(1)
+        if w.switch_interval_us > 0:
+            sys.setswitchinterval(w.switch_interval_us / 1e6)
         self.w = w
         self.p_server = SideChannelServer("serve-P")
         self.d_server = SideChannelServer("serve-D")
@@ -702,7 +709,22 @@ def run(
                 queue.append(rate * 2)
         stats = pair.sender.stats
         mix = {k: stats.get(k, 0) - strategy_before.get(k, 0) for k in ("packed_writes", "packed_fallbacks")}
-        mix["ipc_writes"] = getattr(pair.sender.transport, "ipc_writes", 0) - ipc_before
+        transport = pair.sender.transport
+        mix["ipc_writes"] = getattr(transport, "ipc_writes", 0) - ipc_before
+        if getattr(transport, "ipc_writes", 0):
+            from kvpush.core.kernels import _COPIERS
+
+            posts = transport.ipc_writes
+            mix["ipc_post_ms"] = {
+                "address_lists": round(1e3 * transport.post_seconds[0] / posts, 3),
+                "launch": round(1e3 * transport.post_seconds[1] / posts, 3),
+            }
+            host = [sum(c.host_seconds[i] for c in _COPIERS.values()) for i in (0, 1)]
+            launches = sum(c.launches for c in _COPIERS.values()) or 1
+            mix["copier_host_ms"] = {
+                "prepare": round(1e3 * host[0] / launches, 3),
+                "enqueue": round(1e3 * host[1] / launches, 3),
+            }
         lengths_arr = np.array(lengths)
     return {
         "workload": attrs.asdict(w),
@@ -783,6 +805,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--p99-factor", type=float, default=2.0, help="knee bound: p99 <= this x unloaded p50")
     group.add_argument("--no-ideal", action="store_true", help="skip the raw-NIXL ideal replay")
     group.add_argument("--plot", default=None, metavar="PNG", help="write latency vs offered rate here")
+    group.add_argument(
+        "--switch-interval-us", type=float, default=0.0, help="sys.setswitchinterval of P and D (0: Python's)"
+    )
 
 
 def workload_from(args: argparse.Namespace) -> Workload:
@@ -805,6 +830,7 @@ def workload_from(args: argparse.Namespace) -> Workload:
         decode_device=args.decode_device,
         transport=args.transport or "nixl",
         seed=args.seed,
+        switch_interval_us=args.switch_interval_us,
     )
 
 

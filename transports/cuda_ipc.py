@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import struct
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -252,6 +253,8 @@ class CudaIpcTransport:
         self._blobs: dict[str, bytes] = {}
         self._writes: set[_IpcWrite] = set()
         self.ipc_writes = 0
+        self.post_seconds = [0.0, 0.0]
+        """Time in IPC posts: building the address lists, launching the copy (totals)."""
         self.fallbacks: dict[str, str] = {}
         """Peer -> why WRITEs to it go over the inner transport (auto mode)."""
         _LIVE[config.agent_name] = self
@@ -462,6 +465,7 @@ class CudaIpcTransport:
             return self.inner.post_write(
                 self._inner_list(local), local_ids, self._inner_list(remote), remote_ids, notif
             )
+        started = time.perf_counter()
         lids = np.asarray(local_ids, dtype=np.int64)
         rids = np.asarray(remote_ids, dtype=np.int64)
         lens = local.lens[lids]
@@ -473,9 +477,9 @@ class CudaIpcTransport:
         from kvpush.core.kernels import copier_for
 
         try:
-            event = copier_for(int(local.descs[0, 2]) if len(local.descs) else 0).launch(
-                local.addrs[lids], remote.addrs[rids], lens
-            )
+            src, dst = local.addrs[lids], remote.addrs[rids]
+            indexed = time.perf_counter()
+            event = copier_for(int(local.descs[0, 2]) if len(local.descs) else 0).launch(src, dst, lens)
         except Exception as err:
             self.counters.writes_failed += 1
             raise TransferError(
@@ -485,6 +489,8 @@ class CudaIpcTransport:
         self._writes.add(write)
         self.counters.writes_posted += 1
         self.ipc_writes += 1
+        self.post_seconds[0] += indexed - started
+        self.post_seconds[1] += time.perf_counter() - indexed
         return write
 
     def poll(self, handle: Any) -> TransferState:
