@@ -66,7 +66,7 @@ CURVE_OVERHEAD = 33
 """Bytes CURVE adds to each frame (counted against the client's ``MAXMSGSIZE``)."""
 DEFAULT_MAX_CONNECTIONS = 128
 DEFAULT_IDLE_TIMEOUT_S = 10.0
-DEFAULT_HANDSHAKE_TIMEOUT_S = 2.0
+DEFAULT_ZMTP_HANDSHAKE_TIMEOUT_S = 2.0
 DEFAULT_MAX_QUEUED_REPLIES = 2
 WARNING_INTERVAL_S = 10.0
 """A kind of warning is logged at most once per interval; the next one counts those suppressed."""
@@ -235,7 +235,7 @@ class SideChannelServer:
         insecure: bool = False,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        zmtp_handshake_timeout_s: float = DEFAULT_ZMTP_HANDSHAKE_TIMEOUT_S,
         max_queued_replies: int = DEFAULT_MAX_QUEUED_REPLIES,
         max_reply_bytes: int | None = None,
     ) -> None:
@@ -251,7 +251,7 @@ class SideChannelServer:
             )
         _positive("max_connections", max_connections, "e.g. 128")
         _positive("idle_timeout_s", idle_timeout_s, "e.g. 10")
-        _positive("handshake_timeout_s", handshake_timeout_s, "e.g. 2")
+        _positive("zmtp_handshake_timeout_s", zmtp_handshake_timeout_s, "e.g. 2")
         _positive("max_queued_replies", max_queued_replies, "1 or 2")
         self.max_connections = int(max_connections)
         self.idle_timeout_s = float(idle_timeout_s)
@@ -282,7 +282,7 @@ class SideChannelServer:
         self._router.setsockopt(zmq.SNDHWM, int(max_queued_replies))
         self._router.setsockopt(zmq.RCVHWM, 8)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full reply queue raises, not blocks
-        self._router.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake_timeout_s * 1000)))
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(zmtp_handshake_timeout_s * 1000)))
         # Pending connections cost no descriptor; a full backlog drops SYNs (1 s client retry).
         self._router.setsockopt(zmq.BACKLOG, 128)
         if self._secret is not None:

@@ -367,7 +367,7 @@ def _assert_still_serves_one(srv: SideChannelServer) -> None:
 
 
 def test_an_idle_connection_is_shut_down() -> None:
-    srv = SideChannelServer("P", idle_timeout_s=0.3, handshake_timeout_s=30)
+    srv = SideChannelServer("P", idle_timeout_s=0.3, zmtp_handshake_timeout_s=30)
     try:
         with _raw_connection(srv.port) as idle:
             assert _closed_by_server(idle, 10), "an idle connection was kept"
@@ -380,7 +380,7 @@ def test_an_idle_connection_is_shut_down() -> None:
 
 
 def test_the_connection_cap_shuts_down_the_least_recently_active() -> None:
-    srv = SideChannelServer("P", max_connections=4, handshake_timeout_s=30)
+    srv = SideChannelServer("P", max_connections=4, zmtp_handshake_timeout_s=30)
     srv.publish(RankKey(0, 0), b"p")
     conns = []
     try:
@@ -407,7 +407,7 @@ def test_the_connection_cap_shuts_down_the_least_recently_active() -> None:
         ({"max_connections": 0}, "max_connections=0"),
         ({"idle_timeout_s": -1}, "idle_timeout_s=-1"),
         ({"max_queued_replies": 0}, "max_queued_replies=0"),
-        ({"handshake_timeout_s": "2"}, "handshake_timeout_s='2'"),
+        ({"zmtp_handshake_timeout_s": "2"}, "zmtp_handshake_timeout_s='2'"),
     ],
 )
 def test_bad_bounds_are_config_errors_naming_the_argument(kwargs: dict[str, Any], name: str) -> None:

@@ -268,7 +268,7 @@ def test_unread_requests_do_not_grow_the_server(attackers: Attackers) -> None:
 def test_idle_clients_do_not_take_every_descriptor(kind: str, attackers: Attackers, many_fds: None) -> None:
     """1200 idle connections (raw TCP, or ZMQ sockets that reconnect when shut down) against a
     server limited to 1024 descriptors: it keeps at most max_connections and still answers."""
-    server = ServerProcess(payload=64 << 10, handshake_timeout_s=30)
+    server = ServerProcess(payload=64 << 10, zmtp_handshake_timeout_s=30)
     idle: list[Any] = []
     try:
         fds_before = server.fds()
