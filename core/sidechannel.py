@@ -23,55 +23,82 @@ The payload is a key to the engine's memory (NIXL agent blob: UCX address + remo
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import functools
-import hashlib
-import hmac
-import ipaddress
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgpack
 import zmq
-import zmq.utils.z85
 from zmq.utils.monitor import parse_monitor_message
 
 from kvpush.core import wire
 from kvpush.core.errors import ConfigError, HandshakeError, WireError
+from kvpush.core.sidechannel_auth import (
+    AUTH_MAGIC,
+    AUTH_OVERHEAD,
+    CURVE_OVERHEAD,
+    NONCE_BYTES,
+    SECRET_ENV,
+    CurveKeys,
+    curve_keys,
+    is_loopback,
+    resolve_secret,
+    seal,
+    unseal,
+)
+from kvpush.core.sidechannel_bounds import (
+    HANDSHAKE_FAILED,
+    MONITORED_EVENTS,
+    ConnectionTracker,
+    RateLimitedWarnings,
+)
 from kvpush.core.types import RankKey
+
+__all__ = [
+    "AUTH_MAGIC",
+    "AUTH_OVERHEAD",
+    "CURVE_OVERHEAD",
+    "GET_META",
+    "MAX_REQUEST_BYTES",
+    "NONCE_BYTES",
+    "SECRET_ENV",
+    "TRANSPORT_LIMIT_BYTES",
+    "CurveKeys",
+    "SideChannelServer",
+    "curve_keys",
+    "fetch_metadata",
+    "is_loopback",
+    "seal",
+    "unseal",
+]
 
 logger = logging.getLogger(__name__)
 
 GET_META = "GET_META"
 DEFAULT_HOST = "127.0.0.1"
-SECRET_ENV = "KVPUSH_SIDE_CHANNEL_SECRET"
-AUTH_MAGIC = b"KVPA"
-NONCE_BYTES = 16
-AUTH_OVERHEAD = len(AUTH_MAGIC) + hashlib.sha256().digest_size + NONCE_BYTES
-
 MAX_REQUEST_BYTES = 128
 """Largest request the server decodes: a request is at most 37 bytes of msgpack, plus the
 52-byte HMAC envelope when a secret is set."""
 TRANSPORT_LIMIT_BYTES = 1024
 """ZMQ ``MAXMSGSIZE`` of the server: larger frames cut the connection before they are read.
 Above ``MAX_REQUEST_BYTES`` because the CURVE handshake's commands (~300 bytes) obey it too."""
-CURVE_OVERHEAD = 33
-"""Bytes CURVE adds to each frame (counted against the client's ``MAXMSGSIZE``)."""
 DEFAULT_MAX_CONNECTIONS = 128
 DEFAULT_IDLE_TIMEOUT_S = 10.0
 DEFAULT_ZMTP_HANDSHAKE_TIMEOUT_S = 2.0
 DEFAULT_MAX_QUEUED_REPLIES = 2
-WARNING_INTERVAL_S = 10.0
-"""A kind of warning is logged at most once per interval; the next one counts those suppressed."""
+MONITOR_BUDGET = 256
+"""Connection events the server handles per round before it serves requests and shuts
+connections down."""
 CLIENT_HANDSHAKE_FAILURES = 3
 """Failed CURVE handshakes in a row after which ``fetch_metadata`` gives up (wrong secret)."""
+CLIENT_RESENDS = 5
+"""Times ``fetch_metadata`` re-sends its request after its connection dropped (a server at its
+connection cap shuts down the least recently active connection)."""
 
 _REQUEST_LIMITS = {
     "max_str_len": 32,
@@ -81,100 +108,6 @@ _REQUEST_LIMITS = {
     "max_ext_len": 0,
 }
 _REPLY_LIMITS = {"max_str_len": 1 << 16, "max_array_len": 16, "max_map_len": 8, "max_ext_len": 0}
-_KDF_SALT = b"kvpush side channel CURVE keys v1"
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-_SERVER_EVENTS = (
-    zmq.EVENT_ACCEPTED
-    | zmq.EVENT_ACCEPT_FAILED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | _HANDSHAKE_FAILED
-)
-CLIENT_RESENDS = 5
-"""Times ``fetch_metadata`` re-sends its request after its connection dropped (a server at its
-connection cap shuts down the least recently active connection)."""
-
-
-def _secret(secret: bytes | str | None) -> bytes | None:
-    """The shared secret: the argument, else ``KVPUSH_SIDE_CHANNEL_SECRET``; None when unset."""
-    if secret is None:
-        secret = os.environ.get(SECRET_ENV) or None
-    if isinstance(secret, str):
-        secret = secret.encode()
-    return secret or None
-
-
-class CurveKeys(NamedTuple):
-    """Z85 CURVE keys both ends derive from the shared secret."""
-
-    server_public: bytes
-    server_secret: bytes
-    client_public: bytes
-    client_secret: bytes
-
-
-@functools.lru_cache(maxsize=8)
-def curve_keys(secret: bytes) -> CurveKeys:
-    """The CURVE keypairs of ``secret``: scrypt (n=2**14, r=8; ~50 ms, once per process and
-    secret) so that a recorded handshake does not let a weak secret be guessed quickly."""
-    material = hashlib.scrypt(secret, salt=_KDF_SALT, n=1 << 14, r=8, p=1, dklen=64)
-    server_secret = zmq.utils.z85.encode(material[:32])
-    client_secret = zmq.utils.z85.encode(material[32:])
-    return CurveKeys(
-        zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret
-    )
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or a name) is only reachable from this machine."""
-    name = host.strip().strip("[]")
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        pass
-    if name in ("", "*"):
-        return False
-    try:
-        infos = socket.getaddrinfo(name, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
-
-
-def _mac(secret: bytes, direction: bytes, nonce: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, direction + nonce + body, hashlib.sha256).digest()
-
-
-def seal(secret: bytes, direction: bytes, nonce: bytes, body: bytes) -> bytes:
-    """Wrap ``body`` with its HMAC (``direction`` is ``b"req"``)."""
-    return AUTH_MAGIC + _mac(secret, direction, nonce, body) + nonce + body
-
-
-def unseal(secret: bytes, direction: bytes, frame: bytes, nonce: bytes | None = None) -> tuple[bytes, bytes]:
-    """``(nonce, body)`` of a sealed frame; raises ``HandshakeError`` if it is not sealed with
-    ``secret`` (or not for ``nonce``)."""
-    digest = hashlib.sha256().digest_size
-    if not frame.startswith(AUTH_MAGIC) or len(frame) < AUTH_OVERHEAD:
-        raise HandshakeError(
-            f"the side channel needs authentication (HMAC-SHA256 with the shared secret in "
-            f"{SECRET_ENV}) and this message carries none; set the same secret on both engines"
-        )
-    mac = frame[len(AUTH_MAGIC) : len(AUTH_MAGIC) + digest]
-    got_nonce = frame[len(AUTH_MAGIC) + digest : AUTH_OVERHEAD]
-    body = frame[AUTH_OVERHEAD:]
-    if (nonce is not None and got_nonce != nonce) or not hmac.compare_digest(
-        mac, _mac(secret, direction, got_nonce, body)
-    ):
-        raise HandshakeError(
-            f"side-channel message failed HMAC authentication; the engines do not share the same {SECRET_ENV}"
-        )
-    return got_nonce, body
 
 
 def _unpack(data: bytes, what: str, limits: Mapping[str, int]) -> Any:
@@ -184,36 +117,6 @@ def _unpack(data: bytes, what: str, limits: Mapping[str, int]) -> Any:
         return msgpack.unpackb(data, raw=False, strict_map_key=False, **limits)
     except Exception as err:  # msgpack raises several unrelated types
         raise WireError(f"{what} is not valid msgpack ({type(err).__name__}: {err})") from None
-
-
-class _Warnings:
-    """Logs each kind of warning at most once per ``interval_s``, counting the ones it skipped."""
-
-    def __init__(self, prefix: str, interval_s: float | None = None) -> None:
-        self._prefix = prefix
-        self._interval_s = WARNING_INTERVAL_S if interval_s is None else interval_s
-        self._last: dict[str, float] = {}
-        self._suppressed: collections.Counter[str] = collections.Counter()
-
-    def warn(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self._interval_s:
-            self._suppressed[kind] += 1
-            return
-        self._last[kind] = now
-        skipped = self._suppressed.pop(kind, 0)
-        suffix = f" ({skipped} more like it in the last {now - last:.0f}s)" if skipped and last else ""
-        logger.warning("%s%s%s", self._prefix, message, suffix)
-
-
-class _Conn:
-    __slots__ = ("accepted_at", "last_active", "requests")
-
-    def __init__(self, now: float) -> None:
-        self.accepted_at = now
-        self.last_active = now
-        self.requests = 0
 
 
 def _positive(name: str, value: float, fix: str) -> None:
@@ -241,7 +144,7 @@ class SideChannelServer:
     ) -> None:
         self.engine_id = engine_id
         self.host = host
-        self._secret = _secret(secret)
+        self._secret = resolve_secret(secret)
         if self._secret is None and not insecure and not is_loopback(host):
             raise ConfigError(
                 f"side channel of engine {engine_id!r} would serve its NIXL metadata (UCX address and "
@@ -253,26 +156,14 @@ class SideChannelServer:
         _positive("idle_timeout_s", idle_timeout_s, "e.g. 10")
         _positive("zmtp_handshake_timeout_s", zmtp_handshake_timeout_s, "e.g. 2")
         _positive("max_queued_replies", max_queued_replies, "1 or 2")
-        self.max_connections = int(max_connections)
-        self.idle_timeout_s = float(idle_timeout_s)
         self.max_reply_bytes = max_reply_bytes or wire.MAX_FRAME_BYTES
-        self._warnings = _Warnings(f"side channel of {engine_id}: ")
+        self._warnings = RateLimitedWarnings(logger, f"side channel of {engine_id}: ")
         self._replies: dict[RankKey, bytes] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        # Open connections by fd, least recently active first: those that have not asked yet
-        # (shut down first when over the cap), and those that have.
-        self._waiting: collections.OrderedDict[int, _Conn] = collections.OrderedDict()
-        self._asked: collections.OrderedDict[int, _Conn] = collections.OrderedDict()
         self.requests_served = 0
         self.requests_rejected = 0
         self.replies_dropped = 0
-        self.handshakes_failed = 0
-        self.accepts_failed = 0
-        self.connections_accepted = 0
-        self.connections_evicted = 0
-        self.connections_idle_closed = 0
-        self.peak_connections = 0
         # A context of our own: one I/O thread (monitor events arrive in order) and floods on
         # this port do not share a thread with the engine's other ZMQ sockets.
         self._ctx = zmq.Context(io_threads=1)
@@ -290,7 +181,7 @@ class SideChannelServer:
             self._router.curve_server = True
             self._router.curve_secretkey = keys.server_secret
         monitor_address = f"inproc://kvpush-side-channel-monitor-{uuid.uuid4().hex}"
-        self._router.monitor(monitor_address, _SERVER_EVENTS)
+        self._router.monitor(monitor_address, MONITORED_EVENTS)
         self._monitor = self._ctx.socket(zmq.PAIR)
         self._monitor.setsockopt(zmq.LINGER, 0)
         self._monitor.connect(monitor_address)
@@ -312,6 +203,7 @@ class SideChannelServer:
                 engine_id,
                 self.address,
             )
+        self._connections = ConnectionTracker(self.port, int(max_connections), idle_timeout_s, self._warnings)
         self._thread = threading.Thread(
             target=self._serve, name=f"kvpush-side-channel-{engine_id}", daemon=True
         )
@@ -324,20 +216,17 @@ class SideChannelServer:
     @property
     def connections(self) -> int:
         """Connections the server holds now (accepted and not yet closed)."""
-        return len(self._waiting) + len(self._asked)
+        return len(self._connections)
 
     def stats(self) -> dict[str, int]:
+        """Requests served, rejected and dropped; connections open, accepted, shut down (over
+        the cap: ``connections_evicted``; idle: ``connections_idle_closed``), failed handshakes."""
         return {
             "requests_served": self.requests_served,
             "requests_rejected": self.requests_rejected,
             "replies_dropped": self.replies_dropped,
-            "handshakes_failed": self.handshakes_failed,
-            "accepts_failed": self.accepts_failed,
-            "connections_accepted": self.connections_accepted,
             "connections": self.connections,
-            "peak_connections": self.peak_connections,
-            "connections_evicted": self.connections_evicted,
-            "connections_idle_closed": self.connections_idle_closed,
+            **self._connections.stats,
         }
 
     def publish(self, rank: RankKey, payload: bytes) -> None:
@@ -421,7 +310,7 @@ class SideChannelServer:
                 # then requests (a connection that asked is shut down last), then the bounds.
                 self._drain_monitor()
                 self._drain_requests()
-                self._enforce_bounds()
+                self._connections.enforce()
             except zmq.ZMQError as err:
                 if self._stop.is_set():
                     break
@@ -433,7 +322,7 @@ class SideChannelServer:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._touch(frames[-1])
+            self._touch(frames[-1])  # before serving: a connection that asked is shut down last
             if len(frames) != 3 or frames[1].bytes != b"":
                 self.requests_rejected += 1
                 self._warnings.warn(
@@ -452,27 +341,12 @@ class SideChannelServer:
                 self.requests_served -= 1
 
     def _touch(self, frame: zmq.Frame) -> None:
-        """Mark the connection ``frame`` came from as active."""
+        """Mark the connection ``frame`` came from (its ``SRCFD``) as having asked."""
         try:
             fd = frame.get(zmq.SRCFD)
         except zmq.ZMQError:
             return
-        self._touch_fd(fd, request=True)
-
-    def _touch_fd(self, fd: int, request: bool = False) -> None:
-        """The connection on ``fd`` made progress (handshake or request): most recent last."""
-        conn = self._waiting.pop(fd, None) if request else self._waiting.get(fd)
-        if conn is None:
-            conn = self._asked.get(fd)
-        if conn is None:
-            return
-        conn.last_active = time.monotonic()
-        conn.requests += request
-        if conn.requests:
-            self._asked[fd] = conn
-            self._asked.move_to_end(fd)
-        else:
-            self._waiting.move_to_end(fd)
+        self._connections.touch(fd, request=True)
 
     def _send(self, identity: bytes, reply: bytes) -> bool:
         """Queue ``reply`` (zero-copy: every queued reply of a rank shares one buffer)."""
@@ -496,67 +370,13 @@ class SideChannelServer:
 
     # ------------------------------------------------------------------------ connections
 
-    def _drain_monitor(self, budget: int = 256) -> None:
-        for _ in range(budget):
+    def _drain_monitor(self) -> None:
+        for _ in range(MONITOR_BUDGET):
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            kind, value = event["event"], event["value"]
-            if kind == zmq.EVENT_ACCEPTED:
-                self._waiting[value] = _Conn(time.monotonic())
-                self.connections_accepted += 1
-                self.peak_connections = max(self.peak_connections, self.connections)
-            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._touch_fd(value)  # progress: a stalled connection is shut down before it
-            elif kind == zmq.EVENT_DISCONNECTED:
-                self._waiting.pop(value, None)
-                self._asked.pop(value, None)
-            elif kind == zmq.EVENT_ACCEPT_FAILED:
-                self.accepts_failed += 1
-                self._warnings.warn("accept", f"accept failed: {os.strerror(value)}")
-            elif kind & _HANDSHAKE_FAILED:
-                self.handshakes_failed += 1
-                self._warnings.warn(
-                    "handshake",
-                    "a connection failed its handshake (timed out, or a peer without the same "
-                    f"{SECRET_ENV}: {zmq.Event(kind).name} {value})",
-                )
-
-    def _enforce_bounds(self) -> None:
-        """Shut down connections idle for ``idle_timeout_s``, then apply the cap."""
-        idle_before = time.monotonic() - self.idle_timeout_s
-        for conns in (self._waiting, self._asked):
-            while conns:
-                fd, conn = next(iter(conns.items()))
-                if conn.last_active >= idle_before:
-                    break
-                del conns[fd]
-                self.connections_idle_closed += self._shut_down(fd)
-        while self.connections > self.max_connections:
-            fd, _ = (self._waiting or self._asked).popitem(last=False)
-            self.connections_evicted += self._shut_down(fd)
-            self._warnings.warn(
-                "evicted", f"{self.max_connections} connections open; shut down the least recently active"
-            )
-
-    def _shut_down(self, fd: int) -> bool:
-        """Shut down (not close: libzmq owns the fd and closes it on the EOF) one accepted TCP
-        connection, after checking the fd is still a connection to our port."""
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            return False
-        try:
-            if sock.type != socket.SOCK_STREAM or sock.getsockname()[1] != self.port:
-                return False
-            sock.getpeername()  # the listening socket has no peer
-            sock.shutdown(socket.SHUT_RDWR)
-            return True
-        except OSError:
-            return False
-        finally:
-            sock.detach()
+            self._connections.on_event(event["event"], event["value"])
 
     def _close_sockets(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -607,7 +427,7 @@ def fetch_metadata(
     timeout, a failed handshake or an error reply, naming the address, the rank and what was
     waited for. With a secret (argument or ``KVPUSH_SIDE_CHANNEL_SECRET``) the connection is
     CURVE-encrypted with the server key derived from it and the request is HMAC-sealed."""
-    key = _secret(secret)
+    key = resolve_secret(secret)
     nonce = os.urandom(NONCE_BYTES)
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
@@ -620,7 +440,7 @@ def fetch_metadata(
         sock.curve_publickey = keys.client_public
         sock.curve_secretkey = keys.client_secret
     monitor_address = f"inproc://kvpush-fetch-monitor-{uuid.uuid4().hex}"
-    sock.monitor(monitor_address, _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    sock.monitor(monitor_address, HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
     monitor = ctx.socket(zmq.PAIR)
     monitor.setsockopt(zmq.LINGER, 0)
     monitor.connect(monitor_address)

@@ -25,9 +25,9 @@ from kvpush.core.sidechannel import (
     MAX_REQUEST_BYTES,
     TRANSPORT_LIMIT_BYTES,
     SideChannelServer,
-    _Warnings,
     fetch_metadata,
 )
+from kvpush.core.sidechannel_bounds import RateLimitedWarnings
 from kvpush.core.types import RankKey
 
 WAIT_MS = 30_000
@@ -372,9 +372,9 @@ def test_an_idle_connection_is_shut_down() -> None:
         with _raw_connection(srv.port) as idle:
             assert _closed_by_server(idle, 10), "an idle connection was kept"
         deadline = time.monotonic() + 5  # counted just after the shutdown the client saw
-        while srv.connections_idle_closed == 0 and time.monotonic() < deadline:
+        while srv.stats()["connections_idle_closed"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert srv.connections_idle_closed == 1
+        assert srv.stats()["connections_idle_closed"] == 1
     finally:
         srv.close()
 
@@ -388,13 +388,13 @@ def test_the_connection_cap_shuts_down_the_least_recently_active() -> None:
             conns.append(_raw_connection(srv.port))
             time.sleep(0.05)
         deadline = time.monotonic() + 10
-        while srv.connections_evicted < 6 and time.monotonic() < deadline:
+        while srv.stats()["connections_evicted"] < 6 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert srv.connections_evicted == 6 and srv.connections == 4, srv.stats()
+        assert srv.stats()["connections_evicted"] == 6 and srv.connections == 4, srv.stats()
         assert all(_closed_by_server(c, 2) for c in conns[:6])
         assert not any(_closed_by_server(c, 0.3) for c in conns[6:])
         assert fetch_metadata("127.0.0.1", srv.port, RankKey(0, 0), timeout_s=30) == b"p"
-        assert srv.peak_connections <= 5 + 1
+        assert srv.stats()["peak_connections"] <= 5 + 1
     finally:
         for conn in conns:
             conn.close()
@@ -426,7 +426,7 @@ def test_rejection_warnings_are_rate_limited(
 
 
 def test_a_rate_limited_warning_counts_the_ones_it_skipped(caplog: pytest.LogCaptureFixture) -> None:
-    warnings = _Warnings("side channel of P: ", interval_s=0.2)
+    warnings = RateLimitedWarnings(logging.getLogger("kvpush.core.sidechannel"), "side channel of P: ", 0.2)
     with caplog.at_level(logging.WARNING, logger="kvpush.core.sidechannel"):
         for _ in range(5):
             warnings.warn("kind", "something")

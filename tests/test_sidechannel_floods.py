@@ -24,7 +24,13 @@ import pytest
 import zmq
 
 from kvpush.core import wire
-from kvpush.core.sidechannel import GET_META, SECRET_ENV, fetch_metadata
+from kvpush.core.sidechannel import (
+    DEFAULT_MAX_CONNECTIONS,
+    GET_META,
+    MONITOR_BUDGET,
+    SECRET_ENV,
+    fetch_metadata,
+)
 from kvpush.core.types import RankKey
 
 R0 = RankKey(0, 0)
@@ -33,9 +39,6 @@ FETCH_TIMEOUT_S = 2.0
 """Each legitimate fetch's own bound: a flood that stalls the server makes it fail."""
 CHURN_FETCH_TIMEOUT_S = 5.0
 """The bound under 1200 reconnecting clients, which keep both cores busy: answered, not fast."""
-MAX_CONNECTIONS = 128
-MONITOR_BUDGET = 256
-"""Connection events the server handles per round before it shuts connections down."""
 
 SERVER = r"""
 import json, resource, sys
@@ -298,6 +301,9 @@ def test_idle_clients_do_not_take_every_descriptor(kind: str, attackers: Attacke
     )
     assert stats["accepts_failed"] == 0, "the server ran out of descriptors"
     assert server.peak_fds < SERVER_NOFILE
-    assert stats["connections"] <= MAX_CONNECTIONS + MONITOR_BUDGET
+    assert stats["connections"] <= DEFAULT_MAX_CONNECTIONS + MONITOR_BUDGET
     if kind == "tcp":  # nobody reconnects: the server settles at its cap
-        assert stats["connections"] <= MAX_CONNECTIONS and fds_after < fds_before + MAX_CONNECTIONS + 20
+        assert (
+            stats["connections"] <= DEFAULT_MAX_CONNECTIONS
+            and fds_after < fds_before + DEFAULT_MAX_CONNECTIONS + 20
+        )
