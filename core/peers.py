@@ -112,6 +112,8 @@ class PeerRegistry:
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, tuple[RankKey, ...], HandshakeMode], Future[PeerEngine]] = {}
         self.engines: dict[str, PeerEngine] = {}
+        self._incarnations: dict[str, str] = {}
+        """Loaded agent name -> the incarnation its metadata published."""
         self.handshake_ms: dict[str, list[float]] = {m.value: [] for m in HandshakeMode}
 
     def connected(self, engine_id: str, ranks: Iterable[RankKey]) -> PeerEngine | None:
@@ -224,6 +226,7 @@ class PeerRegistry:
         try:
             for peer_rank in fetched.values():
                 peer_rank.agent = self._load_agent(peer_rank.meta)
+                self._incarnations[peer_rank.agent] = peer_rank.meta.incarnation
         except Exception as err:
             self._finish(key, future, error=err)
             return
@@ -274,6 +277,7 @@ class PeerRegistry:
                     del engine.ranks[rank]
             if not engine.ranks:
                 del self.engines[engine_id]
+        self._incarnations.pop(agent, None)
         self._transport.remove_peer(agent)
 
     def _finish(
@@ -313,6 +317,10 @@ class PeerRegistry:
             peer_rank.remote_lists[part] = handle
         return handle
 
+    def incarnation_of(self, agent: str) -> str:
+        """The incarnation a loaded agent published ("" for an agent not loaded)."""
+        return self._incarnations.get(agent, "")
+
     def remove(self, engine_id: str) -> None:
         """Forget an engine and release what was loaded for it (writer thread)."""
         engine = self.engines.pop(engine_id, None)
@@ -320,6 +328,7 @@ class PeerRegistry:
             return
         for peer_rank in engine.ranks.values():
             if peer_rank.agent:
+                self._incarnations.pop(peer_rank.agent, None)
                 self._transport.remove_peer(peer_rank.agent)
 
     def close(self) -> None:

@@ -307,6 +307,14 @@ class PrefillCore:
             self._reject(agent, note, f"match key {key!r} belongs to D engine {request.engine_id!r}")
             return []
         engine = self._engine_for(reg)
+        if (reg.decode_host, reg.decode_port) != (engine.host, engine.port):
+            self._reject(
+                agent,
+                note,
+                f"PUSH_REG names {reg.decode_host}:{reg.decode_port}, but D engine "
+                f"{reg.decode_engine_id!r} was handshaken at {engine.host}:{engine.port}",
+            )
+            return []
         if engine.agents.get(rank) not in (None, agent):
             self._reject(
                 agent,

@@ -292,7 +292,10 @@ class PushSender(RankWorker):
         if self.pm.transfer_strategy(job, spec, len(local_ids)) == "packed" and self.staging is not None:
             handles = self._post_packed(reg, spec, engine, rank)
         if handles is None:
-            notif = wire.encode_done(reg.request_id, self.metadata.rank, self.config.parallel.tp_size)
+            notif = self._sealed(
+                engine.ranks[rank].agent,
+                wire.encode_done(reg.request_id, self.metadata.rank, self.config.parallel.tp_size),
+            )
             handles = [
                 self.transport.post_write(
                     self.local_list(spec.local_part),
@@ -329,7 +332,9 @@ class PushSender(RankWorker):
             decode_block_ids=reg.block_ids,
             decode_offset=reg.staging_offset,
             spec=spec,
-            encode_notif=lambda manifest: wire.encode_done(reg.request_id, producer, ptp, manifest),
+            encode_notif=lambda manifest: self._sealed(
+                peer.agent, wire.encode_done(reg.request_id, producer, ptp, manifest)
+            ),
         )
         if written is None:
             self._packing_stats["packed_fallbacks"] += 1

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from kvpush.core import wire
+from kvpush.core import notif_auth, wire
 from kvpush.core.errors import ConfigError, WaitTimeout, WireError
 from kvpush.core.manager import KvpushPluginManager, get_plugin_manager
 from kvpush.core.peers import PeerRegistry
@@ -82,6 +82,10 @@ class WorkerConfig:
     peer_silence_s: float | None = None
     """D: a P agent that answers no heartbeat this long is dead (its requests fail at once);
     None means three heartbeat intervals plus ``handshake_timeout_s``."""
+    secret: str | None = None
+    """Shared secret of the engines (default: ``KVPUSH_SIDE_CHANNEL_SECRET``). When set, every
+    notification carries a MAC bound to sender, receiver and the receiver's incarnation
+    (:mod:`kvpush.core.notif_auth`); unauthenticated ones are dropped."""
     incarnation: str = ""
     """Id of this engine start (carried in metadata, PUSH_REG and HB); empty: a random one per
     ``start()``. A peer seen with a new incarnation is a new peer."""
@@ -164,6 +168,9 @@ class RankWorker:
         self.metadata: AgentMetadata | None = None
         self.peers: PeerRegistry | None = None
         self.dropped_notifications = 0
+        self.unauthenticated_notifications = 0
+        secret = config.secret if config.secret is not None else os.environ.get("KVPUSH_SIDE_CHANNEL_SECRET")
+        self._mac_key = notif_auth.derive_key(secret.encode()) if secret else None
         self.staging: Any = None
         """Packed-transfer staging pool (:class:`kvpush.core.packing.StagingPool`), once started."""
         self.packer: Any = None
@@ -382,7 +389,10 @@ class RankWorker:
         except Exception as err:  # a transport must not stop the loop
             logger.warning("draining notifications of %s failed: %s", self.agent_name, err)
             return
-        for peer, message in batch:
+        for peer, frame in batch:
+            message = self._unseal(peer, frame)
+            if message is None:
+                continue
             try:
                 notification = self.pm.decode_notification(message)
             except WireError as err:
@@ -418,9 +428,29 @@ class RankWorker:
             self.peers.remove(engine_id)
         return evicted
 
+    def _unseal(self, peer: str, frame: bytes) -> bytes | None:
+        """The notification inside ``frame``; None (dropped, counted) when a secret is set and
+        its MAC does not prove it came from ``peer`` for this agent and incarnation."""
+        if self._mac_key is None:
+            return frame
+        message = notif_auth.unseal(self._mac_key, peer, self.agent_name, self.incarnation, frame)
+        if message is None:
+            self.unauthenticated_notifications += 1
+            logger.warning("dropped an unauthenticated notification from %s (%d bytes)", peer, len(frame))
+        return message
+
+    def _sealed(self, agent: str, message: bytes) -> bytes:
+        """``message`` as it goes to ``agent``: with a MAC when a secret is set."""
+        if self._mac_key is None:
+            return message
+        assert self.peers is not None
+        incarnation = self.peers.incarnation_of(agent)
+        return notif_auth.seal(self._mac_key, self.agent_name, agent, incarnation, message)
+
     def _send(self, agent: str, message: bytes) -> str:
         """Send one notification; the error text when the transport refused ("" when sent)."""
         assert self.transport is not None
+        message = self._sealed(agent, message)
         try:
             self.transport.send_notif(agent, message)
         except Exception as err:
