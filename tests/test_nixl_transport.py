@@ -320,3 +320,12 @@ def test_the_plugin_manager_creates_the_nixl_transport(kvpush_pm: Any) -> None:
         assert isinstance(transport.metadata(), bytes) and transport.metadata()
     finally:
         transport.close()
+
+
+def test_released_remote_lists_are_forgotten(local: tuple[Transport, Any], peer: Peer) -> None:
+    """Issue 11.3: packed WRITEs prepare and release a remote list per chunk; the transport must
+    not keep every released one."""
+    transport, src = local
+    name, _local_list, remote_list = _connect(transport, src, peer)
+    transport.release_list(remote_list)
+    assert transport._remote_lists[name] == set()

@@ -284,6 +284,8 @@ class NixlTransport:
     def release_list(self, handle: int) -> None:
         if handle in self._lists:
             self._lists.discard(handle)
+            for lists in self._remote_lists.values():  # forget it: released lists must not pile up
+                lists.discard(handle)
             try:
                 self._agent.release_dlist_handle(handle)
             except Exception as err:
