@@ -14,8 +14,8 @@ Impairments act only on the ``kvpush0`` link inside the two namespaces this harn
   namespaces (a silent partition: no RST, no ICMP).
 - ``loss(p)``: iptables ``-m statistic --mode random --probability p -j DROP`` on each
   namespace's output.
-- ``delay(ms)``: this kernel has no ``sch_netem``, so each namespace's output goes to an
-  iptables ``NFQUEUE`` and a delayer process in that namespace (this file, run as a script)
+- ``delay(ms)``: this kernel has no ``sch_netem``, so each namespace's input from the link goes
+  to an iptables ``NFQUEUE`` and a delayer process in that namespace (this file, run as a script)
   gives each packet its verdict ``ms`` later. One-way delay ``ms``, round trip ``2 * ms``.
   ``--queue-bypass`` and fail-open let packets through if the delayer is gone or overloaded.
 
@@ -400,7 +400,10 @@ class MultiHost:
         )  # fmt: skip
 
     def delay(self, ms: float, queue: int = 7) -> None:
-        """Delay every packet leaving either namespace on the link by ``ms`` (NFQUEUE delayer)."""
+        """Delay every packet arriving in either namespace over the link by ``ms`` (NFQUEUE
+        delayer). On arrival, not departure: a packet held on the sender's OUTPUT path still
+        counts against TCP small queues, which then allows ~2 packets per delay (measured:
+        a 16 MiB TCP copy at 10 ms did not finish in 2 minutes; on INPUT it ran at 39 MB/s)."""
         for ns in (self.pair.prefill_ns, self.pair.decode_ns):
             proc = subprocess.Popen(
                 self.pair.exec_args(ns, sys.executable, str(Path(__file__)), "delay", str(queue), str(ms)),
@@ -417,7 +420,7 @@ class MultiHost:
                     f"{proc.stderr.read() if proc.poll() is not None and proc.stderr else ''}"
                 )
             self._ns_run(
-                ns, "iptables", "-A", "OUTPUT", "-o", self.pair.link, "-j", "NFQUEUE",
+                ns, "iptables", "-A", "INPUT", "-i", self.pair.link, "-j", "NFQUEUE",
                 "--queue-num", str(queue), "--queue-bypass",
             )  # fmt: skip
 
@@ -454,7 +457,7 @@ NFQA_CFG_CMD, NFQA_CFG_PARAMS, NFQA_CFG_QUEUE_MAXLEN, NFQA_CFG_MASK, NFQA_CFG_FL
 NFQA_PACKET_HDR, NFQA_VERDICT_HDR = 1, 2
 NFQNL_CFG_CMD_BIND = 1
 NFQNL_COPY_META = 1
-NFQA_CFG_F_FAIL_OPEN = 1
+NFQA_CFG_F_FAIL_OPEN, NFQA_CFG_F_GSO = 1, 4
 NF_ACCEPT = 1
 NLM_F_REQUEST, NLM_F_ACK = 1, 4
 NLMSG_ERROR = 2
@@ -493,8 +496,10 @@ def run_delayer(queue: int, delay_ms: float, max_s: float = 3600.0) -> None:
     _check_ack(sock, "bind")
     params = _attr(NFQA_CFG_PARAMS, struct.pack(">IB", 0, NFQNL_COPY_META))
     params += _attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack(">I", 65536))
-    params += _attr(NFQA_CFG_FLAGS, struct.pack(">I", NFQA_CFG_F_FAIL_OPEN))
-    params += _attr(NFQA_CFG_MASK, struct.pack(">I", NFQA_CFG_F_FAIL_OPEN))
+    # GSO: queue a segmentation-offload packet whole (one verdict per up to 64 KiB, not per MTU).
+    queue_flags = NFQA_CFG_F_FAIL_OPEN | NFQA_CFG_F_GSO
+    params += _attr(NFQA_CFG_FLAGS, struct.pack(">I", queue_flags))
+    params += _attr(NFQA_CFG_MASK, struct.pack(">I", queue_flags))
     sock.send(_message(config, queue, params, flags, 2))
     _check_ack(sock, "params")
     print("ready", flush=True)
