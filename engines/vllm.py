@@ -286,7 +286,7 @@ class _SchedulerSide:
         params = request.kv_transfer_params
         if self.owner.is_producer or not params or not params.get("do_remote_prefill"):
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -299,9 +299,9 @@ class _SchedulerSide:
         params["do_remote_prefill"] = False
         if num_external_tokens <= 0:
             return  # full local prefix hit: nothing to receive (P releases at its lease)
+        # vLLM now waits for this request's KV: it is staged even without blocks (the worker then
+        # reports it failed, and kv_load_failure_policy applies) so it never waits forever.
         block_ids = self.clip(blocks.get_unhashed_block_ids_all_groups())
-        if not any(block_ids):
-            return
         rid = request.request_id
         send_params = dict(params)
         send_params["transfer_id"] = match_key(rid, params)
@@ -385,8 +385,9 @@ class _SchedulerSide:
             payloads[RankKey(pp_rank, tp_rank)] = meta.payload
         if self.server is None:
             settings = self.owner.settings
+            options = {"insecure": True} if settings.side_channel_insecure else {}
             self.server = SideChannelServer(
-                self.owner.engine_id, settings.bind_host, settings.side_channel_port
+                self.owner.engine_id, settings.bind_host, settings.side_channel_port, **options
             )
             logger.info("kvpush side channel of engine %s at %s", self.owner.engine_id, self.server.address)
         self.server.publish_all(payloads)
@@ -518,7 +519,7 @@ class _WorkerSide:
         for rid, item in meta.recv.items():
             try:
                 engine.add_request_params(rid, self.kernel_ids(item.block_ids), item.kv_transfer_params)
-            except ConfigError as err:
+            except Exception as err:  # a request kvpush cannot take fails; the engine goes on
                 logger.error("kvpush cannot receive request %s: %s", rid, err)
                 self._failed_now[rid] = str(err)
             self._inflight[rid] = item.block_ids

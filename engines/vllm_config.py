@@ -44,6 +44,9 @@ class ConnectorSettings:
     """Interface the side channel binds (e.g. 0.0.0.0); default: ``side_channel_host``."""
     side_channel_port: int = 5600
     """Side-channel port; default ``$VLLM_NIXL_SIDE_CHANNEL_PORT`` (5600) + data-parallel index."""
+    side_channel_insecure: bool = False
+    """Serve the side channel on a non-loopback interface without ``KVPUSH_SIDE_CHANNEL_SECRET``
+    (only on a network where every host is trusted)."""
     transport: str = "nixl"
     transport_options: dict[str, Any] = attrs.field(factory=dict)
     kv_lease_duration: float = 30.0
@@ -79,6 +82,7 @@ class ConnectorSettings:
             "side_channel_host": (str, False),
             "side_channel_bind_host": (str, True),
             "side_channel_port": (int, False),
+            "side_channel_insecure": (bool, False),
             "transport": (str, False),
             "transport_options": (dict, False),
             "kv_lease_duration": ((int, float), False),
@@ -91,7 +95,7 @@ class ConnectorSettings:
             value = values.get(name)
             if value is None and (optional or name not in values):
                 continue
-            if isinstance(value, bool) or not isinstance(value, kind):
+            if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
                 raise ConfigError(
                     f"kv_connector_extra_config[{name!r}] must be {getattr(kind, '__name__', 'a number')}, "
                     f"got {value!r}"

@@ -81,6 +81,21 @@ def test_tp1_to_tp1_mha_byte_exact(engines: Any, llama_dir: str) -> None:
     assert params["remote_engine_id"] == p.spec.engine_id and params["remote_port"] == p.port
 
 
+def test_sequential_router_forwards_p_response_params(engines: Any, llama_dir: str) -> None:
+    """A router that waits for P's response can hand its kv_transfer_params to D unchanged."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer")
+    model = PrefillModel()
+    tokens = prompt(2, 33)
+    p_id, d_id = f"cmpl-seq-0-{suffix()}", f"cmpl-seq-0-{suffix()}"
+    p.add(make_request(p_id, tokens, 1, {"do_remote_decode": True, "do_remote_prefill": False}))
+    run_until([p], lambda: p.kv_transfer_params(p_id) is not None, "P's response", kv_producer=model)
+    d.add(make_request(d_id, tokens, 2, dict(p.kv_transfer_params(p_id))))
+    receive(p, d, model, d_id)
+    verify(d, d_id, tokens)
+    drain(p, d, model)
+
+
 def test_pp2_prefill_to_tp2_decode(engines: Any, llama_dir: str) -> None:
     """Each P stage pushes its own layers; each D rank gets its head of every layer."""
     p = engines(llama_dir, "kv_producer", pp=2)
