@@ -39,6 +39,7 @@ from kvpush.core.sidechannel import SideChannelServer, fetch_metadata
 from kvpush.core.types import (
     AgentMetadata,
     BlockIds,
+    BlockIdsLike,
     KVRegion,
     ModelSpec,
     ParallelConfig,
@@ -49,9 +50,6 @@ from kvpush.core.types import (
 )
 from kvpush.core.worker import WorkerConfig
 
-BlockIdsLike = Sequence[int] | Sequence[Sequence[int]]
-"""Block ids as an engine passes them: a flat list (one KV group) or one list per KV group.
-kvpush normalises them to :data:`BlockIds` (a tuple of per-group tuples)."""
 
 __all__ = [
     "AgentMetadata",

@@ -29,11 +29,13 @@ from kvpush.core.errors import ConfigError, HandshakeError, WaitTimeout
 from kvpush.core.peers import PeerEngine
 from kvpush.core.types import (
     AgentMetadata,
+    BlockIdsLike,
     Notification,
     RankKey,
     RequestMetadata,
     Role,
     TransferParams,
+    read_only,
 )
 from kvpush.core.worker import WRITE_DEADLINE_KEY, RankWorker, lease_clock
 
@@ -45,12 +47,13 @@ class ReceiveResults:
     """What :meth:`PushReceiver.get_finished` returns since its last call (immutable)."""
 
     done: tuple[str, ...]
-    failed: Mapping[str, str] = attrs.field(hash=False)
-    cancelled: Mapping[str, str] = attrs.field(factory=dict, hash=False)
+    failed: Mapping[str, str] = attrs.field(hash=False, converter=read_only)
+    """Request id -> why it failed (read-only); free its blocks once it is in ``released``."""
+    cancelled: Mapping[str, str] = attrs.field(factory=dict, hash=False, converter=read_only)
     """Requests cancelled with :meth:`PushReceiver.cancel`; their blocks may be freed now."""
     released: tuple[str, ...] = ()
     """Failed or cancelled requests whose blocks may be reused now (no WRITE can land)."""
-    completed_at: Mapping[str, float] = attrs.field(factory=dict, hash=False)
+    completed_at: Mapping[str, float] = attrs.field(factory=dict, hash=False, converter=read_only)
     """``time.perf_counter()`` when each done request completed (for latency figures)."""
 
 
@@ -129,7 +132,9 @@ class PushReceiver(RankWorker):
             self._active.add(rid)
         self.run_on_writer(lambda: self._guarded(rid, lambda now: self.core.add(request, now)))
 
-    def add_request_params(self, request_id: str, block_ids: Any, kv_transfer_params: dict[str, Any]) -> None:
+    def add_request_params(
+        self, request_id: str, block_ids: BlockIdsLike, kv_transfer_params: Mapping[str, Any]
+    ) -> None:
         """:meth:`add_request` from a router's ``kv_transfer_params`` dict (vLLM field names)."""
         if not isinstance(request_id, str) or not request_id:
             raise ConfigError(f"request_id must be a non-empty string, got {request_id!r}")

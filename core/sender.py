@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -26,6 +26,7 @@ from kvpush.core.prefill_core import PrefillCore, PrefillSettings
 from kvpush.core.transport import TransferState
 from kvpush.core.types import (
     BlockIds,
+    BlockIdsLike,
     HandshakeMode,
     Notification,
     PushJob,
@@ -33,6 +34,7 @@ from kvpush.core.types import (
     RankKey,
     ReadSpec,
     Role,
+    read_only,
 )
 from kvpush.core.worker import RankWorker, lease_clock
 
@@ -44,7 +46,8 @@ class PushResults:
     """What :meth:`PushSender.get_finished` returns since its last call (immutable)."""
 
     sent: tuple[str, ...]
-    failed: dict[str, str] = attrs.field(hash=False)
+    failed: Mapping[str, str] = attrs.field(hash=False, converter=read_only)
+    """Request id -> why it failed (read-only)."""
 
 
 class PushSender(RankWorker):
@@ -92,7 +95,7 @@ class PushSender(RankWorker):
     def request_finished(
         self,
         request_id: str,
-        block_ids: Any,
+        block_ids: BlockIdsLike,
         match_key: str | None = None,
         decode_engine_id: str | None = None,
     ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Literal
 
 import attrs
@@ -21,6 +22,9 @@ AttentionKind = Literal["full", "sliding_window"]
 BlockOrder = Literal["unspecified", "heads_outer", "tokens_outer"]
 BLOCK_ORDERS: tuple[str, ...] = ("unspecified", "heads_outer", "tokens_outer")
 BlockIds = tuple[tuple[int, ...], ...]
+BlockIdsLike = Sequence[int] | Sequence[Sequence[int]]
+"""Block ids as an engine passes them: a flat list (one KV group) or one list per KV group.
+kvpush normalises them to :data:`BlockIds` (a tuple of per-group tuples)."""
 
 
 def to_block_ids(value: Any) -> BlockIds:
@@ -40,6 +44,11 @@ def to_block_ids(value: Any) -> BlockIds:
                 raise ConfigError(f"block id {block!r} in {value!r} is not a non-negative int")
         groups.append(ids)
     return tuple(groups)
+
+
+def read_only(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A read-only view of a fresh copy of ``mapping`` (results handed to engines are immutable)."""
+    return MappingProxyType(dict(mapping))
 
 
 def _non_negative(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
