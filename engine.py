@@ -20,8 +20,6 @@ worker starts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from kvpush.core.errors import (
     ConfigError,
     HandshakeError,
@@ -49,7 +47,6 @@ from kvpush.core.types import (
     TransferParams,
 )
 from kvpush.core.worker import WorkerConfig
-
 
 __all__ = [
     "AgentMetadata",

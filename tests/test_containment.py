@@ -5,7 +5,7 @@ request (D told, blocks released) and nothing else: the rest of the batch still 
 from __future__ import annotations
 
 import pytest
-from cluster import Cluster, wait_until
+from cluster import Cluster
 from test_push_flow import assert_pushed
 
 from kvpush import hookimpl

@@ -10,7 +10,7 @@ import torch
 from cluster import MLA, Cluster, kv_bytes, settle, wait_until
 
 from kvpush.core import wire
-from kvpush.core.types import PushRegistration, RankKey, RequestMetadata, TransferParams
+from kvpush.core.types import PushRegistration, RankKey, TransferParams
 
 
 def full_prefill_layer(cluster: Cluster, layer: str) -> torch.Tensor:
