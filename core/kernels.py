@@ -86,7 +86,26 @@ def _kernel() -> Any:
                 else:
                     tl.store(dst + offs, tl.load(src + offs))
 
-            _KERNEL = (copy_spans_kernel, copy_aligned_kernel)
+            @triton.jit
+            def copy_indirect_kernel(
+                ltab, rtab, ids, n, LEN: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr
+            ):
+                # ltab/rtab: span starts of whole descriptor lists, in 16-byte units from the
+                # table's own address; ids: n local then n remote descriptor ids (int32).
+                i = tl.program_id(0)
+                c = tl.program_id(1)
+                lid = tl.load(ids + i).to(tl.int64)
+                rid = tl.load(ids + n + i).to(tl.int64)
+                src = ltab + tl.load(ltab + lid) * 2
+                dst = rtab + tl.load(rtab + rid) * 2
+                offs = c * BLOCK + tl.arange(0, BLOCK)
+                if MASK:
+                    mask = offs < LEN
+                    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+                else:
+                    tl.store(dst + offs, tl.load(src + offs))
+
+            _KERNEL = (copy_spans_kernel, copy_aligned_kernel, copy_indirect_kernel)
     return _KERNEL
 
 
@@ -160,6 +179,8 @@ class SpanCopier:
         self.launches = 0
         self.aligned_launches = 0
         self.host_seconds = [0.0, 0.0]
+        self._ids_host = torch.empty(0, dtype=torch.int32).pin_memory()
+        self._ids_dev = torch.empty(0, dtype=torch.int32, device=self.device)
         """Host time of launches: preparing the table, enqueueing upload and kernel (totals)."""
 
     def _buffers(self, words: int) -> tuple[Any, Any]:
@@ -212,7 +233,7 @@ class SpanCopier:
         stream = self.stream
         waited = after if after is not None else torch.cuda.current_stream(self.device)
         stream.wait_stream(waited)
-        plain, fast = _kernel()
+        plain, fast, _ = _kernel()
         prepared = time.perf_counter()
         with torch.cuda.stream(stream):
             start = None
@@ -245,6 +266,60 @@ class SpanCopier:
         self.aligned_launches += int(aligned)
         return done
 
+    def launch_indirect(
+        self, ltab: DeviceTable, rtab: DeviceTable, lids: Any, rids: Any, *, after: Any = None
+    ) -> Any:
+        """Copy descriptor ``lids[k]`` of ``ltab``'s list to descriptor ``rids[k]`` of ``rtab``'s,
+        resolving addresses on the GPU (host work: the id upload). Both lists must be
+        ``DeviceTable.usable`` with the same span length. Returns the done event."""
+        import torch
+
+        began = time.perf_counter()
+        count = len(lids)
+        if count != len(rids) or ltab.length != rtab.length or not (ltab.usable and rtab.usable):
+            raise ConfigError("launch_indirect: lists differ in span length or descriptor count")
+        if not count:
+            return None
+        if self._ids_host.numel() < 2 * count:
+            size = max(2 * count, 2 * self._ids_host.numel(), 8192)
+            self._ids_host = torch.empty(size, dtype=torch.int32).pin_memory()
+            self._ids_dev = torch.empty(size, dtype=torch.int32, device=self.device)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        view = self._ids_host[: 2 * count].numpy()
+        view[:count], view[count:] = lids, rids
+        elems = ltab.length // 8
+        block = min(ALIGNED_BLOCK, 1 << max(0, (elems - 1).bit_length()))
+        grid = (count, -(-elems // block))
+        stream = self.stream
+        stream.wait_stream(after if after is not None else torch.cuda.current_stream(self.device))
+        indirect = _kernel()[2]
+        prepared = time.perf_counter()
+        with torch.cuda.stream(stream):
+            self._ids_dev[: 2 * count].copy_(self._ids_host[: 2 * count], non_blocking=True)
+            uploaded = torch.cuda.Event()
+            uploaded.record(stream)
+            warps = max(1, min(8, block // 256))
+            indirect[grid](
+                ltab.tensor,
+                rtab.tensor,
+                self._ids_dev,
+                count,
+                LEN=elems,
+                BLOCK=block,
+                MASK=elems % block != 0,
+                num_warps=warps,
+            )
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._uploaded = uploaded
+        self._timing = None
+        self.launches += 1
+        self.aligned_launches += 1
+        self.host_seconds[0] += prepared - began
+        self.host_seconds[1] += time.perf_counter() - prepared
+        return done
+
     def gpu_ms(self) -> float | None:
         """Device time of the last ``timed`` launch (table upload and kernel), once it finished."""
         if self._timing is None:
@@ -260,6 +335,27 @@ class SpanCopier:
         if event is not None:
             event.synchronize()
         return int(n.sum())
+
+
+class DeviceTable:
+    """A descriptor list's span starts on the GPU, in 16-byte units from the table's own address
+    (for :meth:`SpanCopier.launch_indirect`). ``usable`` is False unless every span starts
+    16-byte aligned and all have one length (a multiple of 16)."""
+
+    def __init__(self, addrs: np.ndarray, lengths: np.ndarray, device: Any) -> None:
+        import torch
+
+        a = np.asarray(addrs, dtype=np.int64)
+        n = np.asarray(lengths, dtype=np.int64)
+        self.count = len(a)
+        self.length = int(n[0]) if len(n) else 0
+        self.usable = bool(
+            len(a) and self.length % 16 == 0 and not (a & 15).any() and bool((n == self.length).all())
+        )
+        self.tensor = torch.empty(max(1, len(a)), dtype=torch.int64, device=device)
+        if self.usable:
+            base = self.tensor.data_ptr()
+            self.tensor[: len(a)].copy_(torch.from_numpy((a - base) >> 4))
 
 
 _COPIERS: dict[tuple[int, int], SpanCopier] = {}

@@ -183,6 +183,15 @@ class _List:
     addrs: np.ndarray
     lens: np.ndarray
     inner: int | None = None
+    table: Any = None
+    """:class:`kvpush.core.kernels.DeviceTable` of ``addrs``, made at the first IPC post."""
+
+    def device_table(self, device: int) -> Any:
+        if self.table is None:
+            from kvpush.core.kernels import DeviceTable
+
+            self.table = DeviceTable(self.addrs, self.lens, f"cuda:{device}")
+        return self.table
 
 
 @attrs.define(eq=False)
@@ -466,6 +475,12 @@ class CudaIpcTransport:
                 self._inner_list(local), local_ids, self._inner_list(remote), remote_ids, notif
             )
         started = time.perf_counter()
+        from kvpush.core.kernels import copier_for
+
+        device = int(local.descs[0, 2]) if len(local.descs) else 0
+        ltab, rtab = local.device_table(device), remote.device_table(device)
+        if ltab.usable and rtab.usable and ltab.length == rtab.length and len(local_ids) == len(remote_ids):
+            return self._post_indirect(local, remote, local_ids, remote_ids, notif, device, started)
         lids = np.asarray(local_ids, dtype=np.int64)
         rids = np.asarray(remote_ids, dtype=np.int64)
         lens = local.lens[lids]
@@ -474,12 +489,10 @@ class CudaIpcTransport:
             raise TransferError(
                 f"cuda_ipc: {len(lids)} local and {len(rids)} remote descriptors differ in count or length"
             )
-        from kvpush.core.kernels import copier_for
-
         try:
             src, dst = local.addrs[lids], remote.addrs[rids]
             indexed = time.perf_counter()
-            event = copier_for(int(local.descs[0, 2]) if len(local.descs) else 0).launch(src, dst, lens)
+            event = copier_for(device).launch(src, dst, lens)
         except Exception as err:
             self.counters.writes_failed += 1
             raise TransferError(
@@ -491,6 +504,46 @@ class CudaIpcTransport:
         self.ipc_writes += 1
         self.post_seconds[0] += indexed - started
         self.post_seconds[1] += time.perf_counter() - indexed
+        return write
+
+    def _post_indirect(
+        self,
+        local: _List,
+        remote: _List,
+        local_ids: np.ndarray,
+        remote_ids: np.ndarray,
+        notif: bytes,
+        device: int,
+        started: float,
+    ) -> _IpcWrite:
+        """Equal-length aligned lists: only the ids travel; the GPU looks the addresses up."""
+        from kvpush.core.kernels import copier_for
+
+        lids = np.asarray(local_ids)
+        rids = np.asarray(remote_ids)
+        if len(lids) and (
+            int(lids.min()) < 0
+            or int(lids.max()) >= local.table.count
+            or int(rids.min()) < 0
+            or int(rids.max()) >= remote.table.count
+        ):
+            self.counters.writes_failed += 1
+            raise TransferError("cuda_ipc: a descriptor id is outside its prepared list")
+        checked = time.perf_counter()
+        try:
+            event = copier_for(device).launch_indirect(local.table, remote.table, lids, rids)
+        except Exception as err:
+            self.counters.writes_failed += 1
+            raise TransferError(
+                f"cuda_ipc: launching a copy of {len(lids)} descriptors failed: {err}"
+            ) from err
+        assert remote.peer is not None
+        write = _IpcWrite(event=event, peer=remote.peer, notif=notif, descriptors=len(lids))
+        self._writes.add(write)
+        self.counters.writes_posted += 1
+        self.ipc_writes += 1
+        self.post_seconds[0] += checked - started
+        self.post_seconds[1] += time.perf_counter() - checked
         return write
 
     def poll(self, handle: Any) -> TransferState:
