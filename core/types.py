@@ -33,7 +33,7 @@ def to_block_ids(value: Any) -> BlockIds:
         return ()
     items = list(value)
     if items and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
-        return (tuple(items),)
+        return to_block_ids([items])  # one group, checked like any other
     groups = []
     for group in items:
         if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
