@@ -1,9 +1,12 @@
-"""A heap of deadlines with lazy invalidation: popping costs O(expired), not O(tracked)."""
+"""Bounded bookkeeping for the protocol cores: a heap of deadlines (popping costs O(expired),
+not O(tracked)), a bounded memory of recent ids, and a warning rate limit."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import time
+from collections import deque
 from collections.abc import Hashable
 
 
@@ -54,3 +57,44 @@ class Deadlines:
 
     def __len__(self) -> int:
         return len(self._armed)
+
+
+class RecentIds:
+    """The last ``size`` ids added (a set with first-in-first-out eviction)."""
+
+    def __init__(self, size: int) -> None:
+        self._order: deque[Hashable] = deque()
+        self._ids: set[Hashable] = set()
+        self._size = size
+
+    def add(self, item: Hashable) -> None:
+        if item in self._ids:
+            return
+        self._ids.add(item)
+        self._order.append(item)
+        if len(self._order) > self._size:
+            self._ids.discard(self._order.popleft())
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+class RateLimit:
+    """At most ``per_s`` events a second (a token bucket); for warnings a peer could flood."""
+
+    def __init__(self, per_s: float) -> None:
+        self._per_s = per_s
+        self._tokens = per_s
+        self._last = time.monotonic()
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self._per_s, self._tokens + (now - self._last) * self._per_s)
+        self._last = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True

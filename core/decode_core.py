@@ -34,12 +34,15 @@ import attrs
 
 from kvpush.core import notifications as wire
 from kvpush.core.actions import Connect, DropPeer, FreeStaging, Release, Report, Scatter, Send
-from kvpush.core.deadlines import Deadlines
+from kvpush.core.deadlines import Deadlines, RateLimit, RecentIds
 from kvpush.core.types import Notification, NotificationKind, PushRegistration, RankKey, RequestMetadata
 
 logger = logging.getLogger(__name__)
 
+_DONE = NotificationKind.DONE
 HEARTBEAT_KEYS_PER_MESSAGE = 256
+ENDED_MEMORY = 4096
+"""How many ended request ids D remembers, to tell late duplicates from early notifications."""
 
 
 @attrs.frozen(kw_only=True)
@@ -133,8 +136,14 @@ class _Receive:
     """When D last sent a message carrying a grant for this request (D's clock)."""
     cancelled: bool = False
     write_in_flight: bool = False
+    agents: Mapping[RankKey, str] = attrs.field(factory=dict)
+    """The expected producers' agents (from the handshake), for the DONE hot path."""
+    prefill_tp: int = 0
     reason: str = ""
     """Why the request is closing (the cancel report names it once the blocks are released)."""
+
+
+_REGISTERED = _Phase.REGISTERED
 
 
 class DecodeCore:
@@ -154,6 +163,9 @@ class DecodeCore:
         self._early_count: dict[str, int] = {}
         self._timers = Deadlines()
         self._heartbeat_armed = False
+        self._ended = RecentIds(ENDED_MEMORY)
+        """Requests that ended here lately: a late DONE for one is a duplicate, not an early one."""
+        self._warned = RateLimit(per_s=10)
         self.stats: dict[str, int] = {
             "push_regs_sent": 0,
             "duplicate_notifications": 0,
@@ -282,6 +294,19 @@ class DecodeCore:
 
     def notification(self, agent: str, note: Notification, now: float) -> list[Any]:
         kind = note.kind
+        if kind is _DONE and note.packing is None:  # the hot path: one direct DONE, all checks inline
+            receive = self._requests.get(note.request_id)
+            if (
+                receive is not None
+                and receive.phase is _REGISTERED
+                and receive.agents.get(note.producer) == agent  # in the set, from its own agent
+                and note.producer_tp_size == receive.prefill_tp
+            ):
+                self._heard(agent, now)
+                if note.producer in receive.reported:
+                    self.stats["duplicate_notifications"] += 1
+                    return []
+                return self._count(note.request_id, receive, note.producer, now)  # type: ignore[arg-type]
         engine_id = self._agent_engine.get(agent)
         engine = self._engines.get(engine_id) if engine_id else None
         if engine is not None:
@@ -357,6 +382,7 @@ class DecodeCore:
         if mismatch:
             return self._close(rid, "kv_transfer_params disagree with P: " + "; ".join(mismatch), now)
         receive.expected = frozenset(info.agents)
+        receive.agents, receive.prefill_tp = info.agents, info.prefill_tp
         receive.phase = _Phase.REGISTERED
         if self._reserve_staging is not None:
             receive.staging_offset = self._reserve_staging(receive.meta)
@@ -379,8 +405,9 @@ class DecodeCore:
         rid = note.request_id
         receive = self._requests.get(rid)
         if receive is None:
-            if note.kind is NotificationKind.CANCEL_ACK:
-                return []  # late ack of a request already released
+            if note.kind is NotificationKind.CANCEL_ACK or rid in self._ended:
+                self.stats["duplicate_notifications"] += note.kind is NotificationKind.DONE
+                return []  # late: the request already ended here
             return self._hold_early(agent, note, now)
         if receive.phase is _Phase.WAITING:
             return self._hold_early(agent, note, now)
@@ -431,10 +458,15 @@ class DecodeCore:
             return f"DONE states P TP {note.producer_tp_size}, P published {info.prefill_tp}"
         return ""
 
+    def _heard(self, agent: str, now: float) -> None:
+        engine = self._engines.get(self._agent_engine.get(agent, ""))
+        if engine is not None:
+            engine.heard[agent] = now
+
     def _count(self, rid: str, receive: _Receive, producer: RankKey, now: float) -> list[Any]:
         receive.reported.add(producer)
         receive.settled.add(producer)
-        if receive.reported != receive.expected:
+        if len(receive.reported) != len(receive.expected):  # reported is a subset of expected
             return []
         return self._end(rid, receive, Report(rid, "done"), release=False)
 
@@ -514,6 +546,7 @@ class DecodeCore:
     def _end(self, rid: str, receive: _Receive, report: Report | None, *, release: bool) -> list[Any]:
         """Forget a request: the one place request state is deleted."""
         del self._requests[rid]
+        self._ended.add(rid)
         for kind in ("watchdog", "quarantine"):
             self._timers.disarm((kind, rid))
         engine = self._engines.get(receive.engine_id)
@@ -554,7 +587,10 @@ class DecodeCore:
 
     def _reject(self, agent: str, note: Notification, why: str) -> None:
         self.stats["rejected_notifications"] += 1
-        logger.warning("dropped %s for %r from %s: %s", note.kind.value, note.request_id or "-", agent, why)
+        if self._warned.allow():
+            logger.warning(
+                "dropped %s for %r from %s: %s", note.kind.value, note.request_id or "-", agent, why
+            )
 
     # ------------------------------------------------------------------ internals: engines
 

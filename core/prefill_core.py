@@ -32,7 +32,7 @@ import attrs
 
 from kvpush.core import notifications as wire
 from kvpush.core.actions import Abort, Connect, DropPeer, Post, Report, Send
-from kvpush.core.deadlines import Deadlines
+from kvpush.core.deadlines import Deadlines, RateLimit
 from kvpush.core.types import (
     BlockIds,
     Notification,
@@ -149,6 +149,7 @@ class PrefillCore:
         """key -> (outcome "sent"/"failed", D engine id, failure reason)."""
         self._engines: dict[str, _Decode] = {}
         self._timers = Deadlines()
+        self._warned = RateLimit(per_s=10)
         self.stats: dict[str, int] = {
             "pushes": 0,
             "bytes": 0,
@@ -801,7 +802,10 @@ class PrefillCore:
 
     def _reject(self, agent: str, note: Notification, why: str) -> None:
         self.stats["rejected_notifications"] += 1
-        logger.warning("dropped %s for %r from %s: %s", note.kind.value, note.request_id or "-", agent, why)
+        if self._warned.allow():
+            logger.warning(
+                "dropped %s for %r from %s: %s", note.kind.value, note.request_id or "-", agent, why
+            )
 
     def inflight_handles(self) -> Mapping[Any, tuple[str, int]]:
         """Every WRITE handle in flight -> (match key, D rank), for the driver to poll."""

@@ -156,6 +156,8 @@ class SideChannelServer:
         _positive("idle_timeout_s", idle_timeout_s, "e.g. 10")
         _positive("zmtp_handshake_timeout_s", zmtp_handshake_timeout_s, "e.g. 2")
         _positive("max_queued_replies", max_queued_replies, "1 or 2")
+        if max_reply_bytes is not None:
+            _positive("max_reply_bytes", max_reply_bytes, f"at most {wire.MAX_FRAME_BYTES}")
         self.max_reply_bytes = max_reply_bytes or wire.MAX_FRAME_BYTES
         self._warnings = RateLimitedWarnings(logger, f"side channel of {engine_id}: ")
         self._replies: dict[RankKey, bytes] = {}
@@ -413,6 +415,46 @@ def _handshake_error(address: str, rank: RankKey, has_secret: bool, mismatch: bo
     )
 
 
+def _await_reply(
+    sock: zmq.Socket, monitor: zmq.Socket, request: bytes, deadline: float, why: tuple[str, RankKey, bool]
+) -> tuple[bytes | None, int]:
+    """The reply to ``request`` (already sent) before ``deadline``, or None, and how many times
+    the connection dropped after its handshake. A dropped connection may have lost the request:
+    it is sent again (``CLIENT_RESENDS`` times). ``why`` (address, rank, has_secret) words a
+    failed handshake."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    failures = drops = 0
+    connected = resend = False
+    while (left := deadline - time.monotonic()) > 0:
+        ready = dict(poller.poll(max(1, int(left * 1000))))
+        if sock in ready:
+            return sock.recv(zmq.NOBLOCK), drops
+        if monitor not in ready:
+            continue
+        event = parse_monitor_message(monitor.recv_multipart())
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            failures, connected = 0, True
+            if resend:  # on the new connection, once its pipe is attached (a bounded wait)
+                sock.setsockopt(zmq.SNDTIMEO, max(1, int(min(left, 1.0) * 1000)))
+                with contextlib.suppress(zmq.Again):
+                    sock.send(request)
+                    resend = False
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            # A reply that came first is already queued (a resend would discard it).
+            if connected and drops < CLIENT_RESENDS and not sock.poll(0, zmq.POLLIN):
+                resend = True
+            drops += connected
+            connected = False
+        else:  # a failed handshake (a mismatch may also surface as the server closing first)
+            failures += 1
+            mismatch = event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+            if mismatch or failures >= CLIENT_HANDSHAKE_FAILURES:
+                raise HandshakeError(_handshake_error(*why, mismatch))
+    return None, drops
+
+
 def fetch_metadata(
     host: str,
     port: int,
@@ -426,13 +468,14 @@ def fetch_metadata(
     """Ask an engine's side channel for one rank's payload; raises ``HandshakeError`` on a
     timeout, a failed handshake or an error reply, naming the address, the rank and what was
     waited for. With a secret (argument or ``KVPUSH_SIDE_CHANNEL_SECRET``) the connection is
-    CURVE-encrypted with the server key derived from it and the request is HMAC-sealed."""
+    CURVE-encrypted with the server key derived from it and the request is HMAC-sealed. A reply
+    over ``max_reply_bytes`` (default ``wire.MAX_FRAME_BYTES``) is refused by ZMQ."""
     key = resolve_secret(secret)
-    nonce = os.urandom(NONCE_BYTES)
+    limit = max_reply_bytes or wire.MAX_FRAME_BYTES
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes or wire.MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, limit)
     sock.setsockopt(zmq.REQ_RELAXED, 1)  # a request lost with its connection may be sent again
     if key is not None:
         keys = curve_keys(key)
@@ -446,41 +489,13 @@ def fetch_metadata(
     monitor.connect(monitor_address)
     address = f"tcp://{host}:{port}"
     started = time.perf_counter()
-    deadline = time.monotonic() + timeout_s
-    reply: bytes | None = None
     try:
         sock.connect(address)
         request = wire.pack([GET_META, wire.WIRE_VERSION, rank.pp_rank, rank.tp_rank])
-        request = seal(key, b"req", nonce, request) if key else request
+        request = seal(key, b"req", os.urandom(NONCE_BYTES), request) if key else request
         sock.send(request, zmq.NOBLOCK)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        failures = resends = 0
-        connected = False
-        while reply is None and (left := deadline - time.monotonic()) > 0:
-            ready = dict(poller.poll(max(1, int(left * 1000))))
-            if sock in ready:
-                reply = sock.recv(zmq.NOBLOCK)
-                break
-            if monitor in ready:
-                event = parse_monitor_message(monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    failures, connected = 0, True
-                    continue
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    # The request may be lost with the connection; a reply that came first is
-                    # already queued (a resend would discard it).
-                    if connected and resends < CLIENT_RESENDS and not sock.poll(0, zmq.POLLIN):
-                        resends += 1
-                        sock.send(request, zmq.NOBLOCK)
-                    connected = False
-                    continue
-                failures += 1
-                mismatch = event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
-                # (a mismatch may also surface as the server closing the connection first)
-                if mismatch or failures >= CLIENT_HANDSHAKE_FAILURES:
-                    raise HandshakeError(_handshake_error(address, rank, key is not None, mismatch))
+        why = (address, rank, key is not None)
+        reply, drops = _await_reply(sock, monitor, request, time.monotonic() + timeout_s, why)
     except zmq.ZMQError as err:
         raise HandshakeError(f"side channel {address} failed for rank {rank}: {err}") from err
     finally:
@@ -488,10 +503,16 @@ def fetch_metadata(
         monitor.close(linger=0)
         sock.close(linger=0)
     if reply is None:
+        dropped = (
+            f"; the connection dropped before a reply ({drops}x: a reply over max_reply_bytes="
+            f"{limit} is cut, or the server is shedding connections under load)"
+            if drops
+            else ""
+        )
         raise HandshakeError(
             f"no answer from the side channel of engine {engine_id!r} at {address} within "
             f"{timeout_s:g}s while asking for rank {rank}; is that engine running and is the "
-            f"port right?"
+            f"port right?{dropped}"
         )
     limits = dict(_REPLY_LIMITS, max_bin_len=len(reply))
     body = _unpack(reply, f"side-channel reply from {address}", limits)

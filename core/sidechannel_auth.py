@@ -1,20 +1,22 @@
 """The side channel's secret: where it comes from, the CURVE keys derived from it, the HMAC
-envelope of a request, and whether an address needs it (docs/security.md)."""
+envelope of a request; ``is_loopback`` (kvpush.core.addresses) decides whether a bind address
+needs the secret (docs/security.md)."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import hmac
-import ipaddress
 import os
-import socket
 from typing import NamedTuple
 
 import zmq
 import zmq.utils.z85
 
+from kvpush.core.addresses import is_loopback
 from kvpush.core.errors import HandshakeError
+
+__all__ = ["CurveKeys", "curve_keys", "is_loopback", "resolve_secret", "seal", "unseal"]
 
 SECRET_ENV = "KVPUSH_SIDE_CHANNEL_SECRET"
 AUTH_MAGIC = b"KVPA"
@@ -53,24 +55,6 @@ def curve_keys(secret: bytes) -> CurveKeys:
     return CurveKeys(
         zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret
     )
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or a name) is only reachable from this machine."""
-    name = host.strip().strip("[]")
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        pass
-    if name in ("", "*"):
-        return False
-    try:
-        infos = socket.getaddrinfo(name, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
 
 
 def _mac(secret: bytes, direction: bytes, nonce: bytes, body: bytes) -> bytes:

@@ -75,7 +75,7 @@ class Role(enum.Enum):
     DECODE = "decode"
 
 
-@frozen(order=True)
+@frozen(order=True, cache_hash=True)
 class RankKey:
     """Identity of one rank of an engine. Non-PP engines use ``pp_rank`` 0."""
 
