@@ -21,6 +21,7 @@ import zmq
 from kvpush.core import wire
 from kvpush.core.errors import ConfigError, HandshakeError, WireError
 from kvpush.core.sidechannel import (
+    CLIENT_RESENDS,
     GET_META,
     MAX_REQUEST_BYTES,
     TRANSPORT_LIMIT_BYTES,
@@ -401,6 +402,57 @@ def test_the_connection_cap_shuts_down_the_least_recently_active() -> None:
         srv.close()
 
 
+def test_the_reply_limit_is_a_setting_on_both_ends() -> None:
+    srv = SideChannelServer("P", max_reply_bytes=4096)
+    try:
+        with pytest.raises(WireError, match=r"is \d+ bytes; the side channel carries at most 4096"):
+            srv.publish(RankKey(0, 0), b"x" * 8192)
+        srv.publish(RankKey(0, 0), b"x" * 4000)
+        assert fetch_metadata("127.0.0.1", srv.port, RankKey(0, 0), timeout_s=30, max_reply_bytes=4096)
+        with pytest.raises(HandshakeError, match=r"dropped before a reply \(1x: .*max_reply_bytes=1024"):
+            fetch_metadata("127.0.0.1", srv.port, RankKey(0, 0), timeout_s=3, max_reply_bytes=1024)
+    finally:
+        srv.close()
+
+
+def test_a_request_lost_with_its_connection_is_sent_again() -> None:
+    """The server drops the connection after reading the request (as one at its connection cap
+    does): the client re-sends it on the next connection and gets its answer."""
+    port = _free_port()
+    ctx = zmq.Context.instance()
+    answered = []
+
+    def serve() -> None:
+        for attempt in range(2):
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            deadline = time.monotonic() + 10  # the closed listener is torn down asynchronously
+            while True:
+                try:
+                    router.bind(f"tcp://127.0.0.1:{port}")
+                    break
+                except zmq.ZMQError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            try:
+                if not router.poll(WAIT_MS):
+                    return
+                identity, empty, _ = router.recv_multipart()
+                if attempt == 1:
+                    router.send_multipart([identity, empty, wire.pack({"payload": b"p", "error": None})])
+                    answered.append(identity)
+                    time.sleep(0.5)
+            finally:
+                router.close(linger=0)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert fetch_metadata("127.0.0.1", port, RankKey(0, 0), timeout_s=30) == b"p"
+    thread.join(timeout=30)
+    assert len(answered) == 1 and CLIENT_RESENDS >= 1
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
@@ -408,6 +460,7 @@ def test_the_connection_cap_shuts_down_the_least_recently_active() -> None:
         ({"idle_timeout_s": -1}, "idle_timeout_s=-1"),
         ({"max_queued_replies": 0}, "max_queued_replies=0"),
         ({"zmtp_handshake_timeout_s": "2"}, "zmtp_handshake_timeout_s='2'"),
+        ({"max_reply_bytes": -5}, "max_reply_bytes=-5"),
     ],
 )
 def test_bad_bounds_are_config_errors_naming_the_argument(kwargs: dict[str, Any], name: str) -> None:
