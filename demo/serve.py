@@ -762,7 +762,9 @@ def plot(result: dict[str, Any], path: str) -> str:
     ax.set_yscale("log")
     ax.set_xlabel("offered rate (requests/s)")
     ax.set_ylabel("added latency, finish -> D may decode (ms)")
-    ax.set_title(f"kvpush bench --serve: {result['workload']['preset']} on {result['workload']['device']}")
+    w = result["workload"]
+    decode = w.get("decode_device") or w["device"]
+    ax.set_title(f"{w['preset']}: P {w['device']} -> D {decode}, {w.get('transport', 'nixl')}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
