@@ -119,7 +119,7 @@ def test_registration_first_then_prefill_pushes_once() -> None:
     with Cluster() as cluster:
         cluster.add("d-1", [[10, 11]], "x-1")
         sender = cluster.senders[RankKey(0, 0)]
-        wait_until(lambda: sender.transport.counters.notifs_received == 1, what="PUSH_REG at P")
+        wait_until(lambda: sender.core.state_sizes()["stashed"] == 1, what="PUSH_REG at P")
         settle(sender)
         assert sender.stats["pushes"] == 0  # stashed until the prefill finishes
         cluster.finish("p-1", [[3, 4]], "x-1")
@@ -142,7 +142,10 @@ def test_duplicate_push_reg_pushes_once() -> None:
     with Cluster(decode_tp=2) as cluster:
         sender = cluster.senders[RankKey(0, 0)]
         cluster.add("d-1", [[1, 2]], "x-1")  # both D ranks register with the one P rank
-        wait_until(lambda: sender.transport.counters.notifs_received == 2, what="both PUSH_REGs")
+        wait_until(
+            lambda: len(getattr(sender.core._requests.get("x-1"), "regs", {})) == 2,
+            what="both PUSH_REGs at P",
+        )
         cluster.finish("p-1", [[5, 6]], "x-1")
         assert cluster.wait_decode("d-1") == {0: None, 1: None}
         reg = wire.encode_push_reg(
