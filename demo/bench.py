@@ -235,10 +235,37 @@ def _block_sums(caches: dict[str, Any], ids: Sequence[int]) -> Any:
     return torch.stack(out)
 
 
+PACK_TIMES: dict[str, list[float]] = {"gather": [0.0, 0.0], "scatter": [0.0, 0.0]}
+"""Seconds and calls of ``Packer.copy`` in this process, by direction (``time_packer``)."""
+
+
+def time_packer() -> None:
+    """Count the wall time of every ``Packer.copy`` of this process in ``PACK_TIMES``."""
+    from kvpush.core.packing import Packer
+
+    if getattr(Packer.copy, "_timed", False):
+        return
+    copy = Packer.copy
+
+    def timed(self: Any, *args: Any, gather: bool, **kwargs: Any) -> int:
+        start = time.perf_counter()
+        try:
+            return copy(self, *args, gather=gather, **kwargs)
+        finally:
+            entry = PACK_TIMES["gather" if gather else "scatter"]
+            entry[0] += time.perf_counter() - start
+            entry[1] += 1
+
+    timed._timed = True  # type: ignore[attr-defined]
+    Packer.copy = timed  # type: ignore[method-assign]
+
+
 def _decode_main(spec: PairSpec, conn: Connection) -> None:
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     try:
         import torch
+
+        time_packer()
 
         from kvpush.core.receiver import PushReceiver
         from kvpush.core.types import RequestMetadata, TransferParams
@@ -300,7 +327,10 @@ def _decode_main(spec: PairSpec, conn: Connection) -> None:
                 elif kind == "sums":
                     reply = _block_sums(caches, message[1]).numpy()
                 elif kind == "stats":
-                    reply = {"staging_in_use": receiver.staging.bytes_in_use if receiver.staging else 0}
+                    reply = {
+                        "staging_in_use": receiver.staging.bytes_in_use if receiver.staging else 0,
+                        "pack_times": {k: list(v) for k, v in PACK_TIMES.items()},
+                    }
                 else:
                     raise ValueError(f"unknown message {kind!r}")
                 conn.send(("ok", reply))
@@ -349,6 +379,7 @@ class BenchPair:
                 self.model, config.parallel, spec.pool_blocks, device=spec.device
             )
             self._fill()
+            time_packer()
             self.sender = PushSender(config, self.caches, pm=self.pm)
             self.sender.start()
             self.trace: dict[str, float] = {}
@@ -557,6 +588,10 @@ class BenchPair:
 
         return push
 
+    def pack_times(self) -> dict[str, list[float]]:
+        """D's ``PACK_TIMES`` (seconds, calls) so far."""
+        return self._call(("stats",))["pack_times"]
+
     def _registration_stashed(self) -> bool:
         """D's PUSH_REG reached P's core (one request at a time: one stashed registration)."""
         core = self.sender.core
@@ -721,6 +756,7 @@ def sweep(
         picks: dict[tuple[int, str], dict[str, str]] = {(b, p): {} for b, p, _ in shapes_}
         loads: dict[tuple[int, str], float] = {}
         trace_rows: dict[tuple[int, str], dict[str, list[float]]] = {}
+        pack_rows: dict[tuple[int, str], dict[str, float]] = {}
         by_transport = [("nixl", [m for m in methods if m != "cuda_ipc"])]
         if "cuda_ipc" in methods:
             by_transport.append(("cuda_ipc", ["cuda_ipc"]))
@@ -745,6 +781,7 @@ def sweep(
                         if method not in ("copy", "packed_pipe"):
                             pair.verify(method, p_ids, d_ids)  # also the warm-up rep
                     got = times[(blocks, pattern)]
+                    before = (pair.pack_times(), {k: list(v) for k, v in PACK_TIMES.items()})
                     since = snapshot(pair.pids)
                     for _ in range(reps):
                         for method in pair_methods:
@@ -765,6 +802,15 @@ def sweep(
                             round(statistics.median(col), 3) for col in zip(*steps)
                         ]
                     pair.traces.clear()
+                    after = (pair.pack_times(), PACK_TIMES)
+                    pack_rows[key] = {
+                        f"{side}_{kind}": round(
+                            1e3 * (a[kind][0] - b[kind][0]) / (a[kind][1] - b[kind][1]), 3
+                        )
+                        for side, a, b in (("d", after[0], before[0]), ("p", after[1], before[1]))
+                        for kind in ("gather", "scatter")
+                        if a[kind][1] > b[kind][1]
+                    } or pack_rows.get(key, {})
                     loads[key] = max(loads.get(key, 0.0), foreign_cores(since, pair.pids))
                     picks[key][transport] = pair.default_strategy(p_ids, d_ids)
         for blocks, pattern, label in shapes_:
@@ -793,6 +839,7 @@ def sweep(
             # per kvpush method, median ms of: finish -> first post, the posts, posted -> WRITEs
             # settled on P, settled -> D's acknowledgement reached P
             row["trace_ms"] = trace_rows.get(key, {})
+            row["pack_copy_ms"] = pack_rows.get(key, {})  # mean wall ms of one Packer.copy, P and D
             rows.append(row)
             say(_row_line(row))
     return rows
