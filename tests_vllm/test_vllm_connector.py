@@ -240,3 +240,67 @@ def test_preemption_on_d_after_receiving_does_not_register_again(engines: Any, l
     assert not d.connector._scheduler.receiving  # no request registered twice
     assert_scheduler_empty(p)
     assert_scheduler_empty(d)
+
+
+def test_d_abort_in_the_step_it_registers(engines: Any, llama_dir: str) -> None:
+    """Registration and cancel reach the worker together: the request settles at once, and P
+    releases its blocks (the cancel reaches it, or its lease expires)."""
+    p = engines(llama_dir, "kv_producer", extra={"kv_lease_duration": 5})
+    d = engines(llama_dir, "kv_consumer")
+    model = PrefillModel()
+    p_id, d_id = dispatch(p, d, "cmpl-early-0", prompt(8, 40))
+    d.step()  # allocates and stages the registration
+    from vllm.v1.request import RequestStatus
+
+    d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
+    run_until([p, d], lambda: d_id in d.finished_recving, "the cancel to settle", kv_producer=model)
+    drain(p, d, model)
+    assert p_id in p.finished_sending
+
+
+def test_p_abort_fails_d_at_its_registration_timeout(engines: Any, llama_dir: str) -> None:
+    """P aborts the prefill (nothing to push): D's request fails after push_registration_timeout."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 3})
+    model = PrefillModel()
+    p_id, d_id = dispatch(p, d, "cmpl-p-abort-0", prompt(9, 40))
+    from vllm.v1.request import RequestStatus
+
+    p.scheduler.finish_requests(p_id, RequestStatus.FINISHED_ABORTED)
+    run_until([p, d], lambda: d_id in d.finished_recving, "D's registration timeout", kv_producer=model)
+    assert d_id in d.failed_recving
+    drain(p, d, model)
+    assert d.finish_reason(d_id) == "error"
+
+
+def test_many_requests_with_aborts_and_shared_prefixes(engines: Any, llama_dir: str) -> None:
+    """PP2 -> TP2 under load: 12 requests, some sharing a prefix, three aborted on D at different
+    points; every other request lands byte-exact, and nothing is left behind."""
+    p = engines(llama_dir, "kv_producer", pp=2)
+    d = engines(llama_dir, "kv_consumer", tp=2)
+    model = PrefillModel()
+    shared = prompt(100, 2 * BLOCK_SIZE)
+    requests = []
+    for i in range(12):
+        tokens = prompt(200 + i, 40 + 9 * i, prefix=shared if i % 3 == 0 else None)
+        requests.append((tokens, *dispatch(p, d, f"cmpl-load-{i}", tokens, transfer_id=f"xfer-load-{i}")))
+    abort_at = {0: 2, 3: 5, 8: 9}  # D step -> request aborted then
+    aborted = {requests[i][2] for i in abort_at.values()}
+    from vllm.v1.request import RequestStatus
+
+    landed: set[str] = set()
+    for step in range(400):
+        p.step(model)
+        d.step()
+        if step in (0, 3, 8):
+            d.scheduler.finish_requests(
+                requests[(2, 5, 9)[(0, 3, 8).index(step)]][2], RequestStatus.FINISHED_ABORTED
+            )
+        for tokens, _, d_id in requests:
+            if d_id in d.finished_recving and d_id not in landed and d_id not in aborted:
+                verify(d, d_id, tokens)
+                landed.add(d_id)
+        if len(landed) + len(aborted & d.finished_recving) == len(requests):
+            break
+    assert landed == {d_id for _, _, d_id in requests} - aborted
+    drain(p, d, model)
