@@ -104,14 +104,10 @@ def decode_regions(encoded: Any, what: str = "regions") -> tuple[KVRegion, ...]:
     n, cols = encoded["n"], encoded.get("cols")
     if not isinstance(cols, Mapping):
         raise WireError(f"{what} has no 'cols' map")
+    # Fields a newer minor release added are ignored (a field that changes what the bytes mean
+    # comes with a new wire version instead, which the compatibility hash covers).
     known = {f.name for f in attrs.fields(KVRegion)}
-    unknown = sorted(set(cols) - known)
-    if unknown:
-        raise WireError(
-            f"{what} carry region field(s) {unknown} this kvpush does not know; run the same "
-            f"kvpush release on both sides"
-        )
-    columns = {name: _expand(name, column, n, what) for name, column in cols.items()}
+    columns = {name: _expand(name, column, n, what) for name, column in cols.items() if name in known}
     try:
         return tuple(KVRegion(**{name: values[i] for name, values in columns.items()}) for i in range(n))
     except (TypeError, ValueError) as err:

@@ -193,8 +193,8 @@ def decode_metadata(
         return AgentMetadata(
             engine_id=inner["engine_id"],
             role=Role(inner["role"]),
-            parallel=ParallelConfig(**inner["parallel"]),
-            model=ModelSpec(**inner["model"]),
+            parallel=ParallelConfig(**_known(ParallelConfig, inner["parallel"])),
+            model=ModelSpec(**_known(ModelSpec, inner["model"])),
             layout=inner["layout"],
             transport=inner["transport"],
             agent_name=inner["agent_name"],
@@ -207,9 +207,19 @@ def decode_metadata(
         raise WireError(f"agent metadata from {source} is malformed: {err}") from None
 
 
+def _known(cls: type, fields: Any) -> dict[str, Any]:
+    """The fields of ``cls`` in a peer's map. Fields a newer minor release added are ignored, so
+    peers one minor version apart interoperate; a field that changes what the bytes mean comes
+    with a new ``WIRE_VERSION`` instead, which the compatibility hash covers."""
+    if not isinstance(fields, Mapping):
+        raise TypeError(f"expected a map, got {type(fields).__name__}")
+    names = {f.name for f in attrs.fields(cls)}
+    return {k: v for k, v in fields.items() if k in names}
+
+
 def _decode_regions(value: Any, what: str) -> tuple[KVRegion, ...]:
     if isinstance(value, list):  # the map-per-region form of earlier payloads
-        return tuple(KVRegion(**r) for r in value)
+        return tuple(KVRegion(**_known(KVRegion, r)) for r in value)
     return region_codec.decode_regions(value, what)
 
 

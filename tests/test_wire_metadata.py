@@ -74,10 +74,23 @@ def test_region_codec_errors_name_the_column():
     encoded["cols"]["num_heads"] = {"i": [1, 0, 99]}
     with pytest.raises(WireError, match="column 'num_heads'"):
         region_codec.decode_regions(encoded)
-    encoded = region_codec.encode_regions(make_agent_metadata().regions)
-    encoded["cols"]["colour"] = {"v": ["red", 4]}
-    with pytest.raises(WireError, match=r"field\(s\) \['colour'\] this kvpush does not know"):
-        region_codec.decode_regions(encoded)
+
+
+
+def test_a_synthetic_newer_peer_one_minor_version_ahead_decodes():
+    """Issue 10.5: metadata decoding ignores fields a newer minor release added (here: in the
+    inner map, in ParallelConfig, in ModelSpec and a new region column)."""
+    meta = make_agent_metadata()
+    outer = wire.unpack(wire.encode_metadata(meta), "outer")
+    inner = wire.unpack(outer["meta"], "inner")
+    inner["telemetry"] = {"build": "x"}
+    inner["parallel"]["ep_size"] = 4
+    inner["model"]["rope_theta"] = 1e6
+    inner["regions"]["cols"]["colour"] = {"v": ["red", len(meta.regions)]}
+    outer["meta"] = wire.pack(inner)
+    decoded = wire.decode_metadata(wire.pack(outer), expected_hash=outer["compat_hash"], source="newer")
+    assert decoded.regions == meta.regions
+    assert (decoded.parallel, decoded.model) == (meta.parallel, meta.model)
 
 
 def test_maps_of_earlier_payloads_still_decode():
