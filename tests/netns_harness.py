@@ -111,6 +111,7 @@ class MultiHost:
         blocks: int = 1024,
         timers: dict[str, float] | None = None,
         transport_options: dict[str, Any] | None = None,
+        sysctls: dict[str, str] | None = None,
     ) -> None:
         self.prefill_pp, self.decode_tp = prefill_pp, decode_tp
         self.timers = dict(QUICK_TIMERS if timers is None else timers)
@@ -119,11 +120,15 @@ class MultiHost:
         self.channels: list[EngineSideChannel] = []
         self.helpers: list[subprocess.Popen[str]] = []
         self.plans: dict[str, dict[str, Any]] = {}
+        self.blocks, self.next_block = blocks, 0
         self.record: dict[str, Any] = {}
         """What a test measured (saved by the test module)."""
         self._secret = contextlib.ExitStack()
         self.pair.create()
         try:
+            for name, value in (sysctls or {}).items():  # per namespace, e.g. net.ipv4.tcp_retries2
+                path = "/proc/sys/" + name.replace(".", "/")
+                self.both(sys.executable, "-c", f"open({path!r}, 'w').write({str(value)!r})")
             hosts = (self.pair.prefill_host, self.pair.decode_host)
             self._secret.enter_context(side_channel_secret(hosts, lambda _msg: None))
             self.transport_options = {
@@ -208,14 +213,18 @@ class MultiHost:
             "remote_request_id": rid,
         }
 
-    def plan(self, rids: list[str], num_blocks: int = 32) -> None:
-        """Give each request ``num_blocks`` fresh blocks on both sides and fill P's."""
+    def plan(self, rids: list[str], num_blocks: int = 32, d_blocks: list[int] | None = None) -> None:
+        """Give each request ``num_blocks`` blocks never used before in this run on both sides
+        (so the freed-block check never mistakes a reused block for a late WRITE), fill P's."""
         batch = []
         for rid in rids:
-            start = len(self.plans) * num_blocks
+            start, self.next_block = self.next_block, self.next_block + num_blocks
+            if self.next_block > self.blocks:
+                raise ValueError(f"the run needs more than its {self.blocks} blocks; pass blocks=")
             ids = list(range(start, start + num_blocks))
             seed = len(self.plans) + 1
-            self.plans[rid] = {"seed": seed, "p_ids": [ids], "d_ids": [ids[::-1]], "added": None}
+            d_ids = ids[::-1] if d_blocks is None else list(d_blocks)  # d_blocks: reuse D blocks
+            self.plans[rid] = {"seed": seed, "p_ids": [ids], "d_ids": [d_ids], "added": None}
             batch.append((rid, seed, [ids]))
         for rank in self.p_ranks:
             rank.call(("prepare", batch), timeout_s=120)
@@ -237,6 +246,10 @@ class MultiHost:
             if stages is None or rank.key.pp_rank in stages:
                 for _ in rids:
                     rank.reply(("finish",), timeout_s=60)
+
+    def cancel(self, rid: str) -> None:
+        for rank in self.d_ranks:
+            rank.call(("cancel", rid), timeout_s=60)
 
     def poll(self) -> None:
         now = time.monotonic()

@@ -136,6 +136,20 @@ def test_push_crosses_the_link_and_every_byte_verifies(hosts: MultiHost) -> None
     assert rx - rx_before >= pushed, f"only {rx - rx_before} bytes reached D over the link; pushed {pushed}"
     assert tx > tx_before
     assert_no_leaks(hosts)
+    # Negative control: the freed-block check sees a WRITE into released blocks. Cancel a
+    # request before P finishes, then push another request into the blocks D released.
+    hosts.plan(["control-cancelled"])
+    plan = hosts.plans["control-cancelled"]
+    plan["added"] = time.monotonic()
+    for rank in hosts.d_ranks:
+        rank.call(("add", "control-cancelled", plan["d_ids"], hosts.params("control-cancelled"), 1, [0]))
+    hosts.cancel("control-cancelled")
+    hosts.wait_decode(["control-cancelled"], BOUND_S)
+    assert hosts.check_freed() == {}
+    hosts.plan(["control-reuse"], d_blocks=plan["d_ids"][0])
+    hosts.dispatch(["control-reuse"])
+    hosts.wait_decode(["control-reuse"], BOUND_S)
+    assert set(hosts.check_freed()) == {"control-cancelled"}
 
 
 @pytest.mark.multihost
