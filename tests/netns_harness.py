@@ -549,7 +549,127 @@ def run_delayer(queue: int, delay_ms: float, max_s: float = 3600.0) -> None:
             offset += (length + 3) & ~3
 
 
-if __name__ == "__main__":  # ip netns exec NS python tests/netns_harness.py delay QUEUE MS
-    if len(sys.argv) != 4 or sys.argv[1] != "delay":
-        sys.exit("usage: netns_harness.py delay QUEUE DELAY_MS")
-    run_delayer(int(sys.argv[2]), float(sys.argv[3]))
+# ---------------------------------------------------------------------- sequential latency
+
+
+def measure_latency(mode: str, requests: int = 20, num_blocks: int = 32) -> dict[str, Any]:
+    """One request at a time, dispatch to both D ranks done (docs/deployment.md): ``mode`` is
+    ``loopback`` (UCX's choice: CMA for data), ``tcp`` (loopback, ``ucx_tls=tcp``) or ``netns``
+    (two namespaces, TCP over the veth link)."""
+    import statistics
+
+    pair = netns.NetnsPair().create() if mode == "netns" else None
+    hosts = (pair.prefill_host, pair.decode_host) if pair else ("127.0.0.1", "127.0.0.1")
+    spaces = (pair.prefill_ns, pair.decode_ns) if pair else (None, None)
+    options: dict[str, Any] = {"ucx_tls": "tcp"} if mode != "loopback" else {}
+    if pair:
+        options["ucx_net_devices"] = pair.link
+    ranks: list[_Rank] = []
+    channels: list[EngineSideChannel] = []
+    try:
+        with side_channel_secret(hosts, lambda _msg: None):
+            p_channel = start_side_channel("prefill-0", hosts[0], spaces[0])
+            channels.append(p_channel)
+            d_channel = start_side_channel("decode-0", hosts[1], spaces[1])
+            channels.append(d_channel)
+            common: dict[str, Any] = {
+                "model": MODEL,
+                "layout": "uniform",
+                "blocks_per_group": ((requests + 1) * num_blocks,),
+                "transport_options": options,
+                "log_level": "ERROR",
+            }
+            p_specs = [
+                RankSpec(
+                    role="prefill",
+                    engine_id="prefill-0",
+                    parallel=ParallelConfig.for_stage(
+                        num_layers=4, pp_size=2, pp_rank=pp, tp_size=1, tp_rank=0
+                    ),
+                    side_channel_port=p_channel.port,
+                    host=hosts[0],
+                    netns=spaces[0],
+                    **common,
+                )
+                for pp in range(2)
+            ]
+            d_specs = [
+                RankSpec(
+                    role="decode",
+                    engine_id="decode-0",
+                    parallel=ParallelConfig(tp_size=2, tp_rank=tp, num_layers=MODEL.num_layers),
+                    side_channel_port=d_channel.port,
+                    host=hosts[1],
+                    netns=spaces[1],
+                    **common,
+                )
+                for tp in range(2)
+            ]
+            p_ranks, payloads = _start_ranks(p_specs, 120)
+            ranks += p_ranks
+            p_channel.publish_all(payloads)
+            d_ranks, payloads = _start_ranks(d_specs, 120)
+            ranks += d_ranks
+            d_channel.publish_all(payloads)
+            latencies = []
+            for index in range(requests + 1):  # the first one connects the engines
+                rid, ids = f"lat-{index}", list(range(index * num_blocks, (index + 1) * num_blocks))
+                for rank in p_ranks:
+                    rank.call(("prepare", [(rid, index + 1, [ids])]))
+                params = {
+                    "remote_engine_id": "prefill-0",
+                    "remote_host": hosts[0],
+                    "remote_port": p_channel.port,
+                    "pp_size": 2,
+                    "transfer_id": f"x-{rid}",
+                }
+                started = time.perf_counter()
+                for rank in d_ranks:
+                    rank.call(("add", rid, [ids], params, index + 1, [0]))
+                for rank in p_ranks:
+                    rank.call(("finish", rid, [ids], f"x-{rid}"))
+                done: dict[RankKey, float] = {}
+                while len(done) < len(d_ranks):
+                    if time.perf_counter() - started > 60:
+                        raise RuntimeError(f"{rid} not done within 60s")
+                    for rank in d_ranks:
+                        polled = rank.call(("poll",))
+                        if polled["failed"]:
+                            raise RuntimeError(f"{rid} failed: {polled['failed']}")
+                        for result in polled["done"].values():
+                            if not result["ok"]:
+                                raise RuntimeError(f"{rid}: {result['miss']}")
+                            done[rank.key] = result["t_done"]
+                    time.sleep(0.001)
+                for rank in p_ranks:
+                    rank.call(("poll",))
+                if index:
+                    latencies.append((max(done.values()) - started) * 1e3)
+    finally:
+        _stop(ranks)
+        for channel in channels:
+            channel.close()
+        if pair:
+            pair.close()
+    return {
+        "mode": mode,
+        "requests": requests,
+        "bytes_per_request": num_blocks * 16 * 1024 * MODEL.num_layers,
+        "p50_ms": round(statistics.median(latencies), 2),
+        "min_ms": round(min(latencies), 2),
+        "max_ms": round(max(latencies), 2),
+    }
+
+
+if __name__ == "__main__":
+    # ip netns exec NS python tests/netns_harness.py delay QUEUE MS
+    # python tests/netns_harness.py latency loopback|tcp|netns ...
+    if len(sys.argv) == 4 and sys.argv[1] == "delay":
+        run_delayer(int(sys.argv[2]), float(sys.argv[3]))
+    elif len(sys.argv) >= 3 and sys.argv[1] == "latency":
+        import json
+
+        for latency_mode in sys.argv[2:]:
+            print(json.dumps(measure_latency(latency_mode)), flush=True)
+    else:
+        sys.exit("usage: netns_harness.py delay QUEUE DELAY_MS | latency MODE...")
