@@ -368,7 +368,7 @@ class PrefillCore:
             request = self._requests.get(key)
             if request is None or request.engine_id != engine.engine_id:
                 tomb = self._tombstones.get(key)
-                if tomb is None or tomb[0] == "failed":
+                if tomb is None or tomb[0] == "failed" or tomb[1] != engine.engine_id:
                     failed.append(key)
                 continue
             self.stats["heartbeat_renewals"] += 1

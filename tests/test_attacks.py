@@ -18,6 +18,7 @@ import msgpack
 import pytest
 import torch
 from attacker import Attacker, registration, rogue_decode
+from attrs import evolve as attrs_evolve
 from cluster import MHA, Cluster, kv_bytes, settle, wait_until
 from test_push_flow import assert_pushed
 
@@ -510,3 +511,118 @@ def test_push_reg_with_decode_tp_size_3000000_is_refused_at_decode(world: World)
     world.sender.call_on_writer(lambda: None, timeout_s=2.0)  # the writer is not frozen
     world.push("o", [29, 30], [38, 39])
     assert time.monotonic() - started < 5
+
+
+# ---------------------------------------------------------------------------- names and secrets
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [
+        "s3cret",
+        pytest.param(
+            None,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="by design today: without a secret, NIXL agent names are not authenticated, so "
+                "an agent that takes P's name completes D's request without bytes (issue 16: "
+                "notifications are MACed only with a secret)",
+            ),
+        ),
+    ],
+    ids=["secret", "no-secret"],
+)
+def test_an_agent_that_takes_ps_name_cannot_complete_a_request(secret: str | None) -> None:
+    w = World(**({"secret": secret} if secret else {}))
+    try:
+        w.push("warm", [1], [1])
+        w.add("p", [40, 41])
+        wait_until(lambda: w.receiver.stats["push_regs_sent"] >= 2, what="D's PUSH_REG")
+        with Attacker(name=w.p_agent) as impostor:  # the same agent name as P's rank
+            impostor.send(impostor.load(w.cluster.d_server.port, P0, "D"), wire.encode_done("d-p", P0, 1))
+            impostor.pump(0.5)
+            settle(w.receiver)
+        assert w.receiver.get_finished().done == (), "D reported done without the bytes"
+        w.finish("p", [31, 32])
+        assert w.cluster.wait_decode("d-p") == {0: None}
+        assert_pushed(w.cluster, [31, 32], [40, 41])
+    finally:
+        w.close()
+
+
+def test_with_a_secret_every_forged_notification_is_dropped_unauthenticated() -> None:
+    w = World(secret="s3cret")
+    try:
+        w.push("warm", [1], [1])
+        w.add("q", [42, 43])
+        wait_until(lambda: w.receiver.stats["push_regs_sent"] >= 2, what="D's PUSH_REG")
+        reg = registration(
+            request_id="d-q",
+            match_key="x-q",
+            block_ids=[[42, 43]],
+            decode_engine_id="D",
+            decode_port=w.cluster.d_server.port,
+            incarnation=w.d_meta.incarnation,
+        )
+        to_d = [
+            wire.encode_done("d-q", P0, 1),
+            wire.encode_failed("d-q", P0, "forged"),
+            wire.encode_cancel_ack("d-q", P0, False),
+        ]
+        to_p = [
+            wire.encode_push_reg(reg),
+            wire.encode_cancel("x-q", reg, 0),
+            wire.encode_heartbeat(["x-q"], reg, 0),
+            wire.encode_hello(attrs_evolve(reg, decode_incarnation="x"), 0),
+        ]
+        for message in to_d:
+            w.attacker.send(w.d_agent, message)
+        for message in to_p:
+            w.attacker.send(w.p_agent, message)
+        wait_until(
+            lambda: (
+                w.attacker.pump(0.01)
+                or (
+                    w.receiver.unauthenticated_notifications >= len(to_d)
+                    and w.sender.unauthenticated_notifications >= len(to_p)
+                )
+            ),
+            what="every forged notification dropped",
+        )
+        assert w.receiver.get_finished().done == ()
+        w.finish("q", [33, 34])
+        assert w.cluster.wait_decode("d-q") == {0: None}
+        assert_pushed(w.cluster, [33, 34], [42, 43])
+        w.assert_nothing_outside_offered()
+    finally:
+        w.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 16: a HELLO makes P open a handshake to whatever host:port it names, on P's "
+    "2-thread handshake pool, so 30 HELLOs naming a silent port delay a real D's handshake past "
+    "its HELLO timeout (prefill_core._on_hello)",
+)
+def test_hellos_naming_a_silent_port_do_not_delay_a_new_d() -> None:
+    sock = _listener()  # accepts TCP, never answers: each handshake waits for its timeout
+    w = World()
+    try:
+        port = sock.getsockname()[1]
+        for i in range(30):
+            reg = registration(
+                request_id="(hello)",
+                match_key="(hello)",
+                block_ids=[],
+                decode_engine_id=f"evil-{i}",
+                decode_port=port,
+            )
+            w.attacker.send(w.p_agent, wire.encode_hello(reg, 0))
+        _quiet(w, 0.5)
+        started = time.monotonic()
+        w.push("r", [35, 36], [44, 45])  # D's first request: P must handshake with D now
+        assert time.monotonic() - started < 10
+        assert _accepted(sock) == 0, "P connected to the address a HELLO named"
+    finally:
+        w.close()
+        sock.close()
