@@ -64,8 +64,9 @@ class PushSender(RankWorker):
         self._results_lock = threading.Lock()
         self._sent: list[str] = []
         self._failed: dict[str, str] = {}
-        self._keys: set[str] = set()
-        """Match keys of prefills finished and not yet reported (a second finish is refused)."""
+        self._keys: dict[str, str] = {}
+        """Match key -> request id of prefills finished and not yet reported (a second finish of
+        a key is refused; close() reports what is left)."""
         self._packing_stats = {"packed_writes": 0, "packed_fallbacks": 0}
 
     @property
@@ -121,7 +122,7 @@ class PushSender(RankWorker):
         with self._results_lock:
             if key in self._keys:
                 raise ConfigError(f"match_key {key!r} is already being pushed by this rank; finish it once")
-            self._keys.add(key)
+            self._keys[key] = request_id
         self.run_on_writer(
             lambda: self._guarded(
                 key, lambda now: self.core.finished(key, request_id, blocks, decode_engine_id or "", now)
@@ -196,7 +197,7 @@ class PushSender(RankWorker):
 
     def _report(self, report: Report) -> None:
         with self._results_lock:
-            self._keys.discard(report.key)
+            self._keys.pop(report.key, None)
             if report.outcome == "sent":
                 self._sent.append(report.request_id)
             else:
@@ -393,8 +394,8 @@ class PushSender(RankWorker):
 
     def _closed(self) -> None:
         """Report every prefill still held as failed: the engine may free its blocks."""
-        assert self.core is not None
-        pending = self.core.pending_requests()
+        with self._results_lock:
+            pending = list(self._keys.items())  # in the core, or still queued for the writer
         if pending:
             logger.warning(
                 "%s closed with %d prefill(s) unreported; reporting them failed",

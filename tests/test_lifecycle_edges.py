@@ -1,0 +1,61 @@
+"""Issue 11.5: start() cleans up what it made when a later step fails; close() reports every
+pending request failed and never releases memory under a live writer; empty requests complete at
+once."""
+
+from __future__ import annotations
+
+import pytest
+from cluster import MHA, Cluster
+
+import kvpush.transports.loopback as loopback
+from kvpush import hookimpl
+from kvpush.core.errors import ConfigError
+from kvpush.core.manager import get_plugin_manager
+from kvpush.core.sender import PushSender
+from kvpush.core.types import ParallelConfig, RankKey
+from kvpush.core.worker import WorkerConfig
+from kvpush.layouts.uniform import allocate_kv_caches
+
+
+class BrokenExtensions:
+    @staticmethod
+    @hookimpl
+    def kvpush_metadata_extensions(local):
+        raise RuntimeError("extension plugin broke")
+
+
+def test_start_releases_the_agent_when_a_later_step_fails() -> None:
+    pm = get_plugin_manager(load_entrypoints=False, plugins=[("loopback", loopback)])
+    pm.register(BrokenExtensions(), "broken")
+    parallel = ParallelConfig(tp_size=1, num_layers=MHA.num_layers)
+    config = WorkerConfig(engine_id="P-start", parallel=parallel, model=MHA, transport="loopback")
+    sender = PushSender(config, allocate_kv_caches(MHA, parallel, 8), pm=pm)
+    with pytest.raises(Exception, match="extension plugin broke"):
+        sender.start()
+    assert sender.transport is not None and sender.transport.counters.peers_loaded == 0
+    assert "P-start-prefill-pp0-tp0" not in loopback._AGENTS  # the agent was closed again
+
+
+def test_close_reports_every_pending_request_failed() -> None:
+    cluster = Cluster(request_timeout_s=60)
+    try:
+        cluster.add("d-1", [[1]], "x-1")  # P never finishes it
+        cluster.finish("p-2", [[2]], "x-2")  # D never registers it
+        sender, receiver = cluster.senders[RankKey(0, 0)], cluster.receivers[0]
+    finally:
+        cluster.close()
+    p_results, d_results = sender.get_finished(), receiver.get_finished()
+    assert "worker closed" in p_results.failed["p-2"]
+    assert "worker closed" in d_results.failed["d-1"] and "d-1" in d_results.released
+    with pytest.raises(ConfigError, match="which is closed"):
+        receiver.add_request_params("d-3", [[1]], cluster.params("x-3"))
+    with pytest.raises(ConfigError, match="which is closed"):
+        sender.request_finished("p-3", [[1]])
+
+
+def test_empty_requests_complete_at_once() -> None:
+    with Cluster() as cluster:
+        cluster.add("d-empty", [[]], "x-empty")
+        cluster.finish("p-empty", [[]], "x-empty")
+        assert cluster.wait_decode("d-empty", timeout_s=2) == {0: None}
+        assert cluster.wait_prefill("p-empty", timeout_s=2) == {RankKey(0, 0): None}
