@@ -1,0 +1,852 @@
+"""Property tests of the pure protocol cores: P ranks and D ranks wired through a test network.
+
+A hypothesis ``RuleBasedStateMachine`` drives :class:`PrefillCore` (P PP x TP ranks) and
+:class:`DecodeCore` (D TP ranks) directly: no transport, no threads, one injected clock (each
+process reads it with its own offset, so nothing may compare clocks across machines).
+Notifications are real bytes (``core.notifications``) routed by agent name and incarnation; the
+test plays every driver: it completes handshakes (``connected``), executes posts
+(``confirm_post`` / ``posted`` / ``post_failed``), lands simulated WRITEs into D's block pool and
+staging area, delivers a WRITE's DONE only when the WRITE completes (as NIXL does), polls
+(``write_settled``) and ticks timers (``handle_timer``).
+
+Faults: notifications dropped, duplicated, delayed and reordered; handshakes refused; posts
+refused; WRITEs failing or stalling past their deadline; processes dying, P and D ranks
+restarting under the same agent name with a new incarnation (and a clock that may be behind);
+planning plugins raising; drivers failing a request after an internal error.
+
+Checked after every step (and at the moment each WRITE lands):
+
+- a WRITE lands only into blocks (or staging) that the target D rank currently offers for the
+  request it was registered for; never into released, freed or reused blocks;
+- D reports a request done only once every expected producer's WRITE into it completed;
+- every request ends exactly once on each side, ``Release`` only for failed/cancelled ones;
+- every posted handle is settled or aborted, never both;
+- after a reliable drain past every bound, both cores' state is empty.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvpush.core import notifications as wire
+from kvpush.core.actions import (
+    Abort,
+    Connect,
+    DropPeer,
+    FreeStaging,
+    Post,
+    Release,
+    Report,
+    Scatter,
+    Send,
+)
+from kvpush.core.decode_core import DecodeCore, DecodeSettings, ProducerInfo
+from kvpush.core.prefill_core import PrefillCore, PrefillSettings
+from kvpush.core.producers import destinations, expected_producers
+from kvpush.core.types import (
+    BlockIds,
+    PackManifest,
+    PushRegistration,
+    RankKey,
+    ReadSpec,
+    RequestMetadata,
+    TransferParams,
+)
+
+P_ENGINE, D_ENGINE = "P", "D"
+P_HOST, D_HOST = "p.example", "d.example"
+P_PORT, D_PORT = 5600, 5700
+POOL_BLOCKS = 12
+WRITE_DEADLINE_S = 10.0
+TOPOLOGIES = [(2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2), (2, 2, 2), (2, 2, 1)]
+"""(P PP, P TP, D TP)."""
+IDX = st.integers(min_value=0, max_value=63)
+MAX_DRAIN_ROUNDS = 5_000
+MAX_BUSY_ROUNDS = 100
+STEPS_S = [0.001, 0.06, 0.5, 1.0, 2.0, 0.06, 0.5, 1.0, 2.0, 4.0, 6.0, 11.0, 21.0, 31.0, 125.0]
+"""Clock steps: mostly short (progress), some past heartbeat, freshness, WRITE and lease bounds."""
+FAULTS = [
+    *["none"] * 8,
+    "prefill_driver_error",
+    "decode_driver_error",
+    "prefill_rank_dies",
+    "prefill_rank_restarts",
+    "prefill_rank_restarts_behind",
+    "decode_rank_dies",
+    "decode_rank_restarts",
+]
+
+
+class Violation(AssertionError):
+    """A protocol property failed (the message names the property and the state)."""
+
+
+# ------------------------------------------------------------------------------ the world
+
+
+@attrs.define(eq=False)
+class Proc:
+    agent: str
+    inc: str
+    offset: float
+    born: int
+    """Requests created before this process started are not its engine's."""
+    alive: bool = True
+    registry: dict[str, dict[Any, tuple[str, str]]] = attrs.field(factory=dict)
+    """What this process's peer registry loaded: engine -> rank -> (agent, incarnation)."""
+
+
+@attrs.define(eq=False)
+class PProc(Proc):
+    rank: RankKey = attrs.field(factory=lambda: RankKey(0, 0))
+    core: Any = None
+    posts: list[Post] = attrs.field(factory=list)
+    finished: dict[str, str] = attrs.field(factory=dict)
+    """match key -> P request id of every prefill finished on this process."""
+    reports: dict[str, list[str]] = attrs.field(factory=dict)
+    boom: set[str] = attrs.field(factory=set)
+    """Keys whose planning raises (a third-party plugin failing)."""
+
+
+@attrs.define(eq=False)
+class DReq:
+    rid: str
+    key: str
+    blocks: tuple[int, ...]
+    staging: int = -1
+    outcomes: list[str] = attrs.field(factory=list)
+    released: bool = False
+    freed: bool = False
+    cancel_calls: int = 0
+    cancel_after_failed: bool = False
+    landed: dict[RankKey, set[int]] = attrs.field(factory=dict)
+    chunks: dict[RankKey, int] = attrs.field(factory=dict)
+
+
+@attrs.define(eq=False)
+class DProc(Proc):
+    tp_rank: int = 0
+    core: Any = None
+    free: list[int] = attrs.field(factory=list)
+    owner: dict[int, str] = attrs.field(factory=dict)
+    """block -> request id it is allocated to (offered, or done and in use by the engine)."""
+    staging: dict[int, str] = attrs.field(factory=dict)
+    """staging offset -> request id holding it."""
+    requests: dict[str, DReq] = attrs.field(factory=dict)
+    next_packed: bool = False
+
+
+@attrs.define(eq=False)
+class Msg:
+    src: str
+    dst: str
+    dst_inc: str
+    data: bytes
+
+
+@attrs.define(eq=False)
+class Write:
+    handle: str
+    p: PProc
+    key: str
+    dst_rank: int
+    target: tuple[str, str]
+    d_rid: str
+    blocks: tuple[int, ...]
+    staging: int
+    chunk: int
+    chunks: int
+    notif: bytes
+    state: str = "pending"
+    """pending -> landed / failed (-> settled), or aborted, or vanished (P died)."""
+    ok: bool = False
+    settled: bool = False
+    aborted: bool = False
+
+
+@attrs.define(eq=False)
+class Request:
+    """One request of the (single) P engine and D engine pair."""
+
+    key: str
+    rid: str
+    seq: int
+    nblocks: int
+    sizes: str
+    packed: bool
+
+
+# ------------------------------------------------------------------------------ the machine
+
+
+class CoreCluster(RuleBasedStateMachine):
+    """One P engine (PP x TP PrefillCores) and one D engine (TP DecodeCores)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = 0.0
+        self.seq = itertools.count()
+        self.handle_ids = itertools.count()
+        self.p_procs: list[PProc] = []
+        self.d_procs: list[DProc] = []
+        self.net: list[Msg] = []
+        self.handshakes: list[tuple[Proc, Connect]] = []
+        self.writes: dict[str, Write] = {}
+        self.requests: list[Request] = []
+        self.p_pp = self.p_tp = self.d_tp = 1
+        self.ready = False
+
+    # ------------------------------------------------------------------ set-up
+
+    @initialize(topology=st.sampled_from(TOPOLOGIES))
+    def start(self, topology: tuple[int, int, int]) -> None:
+        self.p_pp, self.p_tp, self.d_tp = topology
+        for pp in range(self.p_pp):
+            for tp in range(self.p_tp):
+                self.p_procs.append(self._new_p(RankKey(pp, tp), offset=1000.0 * (len(self.p_procs) + 1)))
+        for tp in range(self.d_tp):
+            self.d_procs.append(self._new_d(tp, offset=-50.0 * tp))
+        self.ready = True
+
+    def _new_p(self, rank: RankKey, offset: float) -> PProc:
+        n = next(self.seq)
+        proc = PProc(
+            agent=f"{P_ENGINE}-prefill-pp{rank.pp_rank}-tp{rank.tp_rank}",
+            inc=f"pinc{n}",
+            offset=offset,
+            born=n,
+            rank=rank,
+        )
+        proc.core = PrefillCore(
+            PrefillSettings(
+                engine_id=P_ENGINE,
+                incarnation=proc.inc,
+                rank=rank,
+                tp_size=self.p_tp,
+                lease_s=30.0,
+                registration_ttl_s=120.0,
+                write_deadline_s=WRITE_DEADLINE_S,
+            ),
+            plan=lambda blocks, reg, proc=proc: self._plan(proc, blocks, reg),
+        )
+        return proc
+
+    def _new_d(self, tp_rank: int, offset: float) -> DProc:
+        n = next(self.seq)
+        proc = DProc(
+            agent=f"{D_ENGINE}-decode-pp0-tp{tp_rank}",
+            inc=f"dinc{n}",
+            offset=offset,
+            born=n,
+            tp_rank=tp_rank,
+            free=list(range(POOL_BLOCKS)),
+        )
+        proc.core = DecodeCore(
+            DecodeSettings(
+                engine_id=D_ENGINE,
+                incarnation=proc.inc,
+                tp_rank=tp_rank,
+                tp_size=self.d_tp,
+                host=D_HOST,
+                port=D_PORT,
+                request_timeout_s=120.0,
+                heartbeat_interval_s=5.0,
+                peer_silence_s=20.0,
+                fresh_s=10.0,
+                hello_timeout_s=5.0,
+                early_ttl_s=30.0,
+            ),
+            reserve_staging=lambda meta, proc=proc: self._reserve(proc, meta),
+        )
+        return proc
+
+    def _plan(self, proc: PProc, blocks: BlockIds, reg: PushRegistration) -> list[ReadSpec]:
+        if reg.match_key in proc.boom:
+            raise ValueError("a read-spec plugin raised")
+        return [
+            ReadSpec(dst_tp_rank=d, local_block_ids=blocks, remote_block_ids=reg.block_ids)
+            for d in destinations(proc.rank.tp_rank, self.p_tp, reg.decode_tp_size)
+        ]
+
+    def _reserve(self, proc: DProc, meta: RequestMetadata) -> int:
+        if not proc.next_packed:
+            return -1
+        offset = 4096 * next(self.seq)  # never reused: a late packed WRITE is caught, not masked
+        proc.staging[offset] = meta.request_id
+        return offset
+
+    # ------------------------------------------------------------------ helpers
+
+    def now(self, proc: Proc) -> float:
+        return self.t + proc.offset
+
+    def live_p(self) -> list[PProc]:
+        return [p for p in self.p_procs if p.alive]
+
+    def live_d(self) -> list[DProc]:
+        return [d for d in self.d_procs if d.alive]
+
+    def _proc(self, agent: str, inc: str) -> Proc | None:
+        for proc in (*self.p_procs, *self.d_procs):
+            if proc.alive and proc.agent == agent and proc.inc == inc:
+                return proc
+        return None
+
+    def _loaded_inc(self, proc: Proc, agent: str) -> str | None:
+        for ranks in proc.registry.values():
+            for name, inc in ranks.values():
+                if name == agent:
+                    return inc
+        return None
+
+    def _send(self, src: Proc, agent: str, data: bytes) -> None:
+        inc = self._loaded_inc(src, agent)
+        if inc is None:  # the transport refuses: the agent is not loaded
+            if isinstance(src, DProc):
+                self._run_d(src, src.core.unreachable(agent, "agent not loaded", self.now(src)))
+            return
+        self.net.append(Msg(src.agent, agent, inc, data))
+
+    # ------------------------------------------------------------------ executing actions
+
+    def _run_p(self, p: PProc, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(p, action.agent, action.message)
+            elif isinstance(action, Post):
+                p.posts.append(action)
+            elif isinstance(action, Report):
+                self._p_report(p, action)
+            elif isinstance(action, Connect):
+                assert action.ranks, f"P asked for a handshake naming no D rank: {action}"
+                self.handshakes.append((p, action))
+            elif isinstance(action, DropPeer):
+                p.registry.pop(action.engine_id, None)
+            elif isinstance(action, Abort):
+                for handle in action.handles:
+                    w = self.writes[handle]
+                    if w.aborted or w.settled or w.p is not p:
+                        raise Violation(f"Abort of handle {handle} that is {w.state}, settled={w.settled}")
+                    w.aborted = True
+                    if w.state == "pending":
+                        w.state = "aborted"  # released: the transfer is cancelled, nothing lands
+            else:
+                raise Violation(f"P emitted an unknown action {action!r}")
+
+    def _p_report(self, p: PProc, report: Report) -> None:
+        key = report.key
+        if key not in p.finished or p.finished[key] != report.request_id:
+            raise Violation(f"P {p.agent} reported {report} for a prefill it never finished")
+        outcomes = p.reports.setdefault(key, [])
+        outcomes.append(report.outcome)
+        if len(outcomes) > 1:
+            raise Violation(f"P {p.agent} reported {key} {len(outcomes)} times: {outcomes}")
+        if report.outcome == "sent":
+            mine = [w for w in self.writes.values() if w.p is p and w.key == key]
+            for dst in destinations(p.rank.tp_rank, self.p_tp, self.d_tp):
+                ws = [w for w in mine if w.dst_rank == dst]
+                if not ws or not all(w.ok for w in ws):
+                    raise Violation(
+                        f"P {p.agent} reported {key} sent, but its WRITE to D rank {dst} did not land"
+                    )
+        elif report.outcome != "failed":
+            raise Violation(f"P reported {key} with outcome {report.outcome!r}")
+
+    def _run_d(self, d: DProc, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(d, action.agent, action.message)
+            elif isinstance(action, Report):
+                self._d_report(d, action)
+            elif isinstance(action, Release):
+                req = d.requests.get(action.request_id)
+                if req is None or req.released:
+                    raise Violation(f"D {d.agent} released {action.request_id} twice or unknown")
+                if "done" in req.outcomes:
+                    raise Violation(f"D {d.agent} released done request {action.request_id}")
+                req.released = True
+                self._free_blocks(d, req)
+            elif isinstance(action, FreeStaging):
+                holder = d.staging.pop(action.offset, None)
+                if holder is None:
+                    raise Violation(f"D {d.agent} freed staging {action.offset}, which it does not hold")
+            elif isinstance(action, Scatter):
+                req = d.requests[action.request_id]
+                if req.freed or req.released:
+                    raise Violation(f"D {d.agent} scattered into released blocks of {req.rid}")
+                m = action.manifest
+                self._run_d(
+                    d,
+                    d.core.scattered(action.request_id, action.producer, m.chunk, m.chunks, "", self.now(d)),
+                )
+            elif isinstance(action, Connect):
+                self.handshakes.append((d, action))
+            elif isinstance(action, DropPeer):
+                d.registry.pop(action.engine_id, None)
+            else:
+                raise Violation(f"D emitted an unknown action {action!r}")
+        # A cancelled request reports after its Release within one batch; check the pair here.
+        for req in d.requests.values():
+            if req.released and not any(o in ("failed", "cancelled") for o in req.outcomes):
+                raise Violation(f"D {d.agent} released {req.rid} that was never reported failed/cancelled")
+
+    def _d_report(self, d: DProc, report: Report) -> None:
+        req = d.requests.get(report.request_id)
+        if req is None:
+            raise Violation(f"D {d.agent} reported {report} for a request it was never given")
+        prior = list(req.outcomes)
+        req.outcomes.append(report.outcome)
+        allowed = not prior or (
+            prior == ["failed"] and report.outcome == "cancelled" and req.cancel_after_failed
+        )
+        if not allowed:
+            raise Violation(f"D {d.agent} reported {req.rid} {req.outcomes} (exactly once expected)")
+        if report.outcome == "done":
+            want = expected_producers(
+                prefill_pp=self.p_pp, prefill_tp=self.p_tp, decode_tp_rank=d.tp_rank, decode_tp_size=self.d_tp
+            )
+            for producer in sorted(want, key=lambda r: (r.pp_rank, r.tp_rank)):
+                need = req.chunks.get(producer)
+                got = req.landed.get(producer, set())
+                if need is None or len(got) < need:
+                    raise Violation(
+                        f"D {d.agent} reported {req.rid} done, but producer {producer} landed "
+                        f"{sorted(got)} of {need} WRITE(s)"
+                    )
+            self._free_blocks(d, req)  # the engine owns them now: nothing may land any more
+        elif report.outcome not in ("failed", "cancelled"):
+            raise Violation(f"D reported {req.rid} with outcome {report.outcome!r}")
+
+    def _free_blocks(self, d: DProc, req: DReq) -> None:
+        if req.freed:
+            return
+        req.freed = True
+        for b in req.blocks:
+            assert d.owner.pop(b) == req.rid
+            d.free.append(b)  # LIFO: the next request reuses them first
+
+    # ------------------------------------------------------------------ the D engine
+
+    @precondition(lambda self: self.ready and self.live_d())
+    @rule(
+        nblocks=st.integers(1, 3),
+        first_rank_only=st.booleans(),
+        packed=st.booleans(),
+        sizes=st.sampled_from(["absent", "right", "right", "absent", "right", "right", "absent", "wrong"]),
+    )
+    def new_request(self, nblocks: int, first_rank_only: bool, packed: bool, sizes: str) -> None:
+        n = next(self.seq)
+        req = Request(key=f"k{n}", rid=f"r{n}", seq=n, nblocks=nblocks, sizes=sizes, packed=packed)
+        self.requests.append(req)
+        for d in self.live_d()[:1] if first_rank_only else self.live_d():
+            self._add(d, req)
+
+    @precondition(lambda self: self.requests and self.live_d())
+    @rule(i=IDX, j=IDX)
+    def add_on_another_rank(self, i: int, j: int) -> None:
+        req = self.requests[i % len(self.requests)]
+        d = self.live_d()[j % len(self.live_d())]
+        if req.rid not in d.requests and req.seq > d.born:
+            self._add(d, req)
+
+    def _add(self, d: DProc, req: Request) -> None:
+        if len(d.free) < req.nblocks:
+            return  # the engine has no room; it would queue the request
+        blocks = tuple(d.free.pop() for _ in range(req.nblocks))
+        for b in blocks:
+            d.owner[b] = req.rid
+        params = {"remote_engine_id": P_ENGINE, "remote_host": P_HOST, "remote_port": P_PORT}
+        params["transfer_id"] = req.key
+        if req.sizes != "absent":
+            bad = 1 if req.sizes == "wrong" else 0
+            params.update(tp_size=self.p_tp, pp_size=self.p_pp + bad)
+        meta = RequestMetadata(
+            request_id=req.rid, block_ids=(blocks,), params=TransferParams.from_dict(params)
+        )
+        d.requests[req.rid] = DReq(req.rid, req.key, blocks)
+        d.next_packed = req.packed
+        self._run_d(d, d.core.add(meta, self.now(d)))
+        d.next_packed = False
+        holder = [o for o, rid in d.staging.items() if rid == req.rid]
+        d.requests[req.rid].staging = holder[0] if holder else -1
+
+    @precondition(lambda self: self.requests and self.live_d())
+    @rule(i=IDX, j=IDX)
+    def cancel(self, i: int, j: int) -> None:
+        req = self.requests[i % len(self.requests)]
+        d = self.live_d()[j % len(self.live_d())]
+        mine = d.requests.get(req.rid)
+        if mine is None or mine.released or "done" in mine.outcomes or mine.cancel_calls:
+            return  # the engine cancels only a request it still waits for, once
+        mine.cancel_calls += 1
+        mine.cancel_after_failed = mine.outcomes == ["failed"]
+        self._run_d(d, d.core.cancel(req.rid, self.now(d)))
+
+    # ------------------------------------------------------------------ the P engine
+
+    @precondition(lambda self: self.requests and self.live_p())
+    @rule(
+        i=IDX,
+        j=IDX,
+        one_rank=st.booleans(),
+        bind=st.booleans(),
+        boom=st.sampled_from([False] * 7 + [True]),
+    )
+    def prefill_finished(self, i: int, j: int, one_rank: bool, bind: bool, boom: bool) -> None:
+        """The prefill of a request finished on every live P rank (or on one of them)."""
+        req = self.requests[i % len(self.requests)]
+        ps = self.live_p()
+        for p in [ps[j % len(ps)]] if one_rank else ps:
+            if req.key in p.finished or req.seq < p.born:
+                continue
+            if boom:
+                p.boom.add(req.key)
+                boom = False  # one rank's plugin raises
+            p.finished[req.key] = f"p-{req.rid}"
+            blocks = (tuple(range(req.nblocks)),)
+            bound = D_ENGINE if bind else ""
+            self._run_p(p, p.core.finished(req.key, f"p-{req.rid}", blocks, bound, self.now(p)))
+
+    @precondition(lambda self: any(p.posts for p in self.live_p()))
+    @rule(j=IDX, refuse=st.sampled_from([False] * 5 + [True]), chunks=st.integers(1, 2))
+    def run_posts(self, j: int, refuse: bool, chunks: int) -> None:
+        ps = [p for p in self.live_p() if p.posts]
+        p = ps[j % len(ps)]
+        posts, p.posts = p.posts, []
+        for post in posts:
+            self._post(p, post, refuse, chunks)
+
+    def _post(self, p: PProc, post: Post, refuse: bool, chunks: int) -> None:
+        core, now = p.core, self.now(p)
+        if not core.confirm_post(post.key, post.dst, now):
+            self._run_p(p, core.refresh(post.key, post.dst, now))
+            return
+        target = p.registry.get(post.engine_id, {}).get(post.dst)
+        if target is None or refuse:
+            why = "refused by the transport" if target is not None else "D rank not loaded any more"
+            self._run_p(p, core.post_failed(post.key, post.dst, why, now))
+            return
+        reg = post.registration
+        packed = reg.staging_offset >= 0
+        n = chunks if packed else 1
+        blocks = tuple(b for group in post.spec.remote_block_ids for b in group)
+        handles = []
+        for c in range(n):
+            manifest = (
+                PackManifest(staging_offset=reg.staging_offset, regions=(0,), chunk=c, chunks=n)
+                if packed
+                else None
+            )
+            handle = f"h{next(self.handle_ids)}"
+            self.writes[handle] = Write(
+                handle=handle,
+                p=p,
+                key=post.key,
+                dst_rank=post.dst,
+                target=target,
+                d_rid=reg.request_id,
+                blocks=blocks,
+                staging=reg.staging_offset,
+                chunk=c,
+                chunks=n,
+                notif=wire.encode_done(reg.request_id, p.rank, self.p_tp, manifest),
+            )
+            handles.append(handle)
+        self._run_p(p, core.posted(post.key, post.dst, handles, len(blocks), now))
+
+    @precondition(lambda self: any(w.state == "pending" for w in self.writes.values()))
+    @rule(i=IDX, ok=st.sampled_from([True] * 4 + [False]))
+    def write_completes(self, i: int, ok: bool) -> None:
+        pending = [w for w in self.writes.values() if w.state == "pending"]
+        self._land(pending[i % len(pending)], ok)
+
+    def _land(self, w: Write, ok: bool) -> None:
+        d = self._proc(*w.target)
+        if not isinstance(d, DProc):
+            w.state = "failed"  # the target process is gone: nothing lands
+            return
+        # A failed WRITE may have written part of its bytes: both are checked.
+        self._check_landing(d, w)
+        w.state, w.ok = ("landed", True) if ok else ("failed", False)
+        if ok:
+            req = d.requests[w.d_rid]
+            req.landed.setdefault(w.p.rank, set()).add(w.chunk)
+            req.chunks[w.p.rank] = w.chunks
+            self.net.append(Msg(w.p.agent, d.agent, d.inc, w.notif))
+
+    def _check_landing(self, d: DProc, w: Write) -> None:
+        """THE safety property: bytes land only where this D rank offers the request now."""
+        req = d.requests.get(w.d_rid)
+        where = f"WRITE {w.handle} of {w.key} from {w.p.agent} into {d.agent} ({d.inc}) for {w.d_rid}"
+        if req is None:
+            raise Violation(f"{where}: that D rank never offered request {w.d_rid}")
+        if req.key != w.key:
+            raise Violation(f"{where}: D's request {w.d_rid} is for key {req.key}")
+        if req.released or req.freed:
+            raise Violation(f"{where}: lands after D {'released' if req.released else 'freed'} its blocks")
+        if w.staging >= 0:
+            if d.staging.get(w.staging) != w.d_rid:
+                raise Violation(f"{where}: staging offset {w.staging} is not reserved for it (any more)")
+        else:
+            stolen = [b for b in w.blocks if d.owner.get(b) != w.d_rid]
+            if stolen or set(w.blocks) != set(req.blocks):
+                raise Violation(f"{where}: blocks {w.blocks} vs offered {req.blocks} (not owned: {stolen})")
+
+    @precondition(lambda self: self.live_p())
+    @rule(j=IDX)
+    def poll(self, j: int) -> None:
+        p = self.live_p()[j % len(self.live_p())]
+        self._poll(p)
+
+    def _poll(self, p: PProc) -> bool:
+        progressed = False
+        for handle, (key, dst) in list(p.core.inflight_handles().items()):
+            w = self.writes[handle]
+            if w.settled or w.aborted:
+                raise Violation(f"P still tracks handle {handle} that was settled/aborted")
+            if w.state in ("landed", "failed"):
+                w.settled = True
+                progressed = True
+                self._run_p(p, p.core.write_settled(key, dst, handle, w.ok, self.now(p)))
+        return progressed
+
+    # ------------------------------------------------------------------ network and handshakes
+
+    @precondition(lambda self: self.net)
+    @rule(i=IDX, how=st.sampled_from(["deliver"] * 6 + ["drop", "duplicate"]))
+    def network(self, i: int, how: str) -> None:
+        msg = self.net[i % len(self.net)]
+        if how == "duplicate":
+            self.net.append(attrs.evolve(msg))
+            return
+        self.net.remove(msg)
+        if how == "deliver":
+            self._deliver(msg)
+
+    def _deliver(self, msg: Msg) -> None:
+        proc = self._proc(msg.dst, msg.dst_inc)
+        if proc is None:
+            return  # the process it was sent to is gone
+        note = wire.decode_notification(msg.data)
+        assert note is not None
+        if isinstance(proc, PProc):
+            self._run_p(proc, proc.core.notification(msg.src, note, self.now(proc)))
+        else:
+            assert isinstance(proc, DProc)
+            self._run_d(proc, proc.core.notification(msg.src, note, self.now(proc)))
+
+    @precondition(lambda self: self.handshakes)
+    @rule(i=IDX, ok=st.sampled_from([True] * 5 + [False]))
+    def handshake(self, i: int, ok: bool) -> None:
+        self._handshake(self.handshakes.pop(i % len(self.handshakes)), ok)
+
+    def _handshake(self, item: tuple[Proc, Connect], ok: bool) -> None:
+        proc, action = item
+        if not proc.alive:
+            return
+        now = self.now(proc)
+        if isinstance(proc, PProc):
+            for rank in action.ranks:
+                r = rank.tp_rank
+                loaded = proc.registry.get(action.engine_id, {}).get(r)
+                live = next((d for d in self.live_d() if d.tp_rank == r), None)
+                if loaded is None and ok and live is not None:
+                    loaded = (live.agent, live.inc)
+                    proc.registry.setdefault(action.engine_id, {})[r] = loaded
+                if loaded is None:
+                    self._run_p(proc, proc.core.connected(action.engine_id, r, "", "", 0, "refused", now))
+                else:
+                    self._run_p(
+                        proc,
+                        proc.core.connected(action.engine_id, r, loaded[0], loaded[1], self.d_tp, "", now),
+                    )
+            return
+        assert isinstance(proc, DProc)
+        want = expected_producers(
+            prefill_pp=self.p_pp, prefill_tp=self.p_tp, decode_tp_rank=proc.tp_rank, decode_tp_size=self.d_tp
+        )
+        live = {p.rank: p for p in self.live_p() if p.rank in want}
+        if not ok or len(live) != len(want):
+            self._run_d(proc, proc.core.connected(action.engine_id, None, "side channel unreachable", now))
+            return
+        proc.registry[action.engine_id] = {r: (p.agent, p.inc) for r, p in live.items()}
+        info = ProducerInfo(
+            prefill_pp=self.p_pp,
+            prefill_tp=self.p_tp,
+            agents={r: p.agent for r, p in live.items()},
+            incarnations={p.agent: p.inc for p in live.values()},
+            write_deadline_s=WRITE_DEADLINE_S,
+        )
+        self._run_d(proc, proc.core.connected(action.engine_id, info, "", now))
+
+    # ------------------------------------------------------------------ time, death, restarts
+
+    @precondition(lambda self: self.ready)
+    @rule(dt=st.sampled_from(STEPS_S))
+    def advance_clock(self, dt: float) -> None:
+        self.t += dt
+        self._tick()
+
+    def _tick(self) -> None:
+        for p in self.live_p():
+            self._run_p(p, p.core.handle_timer(self.now(p)))
+        for d in self.live_d():
+            self._run_d(d, d.core.handle_timer(self.now(d)))
+
+    @precondition(lambda self: self.ready)
+    @rule(kind=st.sampled_from(FAULTS), i=IDX, j=IDX)
+    def fault(self, kind: str, i: int, j: int) -> None:
+        """Faults share one rule (and a no-op), so they interleave without crowding out progress."""
+        req = self.requests[i % len(self.requests)] if self.requests else None
+        ps, ds = self.live_p(), self.live_d()
+        if kind == "prefill_driver_error" and req is not None and ps:
+            p = ps[j % len(ps)]
+            self._run_p(p, p.core.fail(req.key, "internal error: RuntimeError: boom", self.now(p)))
+        elif kind == "decode_driver_error" and req is not None and ds:
+            d = ds[j % len(ds)]
+            if req.rid in d.requests:
+                self._run_d(d, d.core.fail(req.rid, "internal error: RuntimeError: boom", self.now(d)))
+        elif kind.startswith("prefill_rank_") and ps:
+            p = ps[j % len(ps)]
+            p.alive = False
+            for w in self.writes.values():
+                if w.p is p and w.state == "pending":
+                    w.state = "vanished"  # its queue pair died with it
+            if kind != "prefill_rank_dies":  # same agent name, new incarnation
+                behind = kind == "prefill_rank_restarts_behind"  # another host: its clock is behind
+                self.p_procs.append(self._new_p(p.rank, offset=0.0 if behind else p.offset + 7.0))
+        elif kind.startswith("decode_rank_") and ds:
+            d = ds[j % len(ds)]
+            d.alive = False
+            if kind == "decode_rank_restarts":
+                self.d_procs.append(self._new_d(d.tp_rank, offset=d.offset + 3.0))
+
+    @precondition(lambda self: self.ready)
+    @rule(rounds=st.sampled_from([8, 1, 2, 3]), stall_writes=st.booleans())
+    def pump(self, rounds: int, stall_writes: bool) -> None:
+        """Reliable rounds: every handshake succeeds, every post and message goes through, and
+        every WRITE lands (unless they stall: the network to D is slow); no time passes."""
+        for _ in range(rounds):
+            if not self._settle_once(land=not stall_writes):
+                return
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def handles_are_consistent(self) -> None:
+        for p in self.live_p():
+            for handle in p.core.inflight_handles():
+                w = self.writes.get(handle)
+                if w is None or w.p is not p or w.settled or w.aborted:
+                    raise Violation(f"P {p.agent} tracks handle {handle} it never posted or already let go")
+        for w in self.writes.values():
+            if w.settled and w.aborted:
+                raise Violation(f"handle {w.handle} was both settled and aborted")
+
+    @invariant()
+    def blocks_are_accounted(self) -> None:
+        for d in self.live_d():
+            if len(d.free) + len(d.owner) != POOL_BLOCKS or len(set(d.free)) != len(d.free):
+                raise Violation(f"D {d.agent} block pool corrupt: free {d.free}, owned {d.owner}")
+
+    def teardown(self) -> None:
+        if self.ready:
+            self._drain()
+            self._check_quiescent()
+
+    # ------------------------------------------------------------------ the drain
+
+    def _settle_once(self, land: bool = True) -> bool:
+        progressed = False
+        handshakes, self.handshakes = self.handshakes, []
+        for item in handshakes:
+            self._handshake(item, True)
+            progressed = True
+        for p in self.live_p():
+            if p.posts:
+                posts, p.posts = p.posts, []
+                for post in posts:
+                    self._post(p, post, False, 1)
+                progressed = True
+        messages, self.net = self.net, []
+        for msg in messages:
+            self._deliver(msg)
+            progressed = True
+        for w in list(self.writes.values()) if land else ():
+            if w.state == "pending":
+                self._land(w, True)
+                progressed = True
+        for p in self.live_p():
+            progressed |= self._poll(p)
+        return progressed
+
+    def _drain(self) -> None:
+        """A reliable network from here on: deliver, land and tick until nothing is left."""
+        busy = 0
+        for _ in range(MAX_DRAIN_ROUNDS):
+            if self._settle_once():
+                busy += 1
+                if busy > MAX_BUSY_ROUNDS:
+                    raise Violation(
+                        f"livelock: {busy} rounds of traffic without the clock moving (t={self.t:.3f}s); "
+                        f"in flight: {[wire.decode_notification(m.data) for m in self.net[:6]]}"
+                    )
+                continue
+            busy = 0
+            deadlines = [
+                proc.core.next_deadline() - proc.offset
+                for proc in (*self.live_p(), *self.live_d())
+                if proc.core.next_deadline() is not None
+            ]
+            if not deadlines:
+                return
+            self.t = max(self.t, min(deadlines) + 1e-6)  # + rounding of the per-process offsets
+            self._tick()
+        raise Violation(f"the cluster did not quiesce within {MAX_DRAIN_ROUNDS} rounds (t={self.t:.1f}s)")
+
+    def _check_quiescent(self) -> None:
+        for d in self.live_d():
+            for req in d.requests.values():
+                if not req.outcomes:
+                    raise Violation(f"D {d.agent} never reported {req.rid}")
+                if req.outcomes[0] != "done" and not req.released:
+                    raise Violation(f"D {d.agent} reported {req.rid} {req.outcomes} but never released it")
+            if d.owner or d.staging:
+                raise Violation(f"D {d.agent} still holds blocks {d.owner} / staging {d.staging}")
+            sizes = d.core.state_sizes()
+            if any(sizes[k] for k in ("requests", "early", "timers", "quarantined")) or sizes["engines"] > 1:
+                raise Violation(f"D {d.agent} state did not drain: {sizes}")
+        for p in self.live_p():
+            for key in p.finished:
+                if len(p.reports.get(key, [])) != 1:
+                    raise Violation(f"P {p.agent} reported {key} {p.reports.get(key, [])}")
+            sizes = p.core.state_sizes()
+            if any(sizes[k] for k in ("requests", "stashed", "tombstones", "timers", "inflight")):
+                raise Violation(f"P {p.agent} state did not drain: {sizes}")
+            if sizes["engines"] > 1 or p.core.inflight_handles() or p.posts:
+                raise Violation(f"P {p.agent} holds engines/handles/posts: {sizes}")
+        for w in self.writes.values():
+            if w.p.alive and not (w.settled or w.aborted):
+                raise Violation(f"handle {w.handle} of {w.key} was neither settled nor aborted ({w.state})")
+
+
+EXAMPLES = int(os.environ.get("KVPUSH_CORE_EXAMPLES", "300"))
+
+CoreCluster.TestCase.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestCoreCluster = CoreCluster.TestCase
+TestCoreCluster = pytest.mark.timeout(600)(TestCoreCluster)
