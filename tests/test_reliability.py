@@ -246,7 +246,7 @@ def _kill_decode_mid_transfer(engines: Engines) -> None:
     p_key = engines.p_ranks[0].key
     # Its registration is dropped with the dead engine: the lease releases its blocks.
     assert engines.p_results[p_key]["stashed"] is not None
-    assert any("WRITE to D rank 0 failed" in (r or "") for r in engines.p_results[p_key].values())
+    # (which requests were already pushed when D died depends on timing; none may be left hanging)
     assert all(
         reason is None or "failed" in reason or "ended in error" in reason or "lease" in reason
         for reason in engines.p_results[p_key].values()
