@@ -37,8 +37,9 @@ R0 = RankKey(0, 0)
 SERVER_NOFILE = 1024
 FETCH_TIMEOUT_S = 2.0
 """Each legitimate fetch's own bound: a flood that stalls the server makes it fail."""
-CHURN_FETCH_TIMEOUT_S = 5.0
-"""The bound under 1200 reconnecting clients, which keep both cores busy: answered, not fast."""
+CHURN_FETCH_TIMEOUT_S = 10.0
+"""The bound under 1200 clients reconnecting every 100 ms when shut down (~10k connections/s on
+two cores): answered, not fast; a SYN dropped by a full accept queue alone costs 1 s, then 2 s."""
 
 SERVER = r"""
 import json, resource, sys
