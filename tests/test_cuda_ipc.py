@@ -199,3 +199,23 @@ def test_same_process_ipc_copies_scattered_blocks_with_one_kernel() -> None:
     finally:
         p.close()
         d.close()
+
+
+def test_host_memory_pair_over_real_nixl_falls_back_and_verifies() -> None:
+    """P and D as two processes with transport cuda_ipc on host memory: every WRITE goes over the
+    wrapped NIXL (no IPC on DRAM), metadata wraps and unwraps across processes, bytes verified."""
+    from kvpush.demo import serve
+
+    w = serve.Workload(
+        preset="llama3-8b",
+        layers=2,
+        median_tokens=32,
+        max_tokens=64,
+        requests=6,
+        verify_every=1,
+        transport="cuda_ipc",
+    )
+    result = serve.run(w, [50.0], sweep=False, p99_factor=2.0, ideal=False, say=lambda _m: None)
+    summary = result["runs"][0]["kvpush"]
+    assert summary["completed"] == 6 and summary["verified"] == 6 and summary["verify_failed"] == 0
+    assert result["strategy_mix"]["ipc_writes"] == 0
