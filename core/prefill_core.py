@@ -366,9 +366,15 @@ class PrefillCore:
         fresh = self._fresh_until(reg)
         for key in note.request_ids:
             request = self._requests.get(key)
-            if request is None or request.engine_id != engine.engine_id:
+            if request is None:
+                # Only what P positively knows ended badly for this D: an unknown key may be a
+                # PUSH_REG still on its way (a restarted P shows by its new incarnation).
                 tomb = self._tombstones.get(key)
-                if tomb is None or tomb[0] == "failed" or tomb[1] != engine.engine_id:
+                if tomb is not None and (tomb[0] == "failed" or tomb[1] != engine.engine_id):
+                    failed.append(key)
+                continue
+            if request.engine_id != engine.engine_id:
+                if request.engine_id:  # bound to another D engine: this one was refused
                     failed.append(key)
                 continue
             self.stats["heartbeat_renewals"] += 1
@@ -392,7 +398,7 @@ class PrefillCore:
         assert reg is not None
         engine = self._engine_for(reg)
         rank = reg.decode_tp_rank
-        if self._restarted(engine, reg):
+        if self._restarted(engine, reg) and engine.agents.get(rank) in (None, agent):
             return self._decode_restarted(engine, reg, agent, note, now)
         if engine.agents.get(rank) == agent:
             return [Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation))]
@@ -765,11 +771,9 @@ class PrefillCore:
             if kind == "tomb":
                 self._tombstones.pop(key, None)
             elif kind == "stash" and request is not None and request.blocks is None:
-                logger.warning(
-                    "dropped D's registration %s: no prefill finished within %ss",
-                    key,
-                    self.s.registration_ttl_s,
-                )
+                why = f"no prefill finished within {self.s.registration_ttl_s:g}s of D's registration"
+                logger.warning("dropped D's registration %s: %s", key, why)
+                request.failure = why
                 out += self._end(request, now)
             elif kind == "lease" and request is not None:
                 missing = sorted(r for r, d in (request.dests or {}).items() if d.state is _Dest.WAIT_REG)

@@ -463,11 +463,6 @@ def test_heartbeats_pointing_at_arbitrary_ports_open_no_handshake(world: World) 
         sock.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 16: P checks a HELLO's incarnation before the agent it came from, so any agent "
-    "can make P drop the real D (prefill_core._on_hello)",
-)
 def test_hello_in_ds_name_with_a_new_incarnation_does_not_drop_d(world: World) -> None:
     world.add("n", [36, 37])
     world.registered("n")
@@ -623,6 +618,37 @@ def test_hellos_naming_a_silent_port_do_not_delay_a_new_d() -> None:
         w.push("r", [35, 36], [44, 45])  # D's first request: P must handshake with D now
         assert time.monotonic() - started < 10
         assert _accepted(sock) == 0, "P connected to the address a HELLO named"
+    finally:
+        w.close()
+        sock.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 16: P binds a D engine id to the address of the first HELLO/PUSH_REG naming it "
+    "(prefill_core._engine_for) and keeps it after that handshake failed, so D's own HELLO is "
+    "answered by a handshake to the attacker's address and D's PUSH_REGs are refused "
+    "(address differs)",
+)
+@pytest.mark.parametrize("kind", ["HELLO", "PUSH_REG"])
+def test_a_claim_to_be_d_at_another_address_before_d_speaks_does_not_lock_d_out(kind: str) -> None:
+    """Before D's first contact, the attacker claims D's engine id at a silent address. P must not
+    bind D's name to that address: D's own registrations still reach P afterwards."""
+    sock = _listener()
+    w = World(handshake_timeout_s=1.0)
+    try:
+        reg = registration(
+            request_id="d-s",
+            match_key="x-s",
+            block_ids=[[2]],
+            decode_engine_id="D",
+            decode_port=sock.getsockname()[1],
+        )
+        message = wire.encode_hello(reg, 0) if kind == "HELLO" else wire.encode_push_reg(reg)
+        w.attacker.send(w.p_agent, message)
+        _quiet(w, 2.5)  # P's handshake with the silent address timed out
+        w.push("s", [37, 38], [46, 47])
+        w.assert_nothing_outside_offered()
     finally:
         w.close()
         sock.close()
