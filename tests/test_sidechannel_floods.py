@@ -210,8 +210,10 @@ def test_msgpack_bombs_do_not_delay_legitimate_fetches(attackers: Attackers) -> 
 
         busy = threading.Thread(target=flood)
         busy.start()
-        latencies = _fetch_during(server, busy, at_least=20)
-        busy.join(timeout=30)
+        try:
+            latencies = _fetch_during(server, busy, at_least=20)
+        finally:
+            busy.join(timeout=30)  # its sockets are closed by the fixture, after it ended
         stats = server.stats()
     finally:
         server.close()
