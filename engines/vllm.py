@@ -461,8 +461,11 @@ class _WorkerSide:
         )
         first = next(iter(caches.values()))
         settings = self.owner.settings
+        served = model_config.served_model_name
+        if isinstance(served, (list, tuple)):
+            served = served[0] if served else None
         model = ModelSpec(
-            name=settings.model_name or model_config.served_model_name or model_config.model,
+            name=settings.model_name or served or model_config.model,
             num_layers=num_layers,
             attention="mla" if model_config.use_mla else "mha",
             num_kv_heads=1 if model_config.use_mla else model_config.get_total_num_kv_heads(),
