@@ -139,6 +139,8 @@ class _Receive:
     agents: Mapping[RankKey, str] = attrs.field(factory=dict)
     """The expected producers' agents (from the handshake), for the DONE hot path."""
     prefill_tp: int = 0
+    unknown_strikes: int = 0
+    """Heartbeat answers in which a producer said it never heard of the request."""
     reason: str = ""
     """Why the request is closing (the cancel report names it once the blocks are released)."""
 
@@ -622,8 +624,25 @@ class DecodeCore:
                     out += self._close(
                         rid, "P no longer holds this request (it failed, expired or P restarted)", now
                     )
+        if note.unknown_keys:
+            out += self._on_unknown(engine, agent, set(note.unknown_keys), now)
         if note.want:
             out += self._renew(engine, agent, set(note.want), now)
+        return out
+
+    def _on_unknown(self, engine: _Producer, agent: str, keys: set[str], now: float) -> list[Any]:
+        """A producer never heard of these registered requests. Once could be a PUSH_REG still
+        on its way; twice (a heartbeat interval apart) means it was lost: fail at once."""
+        out: list[Any] = []
+        for key, rid in self._keys_for(engine, agent).items():
+            if key not in keys:
+                continue
+            receive = self._requests[rid]
+            receive.unknown_strikes += 1
+            if receive.unknown_strikes >= 2:
+                out += self._close(
+                    rid, f"P agent {agent} does not hold this request (its PUSH_REG was lost)", now
+                )
         return out
 
     def _agents_of(self, receive: _Receive) -> set[str]:

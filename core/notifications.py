@@ -166,8 +166,10 @@ def encode_heartbeat_answer(
     incarnation: str,
     want: list[str] = (),  # type: ignore[assignment]
     failed: list[str] = (),  # type: ignore[assignment]
+    unknown: list[str] = (),  # type: ignore[assignment]
 ) -> bytes:
-    """P → D: P's stamp (its clock), the keys it needs a fresh grant for, the keys it no longer holds."""
+    """P → D: P's stamp (its clock), the keys it needs a fresh grant for, the keys it knows
+    failed, and the keys it has never heard of (D fails one reported unknown twice)."""
     return _msg(
         HEARTBEAT_PREFIX,
         {
@@ -178,6 +180,7 @@ def encode_heartbeat_answer(
             "inc": incarnation,
             "want": list(want)[:MAX_KEYS],
             "failed": list(failed)[:MAX_KEYS],
+            "unknown": list(unknown)[:MAX_KEYS],
         },
     )
 
@@ -382,6 +385,7 @@ def decode_notification(message: bytes) -> Notification | None:
                 incarnation=_str_field(body, "inc", what, optional=True),
                 want=_str_list(body, "want", what),
                 failed_keys=_str_list(body, "failed", what),
+                unknown_keys=_str_list(body, "unknown", what),
             )
         if "decode_engine_id" not in body:
             return Notification(kind=kind, request_ids=ids)

@@ -361,7 +361,7 @@ class PrefillCore:
             return []
         if self._restarted(engine, reg):
             return self._decode_restarted(engine, reg, agent, note, now)
-        failed, want = [], []
+        failed, want, unknown = [], [], []
         out: list[Any] = []
         fresh = self._fresh_until(reg)
         for key in note.request_ids:
@@ -370,7 +370,9 @@ class PrefillCore:
                 # Only what P positively knows ended badly for this D: an unknown key may be a
                 # PUSH_REG still on its way (a restarted P shows by its new incarnation).
                 tomb = self._tombstones.get(key)
-                if tomb is not None and (tomb[0] == "failed" or tomb[1] != engine.engine_id):
+                if tomb is None:
+                    unknown.append(key)
+                elif tomb[0] == "failed" or tomb[1] != engine.engine_id:
                     failed.append(key)
                 continue
             if request.engine_id != engine.engine_id:
@@ -390,7 +392,7 @@ class PrefillCore:
                     out += self._advance(request, rank, now)
                     if dest.state is _Dest.WAIT_FRESH:
                         want.append(key)
-        answer = wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, want, failed)
+        answer = wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, want, failed, unknown)
         return [Send(agent, answer), *out]
 
     def _on_hello(self, agent: str, note: Notification, now: float) -> list[Any]:

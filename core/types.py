@@ -479,7 +479,9 @@ class Notification:
     want: tuple[str, ...] = field(default=(), converter=tuple)
     """P → D heartbeat answer: match keys P needs a fresh grant for before it may post."""
     failed_keys: tuple[str, ...] = field(default=(), converter=tuple)
-    """P → D heartbeat answer: keys D asked about that P no longer holds (failed or unknown)."""
+    """P → D heartbeat answer: keys D asked about that P knows failed."""
+    unknown_keys: tuple[str, ...] = field(default=(), converter=tuple)
+    """P → D heartbeat answer: keys D asked about that P has never heard of."""
 
 
 @frozen(kw_only=True)
