@@ -652,3 +652,18 @@ def test_a_claim_to_be_d_at_another_address_before_d_speaks_does_not_lock_d_out(
     finally:
         w.close()
         sock.close()
+
+
+def test_early_dones_from_one_agent_are_capped(world: World) -> None:
+    """DONEs for requests D does not have yet are held (they may overtake the add), at most
+    ``early_cap_per_peer`` per agent; the rest are dropped. None completes anything."""
+    cap = world.receiver.core.s.early_cap_per_peer
+    before = world.receiver.stats["rejected_notifications"]
+    for i in range(cap + 100):
+        world.attacker.send(world.d_agent, wire.encode_done(f"never-{i}", P0, 1), pump_s=0.0)
+        if i % 64 == 0:
+            world.attacker.pump(0.01)
+    world.rejected(world.receiver, before, 100)
+    held = world.receiver.call_on_writer(lambda: world.receiver.core.state_sizes()["early"])
+    assert held <= cap
+    world.push("t", [39, 40], [48, 49])  # D still works; its own request is unaffected
