@@ -414,7 +414,8 @@ class _WorkerSide:
         """D: requests added to the receiver and not reported yet (scheduler block ids)."""
         self._load_errors: set[int] = set()
         self._failed_now: dict[str, str] = {}
-        """D: requests the receiver refused to add (bad kv_transfer_params), failed next poll."""
+        """Requests kvpush refused (D: bad kv_transfer_params; P: e.g. a transfer_id in use),
+        reported failed (D) or released (P) at the next poll."""
 
     def ranks(self) -> tuple[int, int]:
         """``(pp_rank, tp_rank)`` of this worker."""
@@ -517,7 +518,11 @@ class _WorkerSide:
         engine = self._started()
         if self.owner.is_producer:
             for rid, item in meta.send.items():
-                engine.request_finished(rid, self.kernel_ids(item.block_ids), match_key=item.match_key)
+                try:
+                    engine.request_finished(rid, self.kernel_ids(item.block_ids), match_key=item.match_key)
+                except Exception as err:  # e.g. a transfer_id already in use: release, go on
+                    logger.error("kvpush cannot push request %s (its blocks are released): %s", rid, err)
+                    self._failed_now[rid] = str(err)
             return
         for rid, item in meta.recv.items():
             try:
@@ -537,6 +542,8 @@ class _WorkerSide:
         if self.owner.is_producer:
             sent = self.engine.get_finished()
             out.finished_sending.update(sent.sent)
+            out.finished_sending.update(self._failed_now)
+            self._failed_now.clear()
             for rid, reason in sent.failed.items():
                 logger.warning("kvpush push of %s failed (its blocks are released): %s", rid, reason)
                 out.finished_sending.add(rid)

@@ -304,3 +304,17 @@ def test_many_requests_with_aborts_and_shared_prefixes(engines: Any, llama_dir: 
             break
     assert landed == {d_id for _, _, d_id in requests} - aborted
     drain(p, d, model)
+
+
+def test_a_transfer_id_reused_by_the_router_does_not_stop_the_engines(engines: Any, llama_dir: str) -> None:
+    """Two requests given the same transfer_id: kvpush refuses the second push (its blocks are
+    released), the engines keep stepping, and every request ends (one D request times out)."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 5})
+    model = PrefillModel()
+    first = dispatch(p, d, "cmpl-dup-0", prompt(11, 40), transfer_id="xfer-dup")
+    second = dispatch(p, d, "cmpl-dup-1", prompt(12, 40), transfer_id="xfer-dup")
+    drain(p, d, model)
+    assert {first[0], second[0]} <= p.finished_sending
+    reasons = sorted(str(d.finish_reason(d_id)) for _, d_id in (first, second))
+    assert "error" in reasons  # at most one D request can be paired with the one push
