@@ -41,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpush.core.errors import ConfigError
 from kvpush.engines.vllm_config import ConnectorSettings, match_key
@@ -92,6 +93,25 @@ class KvpushConnectorMetadata(KVConnectorMetadata):
     send: dict[str, SendItem] = field(default_factory=dict)
     cancel: list[str] = field(default_factory=list)
     """D requests aborted while receiving: cancel, report them once settled."""
+
+
+@dataclass
+class KvpushConnectorStats(KVConnectorStats):
+    """kvpush's counters (pushes, writes, cancels, ...) since the last interval, summed over workers."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KvpushConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 def _groups(block_ids: Any) -> BlockIds:
@@ -224,6 +244,13 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return None if self._worker is None else self._worker.stats_delta()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvpushConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -413,6 +440,7 @@ class _WorkerSide:
         self._inflight: dict[str, BlockIds] = {}
         """D: requests added to the receiver and not reported yet (scheduler block ids)."""
         self._load_errors: set[int] = set()
+        self._last_stats: dict[str, int | float] = {}
         self._failed_now: dict[str, str] = {}
         """Requests kvpush refused (D: bad kv_transfer_params; P: e.g. a transfer_id in use),
         reported failed (D) or released (P) at the next poll."""
@@ -569,6 +597,15 @@ class _WorkerSide:
             if len(blocks) == 1:  # vLLM maps block-level errors to requests for one group only
                 self._load_errors.update(blocks[0])
         return out
+
+    def stats_delta(self) -> KvpushConnectorStats | None:
+        """The sender's or receiver's counters that moved since the last call (None: none did)."""
+        if self.engine is None:
+            return None
+        now = {k: v for k, v in dict(self.engine.stats).items() if isinstance(v, (int, float))}
+        delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items() if v != self._last_stats.get(k, 0)}
+        self._last_stats = now
+        return KvpushConnectorStats(data=delta) if delta else None
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

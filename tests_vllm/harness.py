@@ -297,6 +297,7 @@ class _Worker:
             finished_recving=results.finished_recving or None,
             failed_recving=results.failed_recving,
             invalid_block_ids=connector.get_block_ids_with_load_errors(),
+            kv_connector_stats=connector.get_kv_connector_stats(),
         )
         connector.clear_connector_metadata()
         return output
@@ -486,6 +487,8 @@ class Engine:
         self.finished_recving: set[str] = set()
         self.finished_sending: set[str] = set()
         self.failed_recving: set[str] = set()
+        self.stats: dict[str, float] = {}
+        """kvpush's counters as vLLM's stats logger would sum them (get_kv_connector_stats)."""
         self.steps = 0
 
     @property
@@ -529,6 +532,9 @@ class Engine:
         self.finished_recving |= set(kv.finished_recving or ())
         self.finished_sending |= set(kv.finished_sending or ())
         self.failed_recving |= set(kv.failed_recving or ())
+        if kv.kv_connector_stats is not None:
+            for key, value in kv.kv_connector_stats.reduce().items():
+                self.stats[key] = self.stats.get(key, 0) + value
         engine_outputs = self.scheduler.update_from_output(out, merged)
         for outputs in engine_outputs.values():
             self.outputs.extend(outputs.outputs)

@@ -79,6 +79,7 @@ def test_tp1_to_tp1_mha_byte_exact(engines: Any, llama_dir: str) -> None:
     assert d.finish_reason(d_id) == "length"
     params = p.kv_transfer_params(p_id)
     assert params["remote_engine_id"] == p.spec.engine_id and params["remote_port"] == p.port
+    assert p.stats.get("pushes", 0) >= 1  # kvpush's counters reach vLLM's stats path
 
 
 def test_sequential_router_forwards_p_response_params(engines: Any, llama_dir: str) -> None:
