@@ -29,9 +29,9 @@ PAUSE_S = SILENCE_S + 1.0
 """The stop lasts at least this long, and until D has released every request's blocks."""
 
 
-def _engines() -> Engines:
+def _engines(prefill_pp: int) -> Engines:
     return Engines(
-        prefill_pp=1,
+        prefill_pp=prefill_pp,
         decode_tp=1,
         blocks=512,
         request_timeout_s=30.0,
@@ -63,12 +63,13 @@ def _wait_decode_only(engines: Engines, what: str, predicate: Any, timeout_s: fl
         time.sleep(0.02)
 
 
-def _p_writes(engines: Engines) -> int:
-    return int(engines.health(engines.p_ranks)[0]["stats"]["writes"])
+def _p_writes(engines: Engines, rank: Any) -> int:
+    return int(engines.health([rank])[0]["stats"]["writes"])
 
 
 def sigstop_run(engines: Engines, run: int) -> dict[str, Any]:
-    """One SIGSTOP scenario; returns what happened (the caller asserts)."""
+    """One SIGSTOP scenario (the last P stage is stopped; any other stage runs on and pushes its
+    part); returns what happened (the caller asserts)."""
     rids = [f"r{run}-{i}" for i in range(REQUESTS)]
     for i, rid in enumerate(rids):
         d_base = 16 + (run * REQUESTS + i) * 2
@@ -76,17 +77,18 @@ def sigstop_run(engines: Engines, run: int) -> dict[str, Any]:
     for rid in rids:
         engines.add(rid)
     engines.wait(
-        "P to hold every registration",
-        lambda: engines.health(engines.p_ranks)[0]["stashed_registrations"] == REQUESTS,
+        "every P stage to hold every registration",
+        lambda: all(h["stashed_registrations"] == REQUESTS for h in engines.health(engines.p_ranks)),
         15,
     )
-    writes = _p_writes(engines)
-    p_rank = engines.p_ranks[0]
+    p_rank = engines.p_ranks[-1]
+    writes = _p_writes(engines, p_rank)
     os.kill(p_rank.process.pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
         for rid in rids:  # the prefills finish while the stage is stopped
             p_rank.send(("finish", rid, engines.plans[rid]["p_ids"], f"xfer-{rid}"))
+            engines.finish(rid, stages=range(p_rank.key.pp_rank))  # the running stages
         failed_after = _wait_decode_only(
             engines,
             "D to fail every request of the stopped stage",
@@ -111,9 +113,9 @@ def sigstop_run(engines: Engines, run: int) -> dict[str, Any]:
         "paused_s": paused,
         "failed_after_s": failed_after,
         "decode": {rid: engines.d_results[P0][rid][0] for rid in rids},
-        "sent": sorted(rid for rid in rids if engines.p_results[P0][rid] is None),
+        "sent": sorted(rid for rid in rids if engines.p_results[p_rank.key][rid] is None),
         "late_writes": engines.d_ranks[0].call(("check_freed",)),
-        "writes_posted": _p_writes(engines) - writes,
+        "writes_posted": _p_writes(engines, p_rank) - writes,
     }
 
 
@@ -125,9 +127,9 @@ def _check(result: dict[str, Any]) -> None:
     assert result["writes_posted"] == 0, result
 
 
-def _sigstop_runs(runs: int) -> list[dict[str, Any]]:
+def _sigstop_runs(runs: int, prefill_pp: int = 1) -> list[dict[str, Any]]:
     results = []
-    with _engines() as engines:
+    with _engines(prefill_pp) as engines:
         engines.plan("warm", [0], [0])
         engines.add("warm")
         engines.finish("warm")
@@ -147,11 +149,13 @@ def _sigstop_runs(runs: int) -> list[dict[str, Any]]:
     return results
 
 
-def test_paused_prefill_never_writes_into_freed_blocks() -> None:
-    _sigstop_runs(3)
+@pytest.mark.parametrize("prefill_pp", [1, 2], ids=["PP1", "PP2-last-stage-paused"])
+def test_paused_prefill_never_writes_into_freed_blocks(prefill_pp: int) -> None:
+    _sigstop_runs(3, prefill_pp)
 
 
 @pytest.mark.slow
-def test_paused_prefill_never_writes_into_freed_blocks_20_runs_in_a_row() -> None:
-    results = _sigstop_runs(20)
+@pytest.mark.parametrize("prefill_pp", [1, 2], ids=["PP1", "PP2-last-stage-paused"])
+def test_paused_prefill_never_writes_into_freed_blocks_20_runs_in_a_row(prefill_pp: int) -> None:
+    results = _sigstop_runs(20, prefill_pp)
     assert len(results) == 20
