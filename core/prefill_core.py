@@ -100,8 +100,12 @@ class _Request:
     blocks: BlockIds | None = None
     """Set once the prefill finished."""
     engine_id: str = ""
-    """The D engine bound to the key: the router's choice or the first registrant."""
+    """The D engine bound to the key: the router's choice, else (once the prefill finished) the
+    first registrant; before that, the first registrant tentatively."""
+    bound: bool = False
     regs: dict[int, _Reg] = attrs.field(factory=dict)
+    others: dict[str, dict[int, _Reg]] = attrs.field(factory=dict)
+    """Registrations of other engines for an unbound key: one of them may be the router's D."""
     dests: dict[int, _DestState] | None = None
     """Planned destinations (once finished and the first registration arrived)."""
     failure: str = ""
@@ -126,9 +130,6 @@ class _Decode:
     drop_when_idle: str = ""
     hellos: dict[int, str] = attrs.field(factory=dict)
     """D ranks whose HELLO awaits the handshake, by the agent the HELLO came from."""
-    failed_until: float = 0.0
-    failures: int = 0
-    error: str = ""
     last_want: dict[str, float] = attrs.field(factory=dict)
     deferred: list[tuple[str, Notification]] = attrs.field(factory=list)
     """Messages of a newer incarnation, handled once the stale agents are dropped."""
@@ -150,6 +151,10 @@ class PrefillCore:
         self._engines: dict[str, _Decode] = {}
         self._timers = Deadlines()
         self._warned = RateLimit(per_s=10)
+        self._connecting: dict[tuple[str, int], str] = {}
+        """Address -> the one engine id being handshaken there."""
+        self._address_backoff: dict[tuple[str, int], tuple[float, int, str]] = {}
+        """Address -> (not before, failures, last error) after failed handshakes."""
         self.stats: dict[str, int] = {
             "pushes": 0,
             "bytes": 0,
@@ -162,6 +167,7 @@ class PrefillCore:
             "stale_registrations": 0,
             "write_deadline_expiries": 0,
             "dead_engines": 0,
+            "connects_deferred": 0,
         }
 
     # ------------------------------------------------------------------ queries
@@ -234,16 +240,17 @@ class PrefillCore:
         self._timers.disarm(("stash", key))
         request.request_id, request.blocks = request_id, blocks
         out: list[Any] = []
-        if decode_engine_id:
-            if request.engine_id and request.engine_id != decode_engine_id:
+        if decode_engine_id and request.engine_id != decode_engine_id:
+            if request.engine_id:
                 logger.warning(
-                    "dropping registrations of %s from %s: the router chose %s",
+                    "ignoring registrations of %s from %s: the router chose %s",
                     key,
                     request.engine_id,
                     decode_engine_id,
                 )
-                request.regs.clear()
+            request.regs = request.others.pop(decode_engine_id, {})
             request.engine_id = decode_engine_id
+        request.bound, request.others = True, {}
         self._timers.arm(("lease", key), now + self.s.lease_s)
         if request.regs:
             out += self._plan_request(request, now)
@@ -304,7 +311,8 @@ class PrefillCore:
                 return []
             request = self._requests[key] = _Request(key=key)
             self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
-        if request.engine_id and request.engine_id != reg.decode_engine_id:
+        candidate = bool(request.engine_id) and request.engine_id != reg.decode_engine_id
+        if candidate and request.bound:
             self._reject(agent, note, f"match key {key!r} belongs to D engine {request.engine_id!r}")
             return []
         engine = self._engine_for(reg)
@@ -325,6 +333,10 @@ class PrefillCore:
             return []
         if self._restarted(engine, reg):
             return self._decode_restarted(engine, reg, agent, note, now)
+        if candidate:  # not bound yet: hold it, the router may name this engine at finish
+            held = request.others.setdefault(reg.decode_engine_id, {})
+            held[rank] = _Reg(reg, agent, self._fresh_until(reg))
+            return [] if rank in engine.agents else self._connect(engine, rank, now)
         request.engine_id = reg.decode_engine_id
         if rank in request.regs:
             self.stats["duplicate_registrations"] += 1
@@ -376,7 +388,11 @@ class PrefillCore:
                     failed.append(key)
                 continue
             if request.engine_id != engine.engine_id:
-                if request.engine_id:  # bound to another D engine: this one was refused
+                held = request.others.get(engine.engine_id, {}).get(rank)
+                if held is not None:  # a candidate for an unbound key: keep its registration
+                    held.fresh_until = max(held.fresh_until, self._fresh_until(reg))
+                    self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
+                elif request.engine_id:  # bound to another D engine: this one was refused
                     failed.append(key)
                 continue
             self.stats["heartbeat_renewals"] += 1
@@ -456,10 +472,17 @@ class PrefillCore:
     def _connect(self, engine: _Decode, rank: int, now: float) -> list[Any]:
         if rank in engine.connecting or rank in engine.agents:
             return []
-        if now < engine.failed_until:
-            return self._connect_failed(
-                engine, rank, f"{engine.error} (not retried before {engine.failed_until - now:.1f}s)", now
-            )
+        address = (engine.host, engine.port)
+        until, _, error = self._address_backoff.get(address, (0.0, 0, ""))
+        if now < until:  # a negative cache per address, whatever engine id a message claims
+            return self._connect_failed(engine, rank, f"{error} (not retried before {until - now:.1f}s)", now)
+        busy = self._connecting.get(address)
+        if busy is not None and busy != engine.engine_id:
+            # One engine id per address at a time: messages naming many ids at one (silent)
+            # address cannot fill the handshake pool. This one retries at its next message.
+            self.stats["connects_deferred"] += 1
+            return []
+        self._connecting[address] = engine.engine_id
         engine.connecting.add(rank)
         return [Connect(engine.engine_id, engine.host, engine.port, (RankKey(0, rank),))]
 
@@ -478,14 +501,22 @@ class PrefillCore:
         if engine is None or rank not in engine.connecting:
             return []  # no longer wanted (dropped meanwhile); the registry keeps or evicts it
         engine.connecting.discard(rank)
+        address = (engine.host, engine.port)
+        if not engine.connecting and self._connecting.get(address) == engine_id:
+            del self._connecting[address]
         if error:
-            engine.failures += 1
-            engine.error = error
-            engine.failed_until = now + min(
-                self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2 ** (engine.failures - 1)
-            )
-            return self._connect_failed(engine, rank, error, now)
-        engine.incarnations[rank], engine.tp_size, engine.failures = incarnation, tp_size, 0
+            _, failures, _ = self._address_backoff.get(address, (0.0, 0, ""))
+            backoff = min(self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2**failures)
+            self._address_backoff[address] = (now + backoff, failures + 1, error)
+            self._timers.arm(("backoff", address), now + backoff + self.s.retry_backoff_max_s)
+            out = self._connect_failed(engine, rank, error, now)
+            if not engine.agents and not engine.connecting and not engine.inflight:
+                # Forget where this engine id was said to live: a message from the real engine
+                # (another address) starts afresh instead of being refused as "address differs".
+                self._engines.pop(engine_id, None)
+            return out
+        self._address_backoff.pop(address, None)
+        engine.incarnations[rank], engine.tp_size = incarnation, tp_size
         engine.agents[rank] = agent
         out: list[Any] = []
         hello = engine.hellos.pop(rank, None)
@@ -772,6 +803,10 @@ class PrefillCore:
             request = self._requests.get(key)
             if kind == "tomb":
                 self._tombstones.pop(key, None)
+            elif kind == "backoff":
+                until = self._address_backoff.get(key, (0.0, 0, ""))[0]
+                if until + self.s.retry_backoff_max_s <= now:  # long quiet: forget (bounded state)
+                    self._address_backoff.pop(key, None)
             elif kind == "stash" and request is not None and request.blocks is None:
                 why = f"no prefill finished within {self.s.registration_ttl_s:g}s of D's registration"
                 logger.warning("dropped D's registration %s: %s", key, why)

@@ -267,12 +267,6 @@ def _p_holds(world: World, key: str, engine_id: str) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 16: P refuses the real D's PUSH_REG while a first registrant holds the key (and "
-    "answers D's heartbeats with 'failed'), so naming the D engine at finish cannot recover it; "
-    "see the report (prefill_core._on_registration / _on_heartbeat)",
-)
 def test_first_registrant_cannot_steal_a_push_bound_to_the_routers_d_engine(world: World) -> None:
     rogue = Rogue(world)
     try:
@@ -593,13 +587,10 @@ def test_with_a_secret_every_forged_notification_is_dropped_unauthenticated() ->
         w.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 16: a HELLO makes P open a handshake to whatever host:port it names, on P's "
-    "2-thread handshake pool, so 30 HELLOs naming a silent port delay a real D's handshake past "
-    "its HELLO timeout (prefill_core._on_hello)",
-)
 def test_hellos_naming_a_silent_port_do_not_delay_a_new_d() -> None:
+    """Without a secret P must handshake back to the address a HELLO names (that is how it
+    reaches D), but at most one engine id per address at a time, with a backoff after a failure:
+    30 HELLOs naming one silent port cost one handshake slot, never a real D's."""
     sock = _listener()  # accepts TCP, never answers: each handshake waits for its timeout
     w = World()
     try:
@@ -617,19 +608,12 @@ def test_hellos_naming_a_silent_port_do_not_delay_a_new_d() -> None:
         started = time.monotonic()
         w.push("r", [35, 36], [44, 45])  # D's first request: P must handshake with D now
         assert time.monotonic() - started < 10
-        assert _accepted(sock) == 0, "P connected to the address a HELLO named"
+        assert _accepted(sock) <= 1, "P opened more than one connection to the address 30 HELLOs named"
     finally:
         w.close()
         sock.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 16: P binds a D engine id to the address of the first HELLO/PUSH_REG naming it "
-    "(prefill_core._engine_for) and keeps it after that handshake failed, so D's own HELLO is "
-    "answered by a handshake to the attacker's address and D's PUSH_REGs are refused "
-    "(address differs)",
-)
 @pytest.mark.parametrize("kind", ["HELLO", "PUSH_REG"])
 def test_a_claim_to_be_d_at_another_address_before_d_speaks_does_not_lock_d_out(kind: str) -> None:
     """Before D's first contact, the attacker claims D's engine id at a silent address. P must not
