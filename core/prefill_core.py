@@ -697,7 +697,9 @@ class PrefillCore:
         dest = request.dests[rank]
         dest.state, dest.handles, dest.bytes = _Dest.INFLIGHT, set(handles), nbytes
         self.stats["writes"] += len(dest.handles)
-        self._engines[request.engine_id].inflight += 1
+        engine = self._engines.get(request.engine_id)
+        if engine is not None:
+            engine.inflight += 1
         self._timers.arm(("write", key, rank), now + self.s.write_deadline_s)
         return []
 
@@ -731,7 +733,7 @@ class PrefillCore:
         engine = self._engines.get(request.engine_id)
         out: list[Any] = []
         if engine is not None:
-            engine.inflight -= 1
+            engine.inflight = max(0, engine.inflight - 1)
         if dest.error:
             dest.state = _Dest.FAILED
             request.failure = request.failure or dest.error
