@@ -79,6 +79,8 @@ def _fault_options(cfg: SoakConfig) -> dict[str, Any]:
         "slow_writes": min(1.0, 10 * rate),
         "write_delay_s": 0.03,
         "raise_errors": rate,
+        "stall_writer": rate / 500,  # a busy writer drains ~5000 times a second: a few stalls
+        "stall_s": 0.2,
     }
 
 
@@ -306,10 +308,7 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
         for rank in [*p_ranks, *d_ranks]
     }
     leaked_handles = sum(h["outstanding_handles"] for h in health.values())
-    held = sum(
-        h.get("finished", 0) + h.get("inflight", 0) + h.get("pending", 0)
-        for h in health.values()
-    )
+    held = sum(h.get("finished", 0) + h.get("inflight", 0) + h.get("pending", 0) for h in health.values())
     p_unreported = sum(1 for rid in rids if len(p_outcome[rid]) != len(p_ranks))
     waits = [resolved_at[rid] - dispatched[rid] for rid in resolved_at]
     return {

@@ -19,6 +19,9 @@ Select it with ``WorkerConfig(transport="faulty", transport_options={...})``. Op
   non-kvpush ``RuntimeError``: half of the hits from ``post_write`` (nothing posted), half from
   the first ``poll`` of the handle (the WRITE itself still runs). kvpush must contain both: the
   request fails with a reason, nothing else is affected.
+- ``stall_writer`` (rate): ``drain_notifs`` sleeps ``stall_s`` (default 0.2 s) first, as a
+  writer thread stalled by the GIL, a long ``prepare_remote`` or a GC pause: queued posts and
+  notifications pile up behind it, and the grants they carry age meanwhile.
 - ``notif_prefixes`` (list of str, default all): only notifications starting with one of these
   are dropped, duplicated or delayed (e.g. ``["DONE:"]``); ``drop_prefixes``,
   ``dup_prefixes`` and ``delay_prefixes`` narrow one kind of fault further.
@@ -52,9 +55,19 @@ RATES = (
     "fail_writes",
     "slow_writes",
     "raise_errors",
+    "stall_writer",
 )
 PREFIX_OPTIONS = ("notif_prefixes", "drop_prefixes", "dup_prefixes", "delay_prefixes")
-KNOWN_OPTIONS = (*RATES, *PREFIX_OPTIONS, "inner", "inner_options", "seed", "delay_s", "write_delay_s")
+KNOWN_OPTIONS = (
+    *RATES,
+    *PREFIX_OPTIONS,
+    "inner",
+    "inner_options",
+    "seed",
+    "delay_s",
+    "write_delay_s",
+    "stall_s",
+)
 
 
 class _FailedWrite:
@@ -104,6 +117,7 @@ class FaultyTransport:
             self.rates[rate] = float(value)
         self.delay_s = float(options.get("delay_s", 0.05))
         self.write_delay_s = float(options.get("write_delay_s", 0.05))
+        self.stall_s = float(options.get("stall_s", 0.2))
         if self.delay_s < 0 or self.write_delay_s < 0:
             raise ConfigError("faulty options 'delay_s' and 'write_delay_s' must be >= 0")
         self.prefixes: dict[str, tuple[bytes, ...] | None] = {}
@@ -137,6 +151,7 @@ class FaultyTransport:
             "fail_write": 0,
             "slow_write": 0,
             "raise": 0,
+            "stall": 0,
         }
 
     def _hit(self, rate: str) -> bool:
@@ -264,6 +279,9 @@ class FaultyTransport:
         self.inner.release(handle)
 
     def drain_notifs(self) -> list[tuple[str, bytes]]:
+        if self._hit("stall_writer"):
+            self.injected["stall"] += 1
+            time.sleep(self.stall_s)
         now = time.monotonic()
         out = []
         for peer, message in self.inner.drain_notifs():
