@@ -387,6 +387,17 @@ class MultiHost:
                 raise RuntimeError(f"no route over {self.pair.link} 10s after the link came up")
             time.sleep(0.05)
 
+    def listeners(self, side: str = "decode") -> list[tuple[str, int]]:
+        """``(address, port)`` of every listening IPv4 TCP socket in P's or D's namespace."""
+        channel = self.d_channel if side == "decode" else self.p_channel
+        found = []
+        for line in Path(f"/proc/{channel.process.pid}/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                address, port = fields[1].split(":")
+                found.append((".".join(str(b) for b in bytes.fromhex(address)[::-1]), int(port, 16)))
+        return found
+
     def link_bytes(self) -> tuple[int, int]:
         """``(tx, rx)`` bytes of D's end of the link."""
         stats = Path(f"/proc/{self.d_channel.process.pid}/net/dev").read_text()

@@ -135,6 +135,10 @@ def test_push_crosses_the_link_and_every_byte_verifies(hosts: MultiHost) -> None
     pushed = 24 * 32 * 16 * 1024 * 4  # requests x blocks x bytes per block and layer x layers
     assert rx - rx_before >= pushed, f"only {rx - rx_before} bytes reached D over the link; pushed {pushed}"
     assert tx > tx_before
+    # Every listener (side channel, each rank's UCX) is on the engine's link address only.
+    for side, host in (("decode", hosts.pair.decode_host), ("prefill", hosts.pair.prefill_host)):
+        listening = hosts.listeners(side)
+        assert len(listening) >= 3 and {address for address, _ in listening} == {host}, (side, listening)
     assert_no_leaks(hosts)
     # Negative control: the freed-block check sees a WRITE into released blocks. Cancel a
     # request before P finishes, then push another request into the blocks D released.
