@@ -155,7 +155,9 @@ def group_ratios(caches: Mapping[str, VllmLayerCache], num_groups: int) -> tuple
 def _block_order(tensor: Any, name: str) -> tuple[str, int]:
     """``(block_order, block_tokens)`` of a ``[B, H, N, C]`` view, from its strides."""
     block = tensor[0]
-    if block.is_contiguous():
+    # A one-head block is contiguous either way; the strides still tell HND (heads dim outer)
+    # from NHD (heads dim as inner as the content), so both engines declare what they resolved.
+    if block.is_contiguous() and (tensor.shape[1] > 1 or tensor.stride(1) > tensor.stride(2)):
         return "heads_outer", 0
     if block.permute(1, 0, 2).is_contiguous():
         return "tokens_outer", tensor.shape[2]

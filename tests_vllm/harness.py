@@ -98,6 +98,8 @@ class EngineSpec:
     max_model_len: int = 1024
     sliding_layers: tuple[int, ...] = ()
     """Layers given a sliding window of ``SLIDING_WINDOW`` tokens (a hybrid model: HMA groups)."""
+    layouts: tuple[str, ...] = ("LBNHC", "LBHNC")
+    """KV cache layouts the attention backend supports, most preferred first."""
 
 
 SLIDING_WINDOW = 32
@@ -460,7 +462,7 @@ class Engine:
 
         self.spec = spec
         self.config = vllm_config(spec)
-        scheduler_config, worker_configs = kv_cache_configs(self.config, spec.sliding_layers)
+        scheduler_config, worker_configs = kv_cache_configs(self.config, spec.sliding_layers, spec.layouts)
         self.config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
         self.scheduler = Scheduler(
             vllm_config=self.config,

@@ -111,6 +111,31 @@ def test_pp2_prefill_to_tp2_decode(engines: Any, llama_dir: str) -> None:
     assert {p_id for p_id, _ in ids} <= p.finished_sending
 
 
+@pytest.mark.parametrize(
+    ("p_kwargs", "d_kwargs"),
+    [
+        ({"tp": 2}, {}),
+        ({"layouts": ("LBNHC",)}, {"tp": 2, "layouts": ("LBNHC",)}),
+        ({"kernel_block_size": 8}, {"tp": 2, "kernel_block_size": 8}),
+    ],
+    ids=["tp2-to-tp1", "nhd-tp1-to-tp2", "kernel-blocks-of-8"],
+)
+def test_heterogeneous_tp_layouts_and_kernel_blocks(
+    engines: Any, llama_dir: str, p_kwargs: dict[str, Any], d_kwargs: dict[str, Any]
+) -> None:
+    """P_TP > D_TP (P ranks write head slots of D's blocks), an NHD backend (head slices cut per
+    token), and an attention backend splitting 16-token blocks into kernel blocks of 8."""
+    p = engines(llama_dir, "kv_producer", **p_kwargs)
+    d = engines(llama_dir, "kv_consumer", **d_kwargs)
+    model = PrefillModel()
+    requests = [(prompt(40 + i, 30 + 21 * i), f"cmpl-het-{i}") for i in range(2)]
+    ids = [dispatch(p, d, base, tokens) for tokens, base in requests]
+    for (tokens, _), (_, d_id) in zip(requests, ids):
+        receive(p, d, model, d_id)
+        verify(d, d_id, tokens)
+    drain(p, d, model)
+
+
 def test_mla_tp1_to_tp2_replicates_the_latent(engines: Any, deepseek_dir: str) -> None:
     p = engines(deepseek_dir, "kv_producer")
     d = engines(deepseek_dir, "kv_consumer", tp=2)
