@@ -32,7 +32,7 @@ $(VLLM_VENV)/.kvpush-installed: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.kvpush-installed
-	cd tests_vllm && ../$(VLLM_VENV)/bin/python -m pytest
+	cd tests_vllm && $(abspath $(VLLM_VENV))/bin/python -m pytest
 
 lint: setup
 	$(VENV)/bin/ruff check .
