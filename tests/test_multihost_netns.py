@@ -197,6 +197,25 @@ def test_sigkill_of_a_prefill_stage_fails_its_requests_within_peer_silence(hosts
 
 
 @pytest.mark.multihost
+def test_default_ucx_transports_across_namespaces_fail_at_the_handshake_naming_ucx() -> None:
+    """Namespaces share /dev/shm, so UCX left to itself picks shared memory between "hosts" that
+    only look local and notifications are lost: every request fails within the handshake bound,
+    naming the UCX transports, instead of waiting for the watchdog."""
+    with MultiHost(transport_options={"ucx_tls": None, "ucx_net_devices": None}) as hosts:
+        rids = [f"shm-{i}" for i in range(4)]
+        hosts.plan(rids)
+        hosts.dispatch(rids)
+        hosts.wait_decode(rids, BOUND_S)
+        bound = 5.0 + SLACK_S  # handshake_timeout_s (default 5 s) plus slack
+        for rid in rids:
+            for key, (kind, reason, at) in hosts.outcome(rid).items():
+                assert kind == "failed" and "UCX" in reason, (rid, key, kind, reason)
+                assert at - hosts.plans[rid]["added"] <= bound, (rid, key, at - hosts.plans[rid]["added"])
+        assert_outcomes(hosts, rids)
+        assert_no_leaks(hosts)
+
+
+@pytest.mark.multihost
 @PROTOCOL_XFAIL
 def test_sigkill_of_an_idle_decode_then_restart_under_the_same_engine_id(hosts: MultiHost) -> None:
     push_ok(hosts, ["before-0"], BOUND_S)
