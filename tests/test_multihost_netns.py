@@ -7,9 +7,9 @@ blocks + polling slack); no WRITE lands in blocks D freed, nothing leaks, and ne
 succeed once the network is back.
 
 Markers: ``multihost`` (the quick subset, part of ``make test``: smoke, 5 s link-down, SIGKILL of
-P, SIGKILL of an idle D and restart), ``multihost_full`` (delay, loss, 60 s link-down and silent
-partition; excluded by default, run with ``make test-multihost-full``). Everything skips with the
-reason when this is not root or ``ip netns`` does not work here.
+P, SIGKILL of an idle D and restart, default UCX transports), ``multihost_full`` (delay, loss,
+60 s link-down and silent partition; excluded by default, run with ``make test-multihost-full``).
+Everything skips with the reason when this is not root or ``ip netns`` does not work here.
 """
 
 from __future__ import annotations
