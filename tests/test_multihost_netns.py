@@ -29,8 +29,6 @@ IPTABLES_REASON = REASON or unavailable_reason(need_iptables=True)
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(900)]
 needs_iptables = pytest.mark.skipif(IPTABLES_REASON is not None, reason=IPTABLES_REASON or "")
 
-PROTOCOL_XFAIL = pytest.mark.xfail(strict=False, reason="fixed by protocol core rewrite (issue 10/11)")
-
 SLACK_S = 8.0
 """Polling, process scheduling on a 2-core box and TCP retransmission backoff."""
 BOUND_S = QUICK_TIMERS["request_timeout_s"] + quarantine_s(QUICK_TIMERS) + SLACK_S
@@ -216,7 +214,6 @@ def test_default_ucx_transports_across_namespaces_fail_at_the_handshake_naming_u
 
 
 @pytest.mark.multihost
-@PROTOCOL_XFAIL
 def test_sigkill_of_an_idle_decode_then_restart_under_the_same_engine_id(hosts: MultiHost) -> None:
     push_ok(hosts, ["before-0"], BOUND_S)
     hosts.restart_decode()
@@ -273,13 +270,11 @@ def _outage(hosts: MultiHost, start: str, end: str, seconds: float) -> None:
 
 
 @pytest.mark.multihost_full
-@PROTOCOL_XFAIL
 def test_a_60s_link_down_with_writes_in_flight(hosts: MultiHost) -> None:
     _outage(hosts, "link_down", "link_up", 60.0)
 
 
 @pytest.mark.multihost_full
 @needs_iptables
-@PROTOCOL_XFAIL
 def test_a_60s_silent_partition_with_writes_in_flight(hosts: MultiHost) -> None:
     _outage(hosts, "partition", "heal", 60.0)

@@ -76,7 +76,6 @@ def test_region_codec_errors_name_the_column():
         region_codec.decode_regions(encoded)
 
 
-
 def test_a_synthetic_newer_peer_one_minor_version_ahead_decodes():
     """Issue 10.5: metadata decoding ignores fields a newer minor release added (here: in the
     inner map, in ParallelConfig, in ModelSpec and a new region column)."""
