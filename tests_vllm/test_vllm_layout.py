@@ -1,0 +1,188 @@
+"""The ``vllm`` layout over caches vLLM 0.33 itself plans and allocates (no processes, no NIXL)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from harness import BLOCK_SIZE, LAYER, EngineSpec, kv_cache_configs, vllm_config
+
+from kvpush.core.errors import ConfigError
+from kvpush.core.manager import get_plugin_manager
+from kvpush.core.types import ModelSpec, ParallelConfig
+from kvpush.engines.vllm import KvpushConnector
+from kvpush.engines.vllm_config import ConnectorSettings, base_request_id, match_key
+from kvpush.layouts.vllm import expand_block_ids, group_ratios, layer_caches
+
+
+def allocate(
+    model_dir: str,
+    *,
+    tp: int = 1,
+    rank: int = 0,
+    sliding: tuple[int, ...] = (),
+    layouts: tuple[str, ...] = ("LBNHC", "LBHNC"),
+    kernel: int | None = None,
+) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    """``(vllm_config, this rank's KVCacheConfig, vLLM's per-layer views)``."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    spec = EngineSpec(
+        model_dir=model_dir,
+        role="kv_consumer",
+        engine_id="D",
+        tp=tp,
+        port=5600,
+        num_blocks=32,
+        max_model_len=256,
+        sliding_layers=sliding,
+    )
+    config = vllm_config(spec)
+    _, workers = kv_cache_configs(config, sliding, layouts)
+    kv_config = workers[rank]
+    kernels = [kernel] * len(kv_config.kv_cache_groups) if kernel else None
+    caches = allocate_kv_cache(
+        kv_config, torch.device("cpu"), KVCacheLayout[kv_config.kv_cache_layout], kernels
+    )
+    return config, kv_config, caches
+
+
+def describe(config: Any, kv_config: Any, caches: dict[str, Any], rank: int = 0) -> list[Any]:
+    model = config.model_config
+    parallel = ParallelConfig(tp_size=config.parallel_config.tensor_parallel_size, tp_rank=rank, num_layers=4)
+    first = next(iter(caches.values()))
+    spec = ModelSpec(
+        name="m",
+        num_layers=4,
+        attention="mla" if model.use_mla else "mha",
+        num_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
+        head_dim=model.get_head_size(),
+        block_size=first.shape[2],
+        dtype="float16",
+    )
+    layout = get_plugin_manager(load_entrypoints=False).layout("vllm")
+    return list(layout.describe_regions(layer_caches(caches, kv_config), parallel, spec))
+
+
+def test_the_connector_asks_for_hnd(llama_dir: str, deepseek_dir: str) -> None:
+    config, kv_config, _ = allocate(llama_dir)
+    assert KvpushConnector.get_required_kvcache_layout(config) == "HND"
+    assert kv_config.kv_cache_layout == "LBHNC"  # what vLLM resolved from it
+    mla, _, _ = allocate(deepseek_dir)
+    assert KvpushConnector.get_required_kvcache_layout(mla) is None
+
+
+def test_hnd_regions_split_heads_over_tp(llama_dir: str) -> None:
+    config, kv_config, caches = allocate(llama_dir, tp=2, rank=1)
+    regions = describe(config, kv_config, caches, rank=1)
+    assert [r.layer_names for r in regions] == [(LAYER.format(i),) for i in range(4)]
+    view = caches[LAYER.format(0)]
+    for region in regions:
+        assert region.component == "KV" and not region.replicate and region.num_heads == 1
+        assert region.block_order == "heads_outer"
+        assert region.block_len == view[0].numel() * 2 == 1 * BLOCK_SIZE * 2 * 16 * 2
+        assert region.num_blocks == view.shape[0] and region.block_stride >= region.block_len
+
+
+def test_nhd_regions_are_tokens_outer(llama_dir: str) -> None:
+    config, kv_config, caches = allocate(llama_dir, layouts=("LBNHC",))
+    regions = describe(config, kv_config, caches)
+    assert {(r.block_order, r.block_tokens, r.num_heads) for r in regions} == {
+        ("tokens_outer", BLOCK_SIZE, 2)
+    }
+    # One head per rank: the block is contiguous either way, and still declared as resolved.
+    config, kv_config, caches = allocate(llama_dir, tp=2, rank=1, layouts=("LBNHC",))
+    orders = {(r.block_order, r.block_tokens, r.num_heads) for r in describe(config, kv_config, caches, 1)}
+    assert orders == {("tokens_outer", BLOCK_SIZE, 1)}
+
+
+def test_block_split_layouts_are_refused(llama_dir: str) -> None:
+    config, kv_config, caches = allocate(llama_dir, layouts=("LHBNC",))
+    with pytest.raises(ConfigError, match="HND"):
+        describe(config, kv_config, caches)
+
+
+def test_mla_is_one_replicated_latent_per_layer(deepseek_dir: str) -> None:
+    config, kv_config, caches = allocate(deepseek_dir, tp=2, rank=1)
+    regions = describe(config, kv_config, caches, rank=1)
+    assert len(regions) == 4
+    for region in regions:
+        assert (region.component, region.replicate, region.num_heads) == ("latent", True, 1)
+        assert region.block_len == BLOCK_SIZE * (32 + 8) * 2  # kv_lora_rank + rope dims, bf16
+
+
+def test_hma_groups_full_and_sliding_window(llama_dir: str) -> None:
+    config, kv_config, caches = allocate(llama_dir, sliding=(1, 3))
+    assert len(kv_config.kv_cache_groups) == 2
+    regions = describe(config, kv_config, caches)
+    kinds = {r.layer_names[0]: (r.kv_group, r.attention_kind) for r in regions}
+    full, sliding = kinds[LAYER.format(0)][0], kinds[LAYER.format(1)][0]
+    assert full != sliding
+    assert kinds == {
+        LAYER.format(0): (full, "full"),
+        LAYER.format(1): (sliding, "sliding_window"),
+        LAYER.format(2): (full, "full"),
+        LAYER.format(3): (sliding, "sliding_window"),
+    }
+    # vLLM overlays the groups on one allocation: the regions cover shared bytes, which the
+    # transport registers once (it merges touching spans).
+    spans = sorted((r.base_addr, r.end_addr) for r in regions)
+    assert any(a_end > b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+
+
+def test_kernel_blocks_smaller_than_scheduler_blocks(llama_dir: str) -> None:
+    config, kv_config, caches = allocate(llama_dir, kernel=8)
+    regions = describe(config, kv_config, caches)
+    assert {r.num_blocks for r in regions} == {2 * kv_config.num_blocks}
+    assert group_ratios(layer_caches(caches, kv_config), 1) == (2,)
+    assert expand_block_ids([[3, 5]], (2,)) == ((6, 7, 10, 11),)
+    assert expand_block_ids([[3], [4]], (1, 2)) == ((3,), (8, 9))
+
+
+def test_layers_sharing_a_tensor_are_one_region(llama_dir: str) -> None:
+    """Cross-layer KV sharing: vLLM hands the target's tensor under both names."""
+    config, kv_config, caches = allocate(llama_dir)
+    shared = LAYER.format(3)
+    caches = {name: t for name, t in caches.items() if name != shared}
+    caches[shared] = caches[LAYER.format(2)]
+    regions = describe(config, kv_config, caches)
+    assert [r.layer_names for r in regions][-1] == (LAYER.format(2), shared)
+    assert len(regions) == 3
+
+
+def test_plain_views_take_groups_from_the_model_spec(llama_dir: str) -> None:
+    """Without a KVCacheConfig (kvpush demo, tests): plain 4-D views describe the same regions."""
+    config, kv_config, caches = allocate(llama_dir)
+    with_config = describe(config, kv_config, caches)
+    layout = get_plugin_manager(load_entrypoints=False).layout("vllm")
+    spec = ModelSpec(name="m", num_layers=4, num_kv_heads=2, head_dim=16, block_size=16, dtype="float16")
+    plain = layout.describe_regions(caches, ParallelConfig(tp_size=1, num_layers=4), spec)
+    assert list(plain) == with_config
+    mixed = {**layer_caches(caches, kv_config), LAYER.format(9): caches[LAYER.format(0)]}
+    with pytest.raises(ConfigError, match="mixes"):
+        layout.describe_regions(mixed, ParallelConfig(tp_size=1, num_layers=4), spec)
+
+
+def test_settings_name_bad_keys_and_values() -> None:
+    assert ConnectorSettings.from_extra_config({}, 1).side_channel_port == 5601
+    with pytest.raises(ConfigError, match="kv_lease_duraton"):
+        ConnectorSettings.from_extra_config({"kv_lease_duraton": 3})
+    with pytest.raises(ConfigError, match="side_channel_port"):
+        ConnectorSettings.from_extra_config({"side_channel_port": "5600"})
+    with pytest.raises(ConfigError, match="kv_lease_duration"):
+        ConnectorSettings.from_extra_config({"kv_lease_duration": 0})
+    with pytest.raises(ConfigError, match="side_channel_insecure"):
+        ConnectorSettings.from_extra_config({"side_channel_insecure": "yes"})
+    assert ConnectorSettings.from_extra_config({"side_channel_insecure": True}).side_channel_insecure
+
+
+def test_matching_key() -> None:
+    assert base_request_id("cmpl-abc-0-1a2b3c4d") == "cmpl-abc-0"
+    assert base_request_id("cmpl-abc-0") == "cmpl-abc-0"
+    assert match_key("cmpl-abc-0-1a2b3c4d", {"transfer_id": "xfer-1"}) == "xfer-1"
+    assert match_key("cmpl-abc-0-1a2b3c4d", {}) == "cmpl-abc-0"
+    with pytest.raises(ConfigError, match="transfer_id"):
+        match_key("x", {"transfer_id": 3})
