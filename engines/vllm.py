@@ -83,6 +83,8 @@ class SendItem:
 
     block_ids: BlockIds
     match_key: str
+    decode_engine_id: str | None = None
+    """The D engine the router dispatched the other leg to, when it says so (binds the push)."""
 
 
 @dataclass
@@ -360,7 +362,13 @@ class _SchedulerSide:
         out = self._transfer_params(rid, params)
         if not any(blocks):
             return False, out
-        self._send[rid] = SendItem(block_ids=blocks, match_key=match_key(rid, params))
+        decode = params.get("decode_engine_id")
+        if decode is not None and (not isinstance(decode, str) or not decode):
+            logger.warning("request %s: ignoring kv_transfer_params['decode_engine_id']=%r", rid, decode)
+            decode = None
+        self._send[rid] = SendItem(
+            block_ids=blocks, match_key=match_key(rid, params), decode_engine_id=decode
+        )
         self.sending.add(rid)
         return True, out
 
@@ -546,8 +554,11 @@ class _WorkerSide:
         engine = self._started()
         if self.owner.is_producer:
             for rid, item in meta.send.items():
+                bind = {"decode_engine_id": item.decode_engine_id} if item.decode_engine_id else {}
                 try:
-                    engine.request_finished(rid, self.kernel_ids(item.block_ids), match_key=item.match_key)
+                    engine.request_finished(
+                        rid, self.kernel_ids(item.block_ids), match_key=item.match_key, **bind
+                    )
                 except Exception as err:  # e.g. a transfer_id already in use: release, go on
                     logger.error("kvpush cannot push request %s (its blocks are released): %s", rid, err)
                     self._failed_now[rid] = str(err)

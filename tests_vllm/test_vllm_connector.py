@@ -24,7 +24,14 @@ FAULTY_NONE = {"transport": "faulty", "transport_options": {"inner": "nixl"}}
 
 
 def dispatch(
-    p: Engine, d: Engine, base: str, tokens: list[int], *, transfer_id: str | None = None, max_tokens: int = 3
+    p: Engine,
+    d: Engine,
+    base: str,
+    tokens: list[int],
+    *,
+    transfer_id: str | None = None,
+    max_tokens: int = 3,
+    bind: bool = False,
 ) -> tuple[str, str]:
     """What a router does: the same request to P and D at once, each engine adding its own suffix."""
     p_id, d_id = f"{base}-{suffix()}", f"{base}-{suffix()}"
@@ -40,6 +47,8 @@ def dispatch(
     }
     if transfer_id is not None:
         p_params["transfer_id"] = d_params["transfer_id"] = transfer_id
+    if bind:
+        p_params["decode_engine_id"] = d.spec.engine_id
     p.add(make_request(p_id, tokens, 1, p_params))
     d.add(make_request(d_id, tokens, max_tokens, d_params))
     return p_id, d_id
@@ -103,7 +112,10 @@ def test_pp2_prefill_to_tp2_decode(engines: Any, llama_dir: str) -> None:
     d = engines(llama_dir, "kv_consumer", tp=2)
     model = PrefillModel()
     requests = [(prompt(10 + i, 20 + 17 * i), f"cmpl-pp-{i}") for i in range(3)]
-    ids = [dispatch(p, d, base, tokens, transfer_id=f"xfer-{i}") for i, (tokens, base) in enumerate(requests)]
+    ids = [
+        dispatch(p, d, base, tokens, transfer_id=f"xfer-{i}", bind=i == 1)
+        for i, (tokens, base) in enumerate(requests)
+    ]
     for (tokens, _), (_, d_id) in zip(requests, ids):
         receive(p, d, model, d_id)
         verify(d, d_id, tokens)
@@ -344,3 +356,27 @@ def test_a_transfer_id_reused_by_the_router_does_not_stop_the_engines(engines: A
     assert {first[0], second[0]} <= p.finished_sending
     reasons = sorted(str(d.finish_reason(d_id)) for _, d_id in (first, second))
     assert "error" in reasons  # at most one D request can be paired with the one push
+
+
+def test_p_bound_to_another_decode_engine_refuses_this_one(engines: Any, llama_dir: str) -> None:
+    """The router bound P's push to another D engine: this D's registration is refused, its request
+    fails, nothing is written into its blocks, and P releases its blocks."""
+    p = engines(llama_dir, "kv_producer", extra={"kv_lease_duration": 5})
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 10})
+    model = PrefillModel()
+    tokens = prompt(13, 40)
+    p_id, d_id = f"cmpl-bound-0-{suffix()}", f"cmpl-bound-0-{suffix()}"
+    p.add(make_request(p_id, tokens, 1, {"do_remote_decode": True, "decode_engine_id": "decode-elsewhere"}))
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": p.spec.engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": p.port,
+    }
+    d.add(make_request(d_id, tokens, 2, params))
+    before = d.workers[0].call("snapshot")
+    run_until([p, d], lambda: d_id in d.finished_recving, "D's request to fail", kv_producer=model)
+    assert d_id in d.failed_recving
+    assert d.workers[0].call("changed_blocks", before=before) == set()
+    drain(p, d, model)
+    assert p_id in p.finished_sending
