@@ -66,7 +66,7 @@ P_HOST, D_HOST = "p.example", "d.example"
 P_PORT, D_PORT = 5600, 5700
 POOL_BLOCKS = 12
 WRITE_DEADLINE_S = 10.0
-TOPOLOGIES = [(2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2), (2, 2, 2), (2, 2, 1)]
+TOPOLOGIES = [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2), (2, 2, 2), (2, 2, 1)]
 """(P PP, P TP, D TP)."""
 IDX = st.integers(min_value=0, max_value=63)
 MAX_DRAIN_ROUNDS = 5_000
@@ -82,6 +82,7 @@ FAULTS = [
     "prefill_rank_restarts_behind",
     "decode_rank_dies",
     "decode_rank_restarts",
+    "scatter_fails",
 ]
 
 
@@ -150,6 +151,8 @@ class Msg:
     dst: str
     dst_inc: str
     data: bytes
+    held: bool = False
+    """Delayed: pumps pass it by; only ``network`` or the final drain delivers it."""
 
 
 @attrs.define(eq=False)
@@ -203,6 +206,8 @@ class CoreCluster(RuleBasedStateMachine):
         self.requests: list[Request] = []
         self.p_pp = self.p_tp = self.d_tp = 1
         self.ready = False
+        self.scatter_error = ""
+        """The next packed scatter on D fails with this error (a kernel or torch raising)."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -383,9 +388,12 @@ class CoreCluster(RuleBasedStateMachine):
                 if req.freed or req.released:
                     raise Violation(f"D {d.agent} scattered into released blocks of {req.rid}")
                 m = action.manifest
+                error, self.scatter_error = self.scatter_error, ""
                 self._run_d(
                     d,
-                    d.core.scattered(action.request_id, action.producer, m.chunk, m.chunks, "", self.now(d)),
+                    d.core.scattered(
+                        action.request_id, action.producer, m.chunk, m.chunks, error, self.now(d)
+                    ),
                 )
             elif isinstance(action, Connect):
                 self.handshakes.append((d, action))
@@ -409,6 +417,8 @@ class CoreCluster(RuleBasedStateMachine):
         )
         if not allowed:
             raise Violation(f"D {d.agent} reported {req.rid} {req.outcomes} (exactly once expected)")
+        if report.outcome == "cancelled" and not req.cancel_calls:
+            raise Violation(f"D {d.agent} reported {req.rid} cancelled, but the engine never cancelled it")
         if report.outcome == "done":
             want = expected_producers(
                 prefill_pp=self.p_pp, prefill_tp=self.p_tp, decode_tp_rank=d.tp_rank, decode_tp_size=self.d_tp
@@ -631,6 +641,13 @@ class CoreCluster(RuleBasedStateMachine):
         if how == "deliver":
             self._deliver(msg)
 
+    @precondition(lambda self: any(not m.held for m in self.net))
+    @rule(i=IDX)
+    def delay_message(self, i: int) -> None:
+        """Hold one notification back while everything else flows (reordering across pumps)."""
+        free = [m for m in self.net if not m.held]
+        free[i % len(free)].held = True
+
     def _deliver(self, msg: Msg) -> None:
         proc = self._proc(msg.dst, msg.dst_inc)
         if proc is None:
@@ -723,6 +740,8 @@ class CoreCluster(RuleBasedStateMachine):
             if kind != "prefill_rank_dies":  # same agent name, new incarnation
                 behind = kind == "prefill_rank_restarts_behind"  # another host: its clock is behind
                 self.p_procs.append(self._new_p(p.rank, offset=0.0 if behind else p.offset + 7.0))
+        elif kind == "scatter_fails":
+            self.scatter_error = "RuntimeError: the unpack kernel raised"
         elif kind.startswith("decode_rank_") and ds:
             d = ds[j % len(ds)]
             d.alive = False
@@ -764,7 +783,7 @@ class CoreCluster(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ the drain
 
-    def _settle_once(self, land: bool = True) -> bool:
+    def _settle_once(self, land: bool = True, deliver_held: bool = False) -> bool:
         progressed = False
         handshakes, self.handshakes = self.handshakes, []
         for item in handshakes:
@@ -776,7 +795,8 @@ class CoreCluster(RuleBasedStateMachine):
                 for post in posts:
                     self._post(p, post, False, 1)
                 progressed = True
-        messages, self.net = self.net, []
+        messages = [m for m in self.net if deliver_held or not m.held]
+        self.net = [m for m in self.net if not (deliver_held or not m.held)]
         for msg in messages:
             self._deliver(msg)
             progressed = True
@@ -792,7 +812,7 @@ class CoreCluster(RuleBasedStateMachine):
         """A reliable network from here on: deliver, land and tick until nothing is left."""
         busy = 0
         for _ in range(MAX_DRAIN_ROUNDS):
-            if self._settle_once():
+            if self._settle_once(deliver_held=True):
                 busy += 1
                 if busy > MAX_BUSY_ROUNDS:
                     raise Violation(
@@ -839,14 +859,84 @@ class CoreCluster(RuleBasedStateMachine):
 
 
 EXAMPLES = int(os.environ.get("KVPUSH_CORE_EXAMPLES", "300"))
+"""CI explores 300 derandomized runs of up to 40 steps; set KVPUSH_CORE_EXAMPLES=5000 and
+KVPUSH_CORE_RANDOM=1 for a deeper search with fresh randomness."""
 
 CoreCluster.TestCase.settings = settings(
     max_examples=EXAMPLES,
     stateful_step_count=40,
     deadline=None,
-    derandomize=True,
+    derandomize=not os.environ.get("KVPUSH_CORE_RANDOM"),
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCoreCluster = CoreCluster.TestCase
 TestCoreCluster = pytest.mark.timeout(600)(TestCoreCluster)
+
+
+# ------------------------------------------------------------------------------ regressions
+# Minimal sequences found while building the machine above, replayed on the same harness.
+
+
+def _deliver_first(machine: CoreCluster, kind: str) -> None:
+    """Deliver the oldest notification of ``kind`` in flight (the others stay delayed)."""
+    for msg in machine.net:
+        note = wire.decode_notification(msg.data)
+        if note is not None and note.kind.value == kind:
+            machine.net.remove(msg)
+            machine._deliver(msg)
+            return
+    raise AssertionError(f"no {kind} in flight: {[wire.decode_notification(m.data) for m in machine.net]}")
+
+
+def _registered_with_push_reg_in_flight(machine: CoreCluster) -> None:
+    """P1 -> D TP1: D's request is registered; its PUSH_REG is still on the wire."""
+    machine.start(topology=(1, 1, 1))
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    machine.handshake(0, True)  # D's notif-only handshake with P
+    _deliver_first(machine, "hello")  # P loads D's rank
+    machine.handshake(0, True)
+    _deliver_first(machine, "heartbeat")  # P's stamp: D is ready and sends PUSH_REG
+    assert [wire.decode_notification(m.data).kind.value for m in machine.net] == ["push_reg"]
+
+
+@pytest.mark.parametrize("finished_first", [False, True], ids=["key-unknown-to-P", "prefill-not-bound"])
+def test_heartbeat_overtaking_push_reg_never_lets_p_write_into_released_blocks(finished_first: bool) -> None:
+    """D's heartbeat reaches P before the request's PUSH_REG (reordered or delayed); P does not
+    know the key (or holds the prefill, not yet bound to a D engine) and answers 'failed'. D
+    counts that producer as settled and releases the blocks at once. The PUSH_REG then arrives
+    within its grant window: P posts, and the WRITE lands in released blocks. Fixed by P
+    answering 'failed' only for keys it positively ended for this D engine."""
+    machine = CoreCluster()
+    _registered_with_push_reg_in_flight(machine)
+    if finished_first:
+        machine.prefill_finished(i=0, j=0, one_rank=False, bind=False, boom=False)
+    machine.advance_clock(5.0)  # D's heartbeat names the key
+    _deliver_first(machine, "heartbeat")  # D -> P
+    _deliver_first(machine, "heartbeat")  # P's answer: failed=[key]
+    d = machine.d_procs[0]
+    (req,) = d.requests.values()
+    assert not req.released and not req.outcomes, "P's answer made D give the blocks up"
+    _deliver_first(machine, "push_reg")  # the delayed registration, grant still fresh
+    if not finished_first:
+        machine.prefill_finished(i=0, j=0, one_rank=False, bind=False, boom=False)
+    machine.run_posts(0, False, 1)
+    for w in list(machine.writes.values()):
+        machine._land(w, True)  # before the fix: Violation, lands after D released its blocks
+    machine.pump(rounds=8, stall_writes=False)
+    assert req.outcomes == ["done"]
+    machine.teardown()
+
+
+def test_shrunk_heartbeat_before_push_reg() -> None:
+    """The machine's own minimal sequence for the bug above, as hypothesis printed it (on the
+    core before the fix: ``Violation: WRITE h0 of k2 ... lands after D released its blocks``)."""
+    state = CoreCluster()
+    state.start(topology=(1, 1, 1))
+    state.new_request(first_rank_only=False, nblocks=1, packed=False, sizes="absent")
+    state.pump(rounds=2, stall_writes=False)  # handshakes and HELLO: D sends its PUSH_REG
+    state.advance_clock(dt=6.0)  # D's heartbeat names the key
+    state.delay_message(i=0)  # the PUSH_REG is held back
+    state.pump(rounds=8, stall_writes=False)  # P: "no longer holds" it; D fails and releases
+    state.prefill_finished(bind=False, boom=False, i=0, j=0, one_rank=False)
+    state.teardown()  # the PUSH_REG arrives still fresh: P must not write
