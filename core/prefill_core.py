@@ -256,6 +256,15 @@ class PrefillCore:
             out += self._plan_request(request, now)
         return out
 
+    def abort(self, key: str, now: float) -> list[Any]:
+        """The engine aborts a finished prefill: nothing more is posted, D is told (FAIL now, or
+        ``failed`` in its next heartbeat answer), and the request is reported failed once nothing
+        of it is in flight."""
+        request = self._requests.get(key)
+        if request is None or request.blocks is None:
+            return []
+        return self._fail_request(request, "aborted by the prefill engine", now)
+
     def fail(self, key: str, reason: str, now: float) -> list[Any]:
         """Fail whatever P holds for ``key`` (the driver caught an error while handling it)."""
         request = self._requests.get(key)

@@ -129,6 +129,14 @@ class PushSender(RankWorker):
             )
         )
 
+    def abort(self, request_id: str, match_key: str | None = None) -> None:
+        """Abort a finished prefill (the engine wants its blocks back): nothing more is posted,
+        D fails the request at once instead of at its watchdog, and the request is reported in
+        ``get_finished().failed`` once no WRITE of it is in flight. Unknown ids are ignored."""
+        self._check_running("abort")
+        key = request_id if match_key is None else match_key
+        self.run_on_writer(lambda: self._guarded(key, lambda now: self.core.abort(key, now)))
+
     def get_finished(self) -> PushResults:
         """Requests pushed (every WRITE done) or failed (with the reason) since the last call."""
         with self._results_lock:

@@ -59,3 +59,16 @@ def test_empty_requests_complete_at_once() -> None:
         cluster.finish("p-empty", [[]], "x-empty")
         assert cluster.wait_decode("d-empty", timeout_s=2) == {0: None}
         assert cluster.wait_prefill("p-empty", timeout_s=2) == {RankKey(0, 0): None}
+
+
+def test_p_abort_fails_decode_at_once_and_releases_p() -> None:
+    """A prefill the P engine aborts reaches D as a failure within a heartbeat, not at D's
+    watchdog."""
+    with Cluster(request_timeout_s=60, heartbeat_interval_s=0.1) as cluster:
+        sender = cluster.senders[RankKey(0, 0)]
+        cluster.finish("p-1", [[1]], "x-1")  # D has not registered yet
+        sender.abort("p-1", match_key="x-1")
+        assert "aborted by the prefill engine" in cluster.wait_prefill("p-1")[RankKey(0, 0)]
+        cluster.add("d-1", [[2]], "x-1")
+        reason = cluster.wait_decode("d-1", timeout_s=5)[0]
+        assert reason is not None and "aborted by the prefill engine" in reason
