@@ -298,17 +298,22 @@ class DecodeCore:
         kind = note.kind
         if kind is _DONE and note.packing is None:  # the hot path: one direct DONE, all checks inline
             receive = self._requests.get(note.request_id)
+            producer = note.producer
             if (
                 receive is not None
                 and receive.phase is _REGISTERED
-                and receive.agents.get(note.producer) == agent  # in the set, from its own agent
+                and receive.agents.get(producer) == agent  # in the set, from its own agent
                 and note.producer_tp_size == receive.prefill_tp
             ):
-                self._heard(agent, now)
-                if note.producer in receive.reported:
+                reported = receive.reported
+                if producer in reported:
                     self.stats["duplicate_notifications"] += 1
                     return []
-                return self._count(note.request_id, receive, note.producer, now)  # type: ignore[arg-type]
+                reported.add(producer)  # type: ignore[arg-type]
+                receive.settled.add(producer)  # type: ignore[arg-type]
+                if len(reported) != len(receive.expected):  # reported is a subset of expected
+                    return []
+                return self._end(note.request_id, receive, Report(note.request_id, "done"), release=False)
         engine_id = self._agent_engine.get(agent)
         engine = self._engines.get(engine_id) if engine_id else None
         if engine is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import attrs
 from attrs import field, frozen
@@ -75,15 +75,30 @@ class Role(enum.Enum):
     DECODE = "decode"
 
 
-@frozen(order=True, cache_hash=True)
-class RankKey:
-    """Identity of one rank of an engine. Non-PP engines use ``pp_rank`` 0."""
+class _RankPair(NamedTuple):
+    pp_rank: int
+    tp_rank: int
 
-    pp_rank: int = field(validator=_non_negative)
-    tp_rank: int = field(validator=_non_negative)
+
+class RankKey(_RankPair):
+    """Identity of one rank of an engine. Non-PP engines use ``pp_rank`` 0.
+
+    A tuple underneath: hashing and comparing it runs in C, which matters on D's completion
+    path (every DONE is looked up by its producer)."""
+
+    __slots__ = ()
+
+    def __new__(cls, pp_rank: int, tp_rank: int) -> RankKey:
+        for name, value in (("pp_rank", pp_rank), ("tp_rank", tp_rank)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative int, got {value!r}")
+        return super().__new__(cls, pp_rank, tp_rank)
 
     def __str__(self) -> str:
         return f"(pp={self.pp_rank}, tp={self.tp_rank})"
+
+    def __repr__(self) -> str:
+        return f"RankKey(pp_rank={self.pp_rank}, tp_rank={self.tp_rank})"
 
 
 @frozen(kw_only=True)
