@@ -1015,3 +1015,31 @@ def test_a_restarted_prefill_rank_with_its_clock_behind_pushes_again_after_d_not
     machine.pump(rounds=8, stall_writes=False)
     assert [r.outcomes for r in d.requests.values()] == [["done"], ["failed"], ["done"]]
     machine.teardown()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="PrefillCore._restarted compares incarnations for inequality, so a message of a D "
+    "incarnation P already replaced reads as yet another restart: P fails the live "
+    "incarnation's requests and drops its engine (availability, not safety)",
+)
+def test_a_late_message_of_a_dead_decode_incarnation_does_not_fail_the_live_one() -> None:
+    machine = CoreCluster()
+    machine.start(topology=(1, 1, 1))
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    machine.pump(rounds=8, stall_writes=False)
+    machine.advance_clock(dt=5.0)  # the first D process sends a heartbeat ...
+    for msg in machine.net:
+        msg.held = True  # ... that is still on its way when the process dies
+    machine.fault(kind="decode_rank_restarts", i=0, j=0)
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    machine.pump(rounds=8, stall_writes=False)  # P learns the new incarnation from its HELLO
+    machine.prefill_finished(i=1, j=0, one_rank=False, bind=False, boom=False)
+    p = machine.live_p()[0]
+    key = machine.requests[1].key
+    machine.network(i=0, how="deliver")  # the dead incarnation's heartbeat arrives late
+    assert key not in p.reports, f"P failed the live D's request: {p.reports[key]}"
+    machine.pump(rounds=8, stall_writes=False)
+    (d,) = machine.live_d()
+    assert [r.outcomes for r in d.requests.values()] == [["done"]]
+    machine.teardown()
