@@ -151,6 +151,8 @@ class PrefillCore:
         self._engines: dict[str, _Decode] = {}
         self._timers = Deadlines()
         self._warned = RateLimit(per_s=10)
+        self._refused: dict[tuple[str, str], float] = {}
+        """(key, D engine) pairs D cancelled before P knew the key: late PUSH_REGs are refused."""
         self._connecting: dict[tuple[str, int], str] = {}
         """Address -> the one engine id being handshaken there."""
         self._address_backoff: dict[tuple[str, int], tuple[float, int, str]] = {}
@@ -179,7 +181,7 @@ class PrefillCore:
         return {
             "requests": len(self._requests),
             "stashed": sum(1 for r in self._requests.values() if r.blocks is None),
-            "tombstones": len(self._tombstones),
+            "tombstones": len(self._tombstones) + len(self._refused),
             "engines": len(self._engines),
             "timers": len(self._timers),
             "inflight": sum(e.inflight for e in self._engines.values()),
@@ -291,6 +293,9 @@ class PrefillCore:
         reg = note.registration
         assert reg is not None
         key, rank = reg.match_key, reg.decode_tp_rank
+        if (key, reg.decode_engine_id) in self._refused:
+            self.stats["duplicate_registrations"] += 1
+            return []  # D cancelled this key before its registration reached P
         tomb = self._tombstones.get(key)
         if tomb is not None:
             engine = self._engines.get(reg.decode_engine_id)
@@ -446,17 +451,15 @@ class PrefillCore:
             return []
         request = self._requests.get(key)
         ack = wire.encode_cancel_ack(reg.request_id, self.s.rank, False)
-        if request is None:
-            tomb = self._tombstones.get(key)
-            if tomb is not None and tomb[1] == engine.engine_id:
-                return [Send(agent, ack)]  # already ended: nothing of ours can land
-            self._reject(agent, note, f"CANCEL of {key!r}, which this rank never had from that engine")
-            return []
-        if request.engine_id != engine.engine_id:
-            self._reject(
-                agent, note, f"CANCEL of {key!r} from an engine that neither registered it nor was chosen"
-            )
-            return []
+        if request is None or request.engine_id != engine.engine_id:
+            # Nothing of this key is being written to this engine. Refuse its later
+            # registrations for the key (a PUSH_REG may still be on its way), then acknowledge:
+            # the cancel affects this engine's own offer only, never another engine's push.
+            if request is not None:
+                request.others.pop(engine.engine_id, None)
+            self._refused[(key, engine.engine_id)] = now
+            self._timers.arm(("refused", (key, engine.engine_id)), now + self.s.registration_ttl_s)
+            return [Send(agent, ack)]
         request.cancelled = True
         request.cancel_acks[agent] = reg.request_id
         if any(d.state is _Dest.INFLIGHT for d in (request.dests or {}).values()):
@@ -814,6 +817,8 @@ class PrefillCore:
             request = self._requests.get(key)
             if kind == "tomb":
                 self._tombstones.pop(key, None)
+            elif kind == "refused":
+                self._refused.pop(key, None)
             elif kind == "backoff":
                 until = self._address_backoff.get(key, (0.0, 0, ""))[0]
                 if until + self.s.retry_backoff_max_s <= now:  # long quiet: forget (bounded state)

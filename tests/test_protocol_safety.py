@@ -156,3 +156,17 @@ def test_a_registration_past_its_grant_is_refused_right_before_the_post() -> Non
     assert not core.confirm_post(post.key, post.dst, 110.0)  # grant 100 + fresh 10: stale now
     assert core.stats["stale_registrations"] == 1
     assert core.confirm_post(post.key, post.dst, 109.9) is False  # no longer a pending post
+
+
+def test_cancel_of_a_registration_p_never_received_is_acknowledged_and_refuses_it_later() -> None:
+    """D cancels a request whose PUSH_REG was lost: P has nothing for the key, so it acknowledges
+    at once (no quarantine, P's connection kept) and refuses the registration if it shows up."""
+    with Cluster(request_timeout_s=60, **faulty(drop_notifs=1.0, drop_prefixes=["PUSH_REG:"])) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[3]], "x-1")
+        wait_until(lambda: receiver.stats["push_regs_sent"] == 1, what="D's PUSH_REG")
+        receiver.cancel("d-1")
+        cluster.wait_released("d-1")
+        assert receiver.stats["quarantine_expiries"] == 0 and "P" in receiver.peers.engines
+        state = sender.call_on_writer(sender.core.state_sizes)
+        assert state["tombstones"] == 1  # the refusal, until it expires
