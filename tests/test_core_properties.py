@@ -71,6 +71,9 @@ TOPOLOGIES = [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2), (2, 2, 2), 
 IDX = st.integers(min_value=0, max_value=63)
 MAX_DRAIN_ROUNDS = 5_000
 MAX_BUSY_ROUNDS = 100
+P_LATENESS_S = 0.5
+"""How late a P rank's timers may run: below D's ``quarantine_margin_s`` (1 s), which is the
+only slack for it (see ``test_a_late_write_deadline_on_p_is_covered_only_up_to_the_margin``)."""
 STEPS_S = [0.001, 0.06, 0.5, 1.0, 2.0, 0.06, 0.5, 1.0, 2.0, 4.0, 6.0, 11.0, 21.0, 31.0, 125.0]
 """Clock steps: mostly short (progress), some past heartbeat, freshness, WRITE and lease bounds."""
 FAULTS = [
@@ -101,6 +104,8 @@ class Proc:
     born: int
     """Requests created before this process started are not its engine's."""
     alive: bool = True
+    last_tick: float = 0.0
+    """Global time of this process's last ``handle_timer`` (its writer may run late)."""
     registry: dict[str, dict[Any, tuple[str, str]]] = attrs.field(factory=dict)
     """What this process's peer registry loaded: engine -> rank -> (agent, incarnation)."""
 
@@ -712,13 +717,19 @@ class CoreCluster(RuleBasedStateMachine):
     # ------------------------------------------------------------------ time, death, restarts
 
     @precondition(lambda self: self.ready)
-    @rule(dt=st.sampled_from(STEPS_S))
-    def advance_clock(self, dt: float) -> None:
+    @rule(dt=st.sampled_from(STEPS_S), late=st.sampled_from([None, 0, 1, 2, 3]))
+    def advance_clock(self, dt: float, late: int | None = None) -> None:
+        """Time passes; every process runs its timers, except that one P rank's busy writer
+        may run them late, by at most ``P_LATENESS_S`` (the bound D's quarantine margin covers)."""
         self.t += dt
-        self._tick()
+        ps = self.live_p()
+        self._tick(skip=ps[late % len(ps)] if late is not None and ps else None)
 
-    def _tick(self) -> None:
+    def _tick(self, skip: PProc | None = None) -> None:
         for p in self.live_p():
+            if p is skip and self.t - p.last_tick <= P_LATENESS_S:
+                continue
+            p.last_tick = self.t
             self._run_p(p, p.core.handle_timer(self.now(p)))
         for d in self.live_d():
             self._run_d(d, d.core.handle_timer(self.now(d)))
@@ -1042,4 +1053,49 @@ def test_a_late_message_of_a_dead_decode_incarnation_does_not_fail_the_live_one(
     machine.pump(rounds=8, stall_writes=False)
     (d,) = machine.live_d()
     assert [r.outcomes for r in d.requests.values()] == [["done"]]
+    machine.teardown()
+
+
+@pytest.mark.parametrize(
+    "late_s",
+    [
+        0.5,
+        pytest.param(
+            1.5,
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=Violation,
+                reason="D's quarantine ends quarantine_margin_s (1 s) after the latest WRITE "
+                "deadline P can have; a P writer busy longer than that at the deadline (issue 10: "
+                "seconds) aborts too late and the WRITE lands in released blocks",
+            ),
+        ),
+    ],
+)
+def test_a_late_write_deadline_on_p_is_covered_only_up_to_the_margin(late_s: float) -> None:
+    """Worst case: P posts at the very end of its grant window, then its writer is busy when
+    the WRITE deadline passes; D, with its CANCEL unanswered, releases at the quarantine bound."""
+    machine = CoreCluster()
+    machine.start(topology=(1, 1, 1))
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    machine.pump(rounds=8, stall_writes=True)  # registered at t=0 with P's stamp of t=0
+    machine.prefill_finished(i=0, j=0, one_rank=False, bind=False, boom=False)
+    p, d = machine.p_procs[0], machine.d_procs[0]
+
+    def d_only(until: float) -> None:  # P's writer is busy: only D's clock work runs
+        while machine.t < until - 1e-9:
+            machine.t = min(machine.t + 0.25, until)
+            machine._run_d(d, d.core.handle_timer(machine.now(d)))
+
+    d_only(1.0)
+    machine.cancel(i=0, j=0)
+    for msg in machine.net:
+        msg.held = True  # the CANCEL is slow to reach P
+    post_at = 10.0 - 0.1  # just inside the 10 s grant window
+    d_only(post_at)
+    machine.run_posts(0, False, 1)
+    (w,) = machine.writes.values()
+    d_only(post_at + WRITE_DEADLINE_S + late_s)
+    machine._land(w, True)  # the WRITE, stuck until now, lands
+    machine._run_p(p, p.core.handle_timer(machine.now(p)))
     machine.teardown()
