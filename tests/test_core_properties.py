@@ -12,14 +12,17 @@ staging area, delivers a WRITE's DONE only when the WRITE completes (as NIXL doe
 Faults: notifications dropped, duplicated, delayed and reordered; handshakes refused; posts
 refused; WRITEs failing or stalling past their deadline; processes dying, P and D ranks
 restarting under the same agent name with a new incarnation (and a clock that may be behind);
-planning plugins raising; drivers failing a request after an internal error.
+a P rank's timers running late (below D's quarantine margin); planning plugins and scatters
+raising; drivers failing a request after an internal error.
 
 Checked after every step (and at the moment each WRITE lands):
 
 - a WRITE lands only into blocks (or staging) that the target D rank currently offers for the
   request it was registered for; never into released, freed or reused blocks;
 - D reports a request done only once every expected producer's WRITE into it completed;
-- every request ends exactly once on each side, ``Release`` only for failed/cancelled ones;
+- every request ends exactly once on each side, ``Release`` only for failed/cancelled ones (one
+  exception, as the core is written: a request the engine cancels after it was reported failed
+  is reported ``cancelled`` too, when its quarantine ends);
 - every posted handle is settled or aborted, never both;
 - after a reliable drain past every bound, both cores' state is empty.
 """
