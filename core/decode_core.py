@@ -109,6 +109,8 @@ class _Producer:
     error: str = ""
     failures: int = 0
     failed_at: float = 0.0
+    previous: ProducerInfo | None = None
+    """While reconnecting: what the engine's agents were (to spot a P restart)."""
 
 
 class _Phase(enum.Enum):
@@ -274,6 +276,21 @@ class DecodeCore:
             return [DropPeer(engine_id, "handshake result for an engine no longer wanted")] if info else []
         if info is None:
             return self._engine_failed(engine, f"handshake with P failed: {error}", now)
+        out: list[Any] = []
+        previous, engine.previous = engine.previous, None
+        if previous is not None:  # a reconnect: did P restart meanwhile?
+            restarted = previous.incarnations != {a: info.incarnations.get(a) for a in previous.incarnations}
+            for rid in sorted(engine.requests):
+                receive = self._requests[rid]
+                if receive.phase is not _Phase.REGISTERED:
+                    continue
+                if restarted:  # the old processes are gone: nothing of theirs can land any more
+                    receive.settled |= receive.expected
+                    out += self._close(
+                        rid, f"P engine {engine_id!r} restarted while this rank reconnected", now
+                    )
+                else:
+                    receive.agents = info.agents
         engine.info = info
         for agent in info.agents.values():
             self._agent_engine[agent] = engine_id
@@ -281,7 +298,7 @@ class DecodeCore:
         engine.hello_pending = set(info.agents.values())
         self._timers.arm(("hello", engine_id), now + self.s.hello_timeout_s)
         hello = wire.encode_hello(self._coordinates(""), self.s.tp_rank)
-        return [Send(agent, hello) for agent in sorted(engine.hello_pending)]
+        return out + [Send(agent, hello) for agent in sorted(engine.hello_pending)]
 
     def unreachable(self, agent: str, error: str, now: float) -> list[Any]:
         """Sending to ``agent`` raised: its engine is dead to this rank."""
@@ -537,18 +554,30 @@ class DecodeCore:
         silent = ", ".join(str(r) for r in sorted(receive.expected - receive.settled))
         out: list[Any] = []
         engine = self._engines.get(receive.engine_id)
-        if engine is not None and engine.state is not _EngineState.FAILED:
-            # Tear the connection down: a write from those producers needs a new handshake.
-            out += self._engine_failed(engine, f"no acknowledgement from P rank(s) {silent}", now)
-        receive = self._requests.get(rid)
-        if receive is None:
-            return out
+        if engine is not None and engine.info is not None and engine.state is not _EngineState.FAILED:
+            # Tear the connection down (a later write needs a new handshake), then reconnect:
+            # the engine's other requests carry on over the fresh connection.
+            out += self._reconnect(engine, f"no acknowledgement from P rank(s) {silent}")
         return out + self._finish_close(
             rid,
             receive,
             f"released after the freshness window and P's WRITE deadline passed without an "
             f"acknowledgement from P rank(s) {silent}; P's connection dropped",
         )
+
+    def _reconnect(self, engine: _Producer, reason: str) -> list[Any]:
+        """Drop the engine's agents (its connection) and handshake afresh; registered requests
+        keep waiting (their producers' names are unchanged unless P restarted)."""
+        assert engine.info is not None
+        for agent in engine.info.agents.values():
+            self._agent_engine.pop(agent, None)
+        engine.previous, engine.info = engine.info, None
+        engine.state = _EngineState.CONNECTING
+        engine.hello_pending.clear()
+        engine.stamps.clear()
+        engine.heard.clear()
+        self._timers.disarm(("hello", engine.engine_id))
+        return [DropPeer(engine.engine_id, reason), Connect(engine.engine_id, engine.host, engine.port)]
 
     def _end(self, rid: str, receive: _Receive, report: Report | None, *, release: bool) -> list[Any]:
         """Forget a request: the one place request state is deleted."""
@@ -606,6 +635,9 @@ class DecodeCore:
             self._reject(agent, note, "heartbeat answer from an agent this rank did not load")
             return []
         known = engine.info.incarnations.get(agent, "")
+        if note.incarnation and note.incarnation < known:
+            self._reject(agent, note, "a late message of a P incarnation this rank already replaced")
+            return []
         if note.incarnation and note.incarnation != known:
             return self._engine_failed(
                 engine,

@@ -278,6 +278,12 @@ class PrefillCore:
 
     def notification(self, agent: str, note: Notification, now: float) -> list[Any]:
         kind = note.kind
+        reg = note.registration
+        if reg is not None:
+            engine = self._engines.get(reg.decode_engine_id)
+            if engine is not None and self._stale(engine, reg):
+                self._reject(agent, note, "a late message of a D incarnation P already replaced")
+                return []
         if kind is NotificationKind.PUSH_REG:
             return self._on_registration(agent, note, now)
         if kind is NotificationKind.HEARTBEAT and note.registration is not None:
@@ -596,9 +602,16 @@ class PrefillCore:
 
     @staticmethod
     def _restarted(engine: _Decode, reg: PushRegistration) -> bool:
-        """Does ``reg`` come from a newer start of a D rank P has loaded?"""
+        """Does ``reg`` come from a newer start of a D rank P has loaded? (Incarnations sort
+        by start time, so a late message of a replaced start is not taken for a restart.)"""
         known = engine.incarnations.get(reg.decode_tp_rank)
-        return known is not None and reg.decode_incarnation != known
+        return known is not None and reg.decode_incarnation > known
+
+    @staticmethod
+    def _stale(engine: _Decode, reg: PushRegistration) -> bool:
+        """Does ``reg`` come from an older start of a D rank than the one P has loaded?"""
+        known = engine.incarnations.get(reg.decode_tp_rank)
+        return known is not None and reg.decode_incarnation < known
 
     def _drop_engine(self, engine: _Decode, reason: str, now: float) -> list[Any]:
         """Forget a D engine now, or once its WRITEs in flight settled (never under them)."""

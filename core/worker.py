@@ -87,8 +87,9 @@ class WorkerConfig:
     notification carries a MAC bound to sender, receiver and the receiver's incarnation
     (:mod:`kvpush.core.notif_auth`); unauthenticated ones are dropped."""
     incarnation: str = ""
-    """Id of this engine start (carried in metadata, PUSH_REG and HB); empty: a random one per
-    ``start()``. A peer seen with a new incarnation is a new peer."""
+    """Id of this engine start (carried in metadata, PUSH_REG and HB); empty: a fresh one per
+    worker (start time, then random bits). Ids must sort by start time: a peer seen with a
+    greater one is a new peer, a message with a smaller one is a late one and is dropped."""
     engine_ttl_s: float = 3600.0
     """Remote engines idle this long (and with no request in progress) are evicted; <= 0 never."""
     busy_poll_s: float = 0.0002
@@ -163,7 +164,7 @@ class RankWorker:
         self._released = False
         self._next_eviction = 0.0
         self.core: Any = None
-        self.incarnation = config.incarnation or os.urandom(8).hex()
+        self.incarnation = config.incarnation or new_incarnation()
         self.transport: Transport | None = None
         self.metadata: AgentMetadata | None = None
         self.peers: PeerRegistry | None = None
@@ -514,6 +515,12 @@ class RankWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def new_incarnation() -> str:
+    """A fresh incarnation id: start time first (so later starts sort after earlier ones and a
+    late message of a replaced start is recognised as stale), then random bits."""
+    return f"{time.time_ns():016x}{os.urandom(4).hex()}"
 
 
 WRITE_DEADLINE_KEY = "write_deadline_s"

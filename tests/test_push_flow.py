@@ -158,6 +158,7 @@ def test_duplicate_push_reg_pushes_once() -> None:
                 decode_tp_size=2,
                 block_ids=[[1, 2]],
                 remote_engine_id="P",
+                decode_incarnation=cluster.receivers[0].incarnation,
             )
         )
         sender.transport.inject("D-decode-pp0-tp0", reg)  # a late duplicate after the push

@@ -159,7 +159,10 @@ def test_lost_cancel_keeps_blocks_until_no_write_can_land_then_drops_p() -> None
         assert held >= 0.4, f"released after {held:.2f}s, inside P's WRITE deadline"
         assert "without an acknowledgement from P rank(s) (pp=0, tp=0)" in reason
         assert receiver.stats["quarantine_expiries"] == 1
-        assert "P" not in receiver.peers.engines  # the connection was torn down
+        assert receiver.transport.counters.peers_removed >= 1  # the connection was torn down ...
+        cluster.add("d-2", [[2]], "x-2")  # ... and a fresh one serves the next request
+        cluster.finish("p-2", [[3]], "x-2")
+        assert cluster.wait_decode("d-2") == {0: None}
 
 
 def test_cancel_of_a_finished_or_unknown_request_changes_nothing() -> None:
