@@ -233,7 +233,7 @@ class CoreCluster(RuleBasedStateMachine):
         n = next(self.seq)
         proc = PProc(
             agent=f"{P_ENGINE}-prefill-pp{rank.pp_rank}-tp{rank.tp_rank}",
-            inc=f"pinc{n}",
+            inc=f"pinc{n:08d}",  # incarnations sort by start, as real ones do
             offset=offset,
             born=n,
             rank=rank,
@@ -256,7 +256,7 @@ class CoreCluster(RuleBasedStateMachine):
         n = next(self.seq)
         proc = DProc(
             agent=f"{D_ENGINE}-decode-pp0-tp{tp_rank}",
-            inc=f"dinc{n}",
+            inc=f"dinc{n:08d}",
             offset=offset,
             born=n,
             tp_rank=tp_rank,
