@@ -256,8 +256,7 @@ class DecodeCore:
             logger.info("cancel of %s: not pending here (done, failed or unknown); ignored", request_id)
             return []
         if receive.phase is _Phase.CLOSING:
-            receive.cancelled = True  # reported failed already; release comes when safe
-            return []
+            return []  # reported (failed) once already; its id comes in ``released`` when safe
         return self._close(request_id, "cancelled", now, cancelled=True)
 
     def fail(self, request_id: str, reason: str, now: float) -> list[Any]:
@@ -544,7 +543,10 @@ class DecodeCore:
         deadline = engine.info.write_deadline_s if engine is not None and engine.info is not None else 0.0
         if receive.last_grant is None:
             return now  # P never had a grant, so it could never post
-        return max(now, receive.last_grant + self.s.fresh_s + deadline + self.s.quarantine_margin_s)
+        # The margin covers P's writer running late at a WRITE's deadline (a GIL stall, a long
+        # prepare): as long as the deadline itself, and at least quarantine_margin_s.
+        margin = max(self.s.quarantine_margin_s, deadline)
+        return max(now, receive.last_grant + self.s.fresh_s + deadline + margin)
 
     def _on_quarantine_expired(self, rid: str, now: float) -> list[Any]:
         receive = self._requests.get(rid)

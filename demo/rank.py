@@ -23,6 +23,16 @@ SENTINEL = 0x5A5A
 """int16 value D writes into a cancelled or failed request's blocks once they are freed."""
 
 
+def _rss_mb() -> float:
+    """This process's resident memory in MiB (Linux /proc; 0.0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            pages = int(statm.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+
+
 def torch_int16() -> Any:
     import torch
 
@@ -281,6 +291,7 @@ class _RankServer:
             "outstanding_handles": worker.transport.outstanding_handles,
             **held,
             "stats": dict(worker.stats),
+            "rss_mb": _rss_mb(),
         }
 
     def _stats(self) -> dict[str, Any]:

@@ -22,8 +22,8 @@ def test_soak_with_aborts_and_faults_writes_nothing_into_freed_blocks_and_leaks_
     assert report["leaked_handles"] == 0 and report["leaked_blocks"] == 0
     assert report["aborted"] > 0 and report["failed_with_reason"] > 0 and report["verified"] > 0
     # bounded: the watchdog (6 s), then a quarantine of at most the freshness window (0.5 s) plus
-    # P's WRITE deadline (1.5 s) plus 1 s, plus slack
-    assert report["max_wait_s"] < 6.0 + 0.5 + 1.5 + 1.0 + 3.0
+    # twice P's WRITE deadline (2 x 1.5 s), plus slack
+    assert report["max_wait_s"] < 6.0 + 0.5 + 2 * 1.5 + 3.0
 
 
 def test_the_freed_block_check_catches_a_late_write() -> None:
