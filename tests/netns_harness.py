@@ -70,9 +70,9 @@ retransmission after 5 s without a link comes at ~6.2 s), so such an outage is r
 
 def quarantine_s(timers: dict[str, float]) -> float:
     """How long D keeps a failed request's blocks when P does not acknowledge the cancel:
-    ``fresh_s`` + ``write_deadline_s`` + 1 s (``WorkerConfig``)."""
+    ``fresh_s`` + ``write_deadline_s`` + max(1 s, ``write_deadline_s``) (the decode core)."""
     fresh = timers.get("fresh_s", 2 * timers["heartbeat_interval_s"])
-    return fresh + timers["write_deadline_s"] + 1.0
+    return fresh + timers["write_deadline_s"] + max(1.0, timers["write_deadline_s"])
 
 
 D_PORT = 5601

@@ -190,7 +190,10 @@ def test_sigkill_of_a_prefill_stage_fails_its_requests_within_peer_silence(hosts
             assert kind == "failed", (rid, kind, reason)
             assert "pp1" in reason or "pp=1" in reason, f"{rid}: reason does not name stage 1: {reason}"
     assert hosts.check_freed() == {}
-    leaks = [leak for leak in hosts.wait_no_leaks(QUICK_TIMERS["lease_s"] + SLACK_S) if "pp=1" not in leak]
+    # P's blocks go at its lease; D's quarantined blocks once the dead stage's grants and WRITE
+    # deadline have run out (no ack can come from a dead process).
+    settle_s = max(QUICK_TIMERS["lease_s"], quarantine_s(QUICK_TIMERS)) + SLACK_S
+    leaks = [leak for leak in hosts.wait_no_leaks(settle_s) if "pp=1" not in leak]
     assert not leaks, leaks
 
 
