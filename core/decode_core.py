@@ -435,8 +435,7 @@ class DecodeCore:
         if receive.phase is _Phase.WAITING:
             return self._hold_early(agent, note, now)
         producer = note.producer
-        info = self._engines[receive.engine_id].info if receive.engine_id in self._engines else None
-        problem = self._identity_problem(agent, receive, info, note)
+        problem = self._identity_problem(agent, receive, note)
         if problem:
             self._reject(agent, note, problem)
             return []
@@ -465,26 +464,22 @@ class DecodeCore:
             return [Scatter(rid, producer, manifest, receive.meta.block_ids)]
         return self._count(rid, receive, producer, now)
 
-    def _identity_problem(
-        self, agent: str, receive: _Receive, info: ProducerInfo | None, note: Notification
-    ) -> str:
+    @staticmethod
+    def _identity_problem(agent: str, receive: _Receive, note: Notification) -> str:
+        """Why a producer's notification must not count for ``receive`` ("" when it may): the
+        producers, their agents and P's TP size are the ones the request registered with."""
         producer = note.producer
-        if info is None or producer is None:
+        if producer is None or not receive.agents:
             return "no handshake with the request's P engine"
         if producer not in receive.expected:
             return (
                 f"producer {producer} is not one this rank waits for ({sorted(map(str, receive.expected))})"
             )
-        if info.agents.get(producer) != agent:
-            return f"producer {producer} must speak through agent {info.agents.get(producer)!r}"
-        if note.kind is NotificationKind.DONE and note.producer_tp_size != info.prefill_tp:
-            return f"DONE states P TP {note.producer_tp_size}, P published {info.prefill_tp}"
+        if receive.agents.get(producer) != agent:
+            return f"producer {producer} must speak through agent {receive.agents.get(producer)!r}"
+        if note.kind is NotificationKind.DONE and note.producer_tp_size != receive.prefill_tp:
+            return f"DONE states P TP {note.producer_tp_size}, P published {receive.prefill_tp}"
         return ""
-
-    def _heard(self, agent: str, now: float) -> None:
-        engine = self._engines.get(self._agent_engine.get(agent, ""))
-        if engine is not None:
-            engine.heard[agent] = now
 
     def _count(self, rid: str, receive: _Receive, producer: RankKey, now: float) -> list[Any]:
         receive.reported.add(producer)
