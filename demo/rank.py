@@ -57,7 +57,7 @@ class RankSpec:
     transport_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
     log_level: str = "WARNING"
     worker_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
-    """Extra ``WorkerConfig`` fields (e.g. ``heartbeat_interval_s``, ``cancel_ack_timeout_s``)."""
+    """Extra ``WorkerConfig`` fields (e.g. ``heartbeat_interval_s``, ``write_deadline_s``)."""
     strategy: str | None = None
     """Force the transfer strategy (``direct``/``packed``); None: the strategy plugin picks."""
     plugins: tuple[tuple[str, str], ...] = ()
