@@ -141,6 +141,8 @@ class _Receive:
     agents: Mapping[RankKey, str] = attrs.field(factory=dict)
     """The expected producers' agents (from the handshake), for the DONE hot path."""
     prefill_tp: int = 0
+    write_deadline_s: float = 0.0
+    """P's published WRITE deadline (the quarantine bound needs it after P is gone)."""
     unknown_strikes: int = 0
     """Heartbeat answers in which a producer said it never heard of the request."""
     reason: str = ""
@@ -406,6 +408,7 @@ class DecodeCore:
             return self._close(rid, "kv_transfer_params disagree with P: " + "; ".join(mismatch), now)
         receive.expected = frozenset(info.agents)
         receive.agents, receive.prefill_tp = info.agents, info.prefill_tp
+        receive.write_deadline_s = info.write_deadline_s
         receive.phase = _Phase.REGISTERED
         if self._reserve_staging is not None:
             receive.staging_offset = self._reserve_staging(receive.meta)
@@ -534,8 +537,7 @@ class DecodeCore:
 
     def _quarantine_end(self, receive: _Receive, now: float) -> float:
         """When no WRITE of P's can land any more: the grant window plus P's WRITE deadline."""
-        engine = self._engines.get(receive.engine_id)
-        deadline = engine.info.write_deadline_s if engine is not None and engine.info is not None else 0.0
+        deadline = receive.write_deadline_s
         if receive.last_grant is None:
             return now  # P never had a grant, so it could never post
         # The margin covers P's writer running late at a WRITE's deadline (a GIL stall, a long
@@ -551,9 +553,11 @@ class DecodeCore:
         silent = ", ".join(str(r) for r in sorted(receive.expected - receive.settled))
         out: list[Any] = []
         engine = self._engines.get(receive.engine_id)
-        if engine is not None and engine.info is not None and engine.state is not _EngineState.FAILED:
+        current = engine is not None and engine.info is not None and engine.info.agents is receive.agents
+        if current and engine.state is not _EngineState.FAILED:
             # Tear the connection down (a later write needs a new handshake), then reconnect:
-            # the engine's other requests carry on over the fresh connection.
+            # the engine's other requests carry on over the fresh connection. (A connection made
+            # after this request's was already a fresh one: nothing to tear down.)
             out += self._reconnect(engine, f"no acknowledgement from P rank(s) {silent}")
         return out + self._finish_close(
             rid,
@@ -723,14 +727,14 @@ class DecodeCore:
                 continue
             if receive.phase is _Phase.CLOSING:
                 continue  # quarantine runs its course (bounded)
-            out += self._close(rid, reason, now)
+            out += self._close(rid, reason, now)  # CANCELs go out before the agents are dropped
+        # Tear the connection down now, before any quarantined block is released: a WRITE stuck
+        # in the network (TCP retransmitting through a partition) must find no connection here.
         return out + (self._maybe_forget(engine) if had_agents else [])
 
     def _maybe_forget(self, engine: _Producer) -> list[Any]:
-        """Drop a failed engine's agents once none of its requests is quarantined."""
+        """Drop a failed engine's agents (its requests keep their producers' identities)."""
         if engine.state is not _EngineState.FAILED or engine.info is None:
-            return []
-        if any(self._requests[r].phase is _Phase.CLOSING for r in engine.requests):
             return []
         for agent in engine.info.agents.values():
             self._agent_engine.pop(agent, None)
