@@ -273,6 +273,13 @@ def _outage(hosts: MultiHost, start: str, end: str, seconds: float) -> None:
 
 
 @pytest.mark.multihost_full
+@pytest.mark.xfail(
+    strict=False,
+    reason="open (issue 12/16): with the link down (not a silent DROP) for 60 s, stage 1's WRITEs "
+    "queued before the outage land when the link returns, after D released the blocks: neither "
+    "P aborting its handle and removing D's agent at the WRITE deadline nor D removing P's agents "
+    "closes the kernel's TCP connection (see docs/reliability.md, residual risk)",
+)
 def test_a_60s_link_down_with_writes_in_flight(hosts: MultiHost) -> None:
     _outage(hosts, "link_down", "link_up", 60.0)
 
