@@ -17,15 +17,8 @@ from __future__ import annotations
 from kvpush.core.block_order import check_regions_sliceable
 from kvpush.core.errors import ConfigError
 from kvpush.core.markers import hookimpl
+from kvpush.core.producers import tp_ratio  # one rule for plans and completion counts
 from kvpush.core.types import PushJob, ReadSpec
-
-
-def tp_ratio(producer_tp: int, decode_tp: int) -> int:
-    """``k`` as above; raises when one TP size does not divide the other."""
-    big, small = max(producer_tp, decode_tp), min(producer_tp, decode_tp)
-    if big % small:
-        raise ConfigError(f"prefill TP {producer_tp} and decode TP {decode_tp} must divide one another")
-    return big // small
 
 
 @hookimpl(trylast=True)
