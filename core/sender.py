@@ -398,7 +398,8 @@ class PushSender(RankWorker):
         return self.core.next_deadline() if self.core is not None else None
 
     def _busy(self) -> bool:
-        return self.core is not None and bool(self.core.inflight_handles() or self.core.busy())
+        # A WRITE in flight belongs to a finished prefill, so busy() covers it too.
+        return self.core is not None and self.core.busy()
 
     def _closed(self) -> None:
         """Report every prefill still held as failed: the engine may free its blocks."""
