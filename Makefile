@@ -5,7 +5,7 @@ PYTHON ?= python3
 # On a GPU machine pass TORCH=torch (or a CUDA build spec) to keep the CUDA torch.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-vllm lint bench clean
+.PHONY: setup demo test test-vllm lint bench bench-gate bench-baseline bench-names clean
 
 setup: $(VENV)/.kvpush-installed
 
@@ -40,6 +40,34 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/kvpush bench
+
+# The CPU benchmark regression gate (not part of CI; docs/performance.md "Regression gate"):
+# a fresh run of BENCH_FILES compared by name with the saved baseline BENCH_BASELINE, failing
+# when any median is over BENCH_FAIL of the baseline's. `bench-names` first checks that every
+# benchmark has a baseline entry (a renamed benchmark would otherwise go ungated); the machine
+# info warning (CPU frequency differs run to run on a VM) must not become an error. They use the
+# venv as it is (run `make setup` first): a newer pyproject.toml must not reinstall a shared venv
+# in the middle of a measurement.
+BENCH_FILES ?= benchmarks/bench_planning.py benchmarks/bench_completion.py \
+	benchmarks/bench_core_tick.py benchmarks/bench_handshake.py benchmarks/bench_push.py \
+	benchmarks/bench_serve.py
+BENCH_STORAGE ?= benchmarks/baseline
+BENCH_BASELINE ?= 0002
+BENCH_FAIL ?= median:150%
+BENCH_PYTEST = $(VENV)/bin/python -m pytest $(BENCH_FILES) --benchmark-enable -p no:cacheprovider \
+	-W ignore::pytest_benchmark.logger.PytestBenchmarkWarning --benchmark-storage=file://$(BENCH_STORAGE)
+
+bench-names:
+	@test -x $(VENV)/bin/python || { echo "no $(VENV): run make setup first"; exit 1; }
+	$(VENV)/bin/python benchmarks/_helpers.py $(BENCH_STORAGE) $(BENCH_BASELINE) $(BENCH_FILES)
+
+bench-gate: bench-names
+	$(BENCH_PYTEST) --benchmark-compare=$(BENCH_BASELINE) --benchmark-compare-fail=$(BENCH_FAIL)
+
+# Save a new baseline (the next number in BENCH_STORAGE); then point BENCH_BASELINE at it.
+bench-baseline:
+	@test -x $(VENV)/bin/python || { echo "no $(VENV): run make setup first"; exit 1; }
+	$(BENCH_PYTEST) --benchmark-save=cpu-2vcpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .benchmarks
