@@ -300,9 +300,24 @@ class _RankServer:
         return {
             "handshake_ms": worker.peers.handshake_ms,
             "counters": worker.transport.counters.as_dict(),
+            "transport": transport_report(worker.transport),
             "stats": dict(worker.stats),
             "dropped_notifications": worker.dropped_notifications,
         }
+
+
+def transport_report(transport: Any) -> dict[str, Any]:
+    """What carried this rank's WRITEs: the transport's name, its inner transport's (a wrapper's),
+    and for ``cuda_ipc`` the WRITEs posted as IPC kernel copies and why peers fell back."""
+    inner = getattr(transport, "inner", None)
+    report: dict[str, Any] = {
+        "name": getattr(transport, "name", type(transport).__name__),
+        "inner": getattr(inner, "name", None) if inner is not None else None,
+    }
+    if hasattr(transport, "ipc_writes"):
+        report["ipc_writes"] = int(transport.ipc_writes)
+        report["fallbacks"] = dict(getattr(transport, "fallbacks", {}))
+    return report
 
 
 def side_channel_main(engine_id: str, host: str, netns: str | None, conn: Connection, port: int = 0) -> None:

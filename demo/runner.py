@@ -5,7 +5,9 @@ For each ``--layout`` it starts P as ``--prefill-pp`` stages × ``--prefill-tp``
 scheduler process plays in an engine), fills P's blocks with request-specific content, then
 dispatches every request to both legs at once (as a router does), waits for D to report each
 request complete, and checks that every byte of every pushed block in D's caches equals what
-P wrote.
+P wrote. ``--transport`` picks the transport plugin of every rank (``nixl``, ``cuda_ipc``, ...);
+the report says which transport carried the WRITEs (``cuda_ipc`` falls back to NIXL where IPC
+cannot reach, e.g. caches on the CPU).
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class RunConfig:
     load_entrypoints: bool = True
     """Ranks also load installed plugins (the ``kvpush`` entry points)."""
     transport: str = "nixl"
+    """The transport plugin of every rank (``nixl``, ``cuda_ipc`` or any registered one)."""
     strategy: str | None = None
     """Force the transfer strategy (``direct`` or ``packed``); None lets the strategy plugin pick."""
     prefill_host: str = "127.0.0.1"
@@ -115,7 +118,8 @@ class RunConfig:
     (``kvpush.demo.netns``; needs root); UCX is set to ``tcp`` over the link unless
     ``transport_options`` says otherwise."""
     transport_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
-    """NIXL transport options of every rank (e.g. ``{"ucx_tls": "tcp"}``)."""
+    """Options of every rank's transport (nixl: e.g. ``{"ucx_tls": "tcp"}``; cuda_ipc: e.g.
+    ``{"mode": "ipc", "inner_options": {"ucx_tls": "tcp"}}``)."""
 
 
 @attrs.define
@@ -208,12 +212,20 @@ def start_side_channel(
     return EngineSideChannel(engine_id, host, value, process=process, conn=parent)
 
 
-def _start_ranks(specs: list[RankSpec], timeout_s: float) -> tuple[list[_Rank], dict[RankKey, bytes]]:
+def _start_ranks(
+    specs: list[RankSpec],
+    timeout_s: float,
+    target: Callable[..., None] = rank_main,
+    extra: tuple[Any, ...] = (),
+) -> tuple[list[_Rank], dict[RankKey, Any]]:
+    """Spawn ``target(spec, conn, *extra)`` per spec; wait (bounded) for each one's ready value."""
     ctx = mp.get_context("spawn")
     ranks, payloads = [], {}
     for spec in specs:
         parent, child = ctx.Pipe()
-        process = ctx.Process(target=rank_main, args=(spec, child), daemon=True, name=f"kvpush-{spec.role}")
+        process = ctx.Process(
+            target=target, args=(spec, child, *extra), daemon=True, name=f"kvpush-{spec.role}"
+        )
         process.start()
         ranks.append(_Rank(spec.parallel.rank, process, parent))
     deadline = time.monotonic() + timeout_s
@@ -264,7 +276,9 @@ def _plan_requests(cfg: RunConfig, model: ModelSpec, blocks: tuple[int, ...]) ->
 def placed_in_netns(cfg: RunConfig, pair: Any) -> RunConfig:
     """``cfg`` with P and D placed in ``pair``'s namespaces (a :class:`NetnsPair`), UCX on TCP
     over the link between them unless ``cfg.transport_options`` chose otherwise."""
-    options = {"ucx_tls": "tcp", "ucx_net_devices": pair.link, **cfg.transport_options}
+    options = with_nixl_options(
+        cfg.transport, cfg.transport_options, {"ucx_tls": "tcp", "ucx_net_devices": pair.link}
+    )
     return attrs.evolve(
         cfg,
         netns=False,
@@ -276,11 +290,101 @@ def placed_in_netns(cfg: RunConfig, pair: Any) -> RunConfig:
     )
 
 
+def with_nixl_options(transport: str, options: dict[str, Any], nixl: dict[str, Any]) -> dict[str, Any]:
+    """``options`` of ``transport`` with the NIXL options ``nixl`` added: at the top level for
+    ``nixl``, under ``inner_options`` for a transport that wraps NIXL (``cuda_ipc``, ``faulty``).
+    Options already given win."""
+    if not nixl:
+        return dict(options)
+    if transport == "nixl":
+        return {**nixl, **options}
+    return {**options, "inner_options": {**nixl, **options.get("inner_options", {})}}
+
+
+def check_transport_name(name: str) -> None:
+    """``ConfigError`` naming the registered transports when ``name`` is not one of them."""
+    from kvpush.core.manager import get_plugin_manager
+
+    known = sorted(get_plugin_manager().transports())
+    if name not in known:
+        raise ConfigError(
+            f"unknown --transport {name!r}: the registered transports are {', '.join(known)} "
+            f"(`kvpush plugins` lists them); install the plugin that provides another"
+        )
+
+
+def transport_notes(
+    transport: str, options: dict[str, Any], device: str, decode_device: str | None
+) -> list[str]:
+    """What to tell the user about this transport choice before a run; ``ConfigError`` when
+    it cannot work (``cuda_ipc`` options it does not know, or mode ``ipc`` with caches on the CPU)."""
+    if transport != "cuda_ipc":
+        return []
+    from kvpush.transports.cuda_ipc import KNOWN_OPTIONS, MODES
+
+    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"unknown cuda_ipc option(s) {', '.join(unknown)} in --transport-option; it knows "
+            f"{', '.join(KNOWN_OPTIONS)} (NIXL options go in inner_options)"
+        )
+    mode = options.get("mode", "auto")
+    if mode not in MODES:
+        raise ConfigError(f"--transport-option mode={mode!r}: cuda_ipc modes are {', '.join(MODES)}")
+    on_cpu = [
+        side
+        for side, where in (("P", device), ("D", decode_device or device))
+        if not where.startswith("cuda")
+    ]
+    if not on_cpu or mode == "nixl":
+        return [f"transport cuda_ipc, mode {mode}"]
+    if mode == "ipc":
+        raise ConfigError(
+            f"--transport cuda_ipc with mode=ipc needs P's and D's caches on a GPU ({' and '.join(on_cpu)} "
+            f"on the CPU): pass --device cuda[:N] (and --decode-device cuda:M), or use mode=auto, "
+            f"which sends WRITEs that IPC cannot carry over NIXL"
+        )
+    return [
+        f"transport cuda_ipc, mode auto: {' and '.join(on_cpu)} caches are on the CPU, so CUDA IPC "
+        f"cannot reach and every WRITE goes over its inner transport "
+        f"({options.get('inner', 'nixl')}); the report names what carried them"
+    ]
+
+
+def carried_by(transport: str, p_stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Which transport carried P's WRITEs: ``{"writes": {name: count}, "summary": words}``.
+
+    For ``cuda_ipc``: kernel copies over IPC, and the rest over its inner transport (with the
+    reasons IPC could not reach a peer)."""
+    writes: dict[str, int] = {}
+    reasons: set[str] = set()
+    for stats in p_stats:
+        info = stats.get("transport", {})
+        total = int(stats["counters"]["writes_posted"])
+        ipc = info.get("ipc_writes")
+        if ipc is None:
+            name = info.get("name", transport)
+            if info.get("inner"):
+                name = f"{name} over {info['inner']}"
+            writes[name] = writes.get(name, 0) + total
+            continue
+        inner = info.get("inner") or "inner"
+        writes["cuda_ipc"] = writes.get("cuda_ipc", 0) + int(ipc)
+        writes[inner] = writes.get(inner, 0) + total - int(ipc)
+        reasons.update(info.get("fallbacks", {}).values())
+    used = {name: count for name, count in writes.items() if count}
+    words = ", ".join(f"{name} ({count} WRITEs)" for name, count in used.items()) or "nothing (no WRITE)"
+    if reasons and any(name != "cuda_ipc" for name in used):
+        words += f"; cuda_ipc fell back: {'; '.join(sorted(reasons))}"
+    return {"writes": used, "summary": words}
+
+
 def placement(cfg: RunConfig) -> str:
     """Where P and D run, in words."""
     p_where = cfg.prefill_host + (f" (netns {cfg.prefill_netns})" if cfg.prefill_netns else "")
     d_where = cfg.decode_host + (f" (netns {cfg.decode_netns})" if cfg.decode_netns else "")
-    ucx = ", ".join(f"{k}={v}" for k, v in sorted(cfg.transport_options.items()) if k.startswith("ucx_"))
+    options = {**cfg.transport_options.get("inner_options", {}), **cfg.transport_options}
+    ucx = ", ".join(f"{k}={v}" for k, v in sorted(options.items()) if k.startswith("ucx_"))
     return f"P at {p_where}, D at {d_where}" + (f"; {ucx}" if ucx else "")
 
 
@@ -310,6 +414,8 @@ def run_config(cfg: RunConfig, progress: Callable[[str], None] | None = None) ->
         with NetnsPair() as pair:
             return run_config(placed_in_netns(cfg, pair), progress)
     say = progress or (lambda _msg: None)
+    for note in transport_notes(cfg.transport, cfg.transport_options, cfg.device, cfg.decode_device):
+        say(note)
     with side_channel_secret((cfg.prefill_host, cfg.decode_host), say):
         return _run_placed(cfg, say)
 
@@ -517,6 +623,9 @@ def _summarise(
     return {
         "layout": cfg.layout,
         "placement": placement(cfg),
+        "devices": f"P {cfg.device}, D {cfg.decode_device or cfg.device}",
+        "transport": cfg.transport,
+        "carried_by": carried_by(cfg.transport, p_stats),
         "prefill_pp": cfg.prefill_pp,
         "prefill_tp": cfg.prefill_tp,
         "decode_tp": cfg.decode_tp,
@@ -570,6 +679,12 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
         where = row.get("placement")
         if where and not where.startswith("P at 127.0.0.1, D at 127.0.0.1"):
             print(f"  {row['layout']}: {where}", file=out)
+        if "carried_by" in row:
+            print(
+                f"  {row['layout']}: {row['devices']}; --transport {row['transport']}, carried by "
+                f"{row['carried_by']['summary']}",
+                file=out,
+            )
         for rid, reason in row["failures"].items():
             print(f"  {row['layout']} {rid}: {reason}", file=out)
 
@@ -591,7 +706,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-hit-rate", type=float, default=0.0, help="share of partial prefix hits on D"
     )
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    parser.add_argument("--decode-device", default=None, help="device of D's caches (default: --device)")
+    parser.add_argument(
+        "--decode-device", default=None, help="device of D's caches, e.g. cuda:1 (default: --device)"
+    )
+    parser.add_argument(
+        "--transport",
+        default="nixl",
+        metavar="NAME",
+        help="transport plugin of every rank: nixl (default), cuda_ipc (same-host CUDA IPC kernel "
+        "copies, NIXL for notifications and where IPC cannot reach) or any registered transport "
+        "(`kvpush plugins`)",
+    )
+    parser.add_argument(
+        "--transport-option",
+        action="append",
+        default=[],
+        type=_key_value,
+        metavar="KEY=VALUE",
+        help="an option of --transport, e.g. mode=ipc for cuda_ipc (auto, ipc or nixl); VALUE is "
+        "read as JSON when it parses, else as a string; repeatable",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=120.0, help="per-request bound in seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -620,11 +754,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _key_value(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--transport-option``: VALUE as JSON when it parses, else the string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. mode=ipc), got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
 def main(args: argparse.Namespace) -> int:
+    transport = getattr(args, "transport", "nixl")
     if getattr(args, "soak", 0):
+        if transport != "nixl" or getattr(args, "transport_option", None):
+            print(
+                "kvpush demo: --soak runs the faulty transport over nixl; drop --transport and "
+                "--transport-option (or run without --soak)",
+                file=sys.stderr,
+            )
+            return 2
         from kvpush.demo.soak import main as soak_main
 
         return soak_main(args)
+    options = placement_options(args)
+    try:
+        check_transport_name(transport)
+        transport_notes(transport, options["transport_options"], args.device, args.decode_device)
+    except ConfigError as err:
+        print(f"kvpush demo: {err}", file=sys.stderr)
+        return 2
     layouts = args.layout or list(_available_layouts())
     rows, ok = [], True
     for layout in layouts:
@@ -641,7 +801,7 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed,
             timeout_s=args.timeout,
             strategy=args.strategy,
-            **placement_options(args),
+            **options,
         )
         try:
             row = run_config(cfg, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -650,6 +810,8 @@ def main(args: argparse.Namespace) -> int:
             row = {
                 "layout": layout,
                 "placement": placement(cfg),
+                "devices": f"P {cfg.device}, D {cfg.decode_device or cfg.device}",
+                "transport": cfg.transport,
                 "prefill_pp": cfg.prefill_pp,
                 "prefill_tp": cfg.prefill_tp,
                 "decode_tp": cfg.decode_tp,
@@ -675,13 +837,17 @@ def main(args: argparse.Namespace) -> int:
 
 
 def placement_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``RunConfig`` fields from the host-placement options of ``kvpush demo``."""
-    transport_options = {}
+    """``RunConfig`` fields from the host-placement and transport options of ``kvpush demo``
+    (the UCX options go to NIXL: under ``inner_options`` of a transport that wraps it)."""
+    ucx = {}
     if getattr(args, "ucx_tls", None):
-        transport_options["ucx_tls"] = args.ucx_tls
+        ucx["ucx_tls"] = args.ucx_tls
     if getattr(args, "ucx_net_devices", None):
-        transport_options["ucx_net_devices"] = args.ucx_net_devices
+        ucx["ucx_net_devices"] = args.ucx_net_devices
+    transport = getattr(args, "transport", "nixl")
+    transport_options = with_nixl_options(transport, dict(getattr(args, "transport_option", None) or []), ucx)
     return {
+        "transport": transport,
         "prefill_host": getattr(args, "prefill_host", "127.0.0.1"),
         "decode_host": getattr(args, "decode_host", "127.0.0.1"),
         "prefill_netns": getattr(args, "prefill_netns", None),
