@@ -43,13 +43,15 @@ import numpy as np
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llama3-8b": {"layers": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16},
-    "llama3-70b-tp8": {"layers": 80, "kv_heads": 1, "head_dim": 128, "block_size": 16},
+    "llama3-70b-tp8": {"layers": 80, "kv_heads": 1, "head_dim": 128, "block_size": 16, "tp": 8},
     "deepseek-v3-mla": {"layers": 61, "attention": "mla", "head_dim": 576, "block_size": 16},
     "hybrid": {"layers": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16, "window_tokens": 1024},
 }
 """KV geometry per rank: Llama-3-8B (32 layers, 8 KV heads x 128, bf16, block 16); Llama-3-70B
 at TP8 (80 layers, 1 KV head per rank); a DeepSeek-V3-like MLA (61 layers, latent 576); a
-hybrid of full and sliding-window layers (alternating, window ``window_tokens``)."""
+hybrid of full and sliding-window layers (alternating, window ``window_tokens``). ``kv_heads`` is
+per rank at the preset's TP (``tp``, default 1): the model has ``kv_heads x tp`` KV heads, which
+a multi-rank run (``--prefill-tp``/``--decode-tp``) slices over its ranks."""
 
 
 @attrs.frozen(kw_only=True)
@@ -76,6 +78,42 @@ class Workload:
     switch_interval_us: float = 0.0
     """When > 0, ``sys.setswitchinterval`` of P and D (how soon a thread waiting for the GIL
     gets it from a busy one; Python's default is 5000 us)."""
+    prefill_pp: int | None = None
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
+    """Multi-rank topology (``--prefill-pp``/``--prefill-tp``/``--decode-tp``; unset ones are 1):
+    P as PP x TP rank processes, D as TP rank processes (:mod:`kvpush.demo.serve_ranks`). All
+    None: one P rank in this process and one D process at per-rank geometry (a rank pair of the
+    preset's TP)."""
+
+    @property
+    def multi_rank(self) -> bool:
+        return any(v is not None for v in (self.prefill_pp, self.prefill_tp, self.decode_tp))
+
+    def topology(self) -> tuple[int, int, int]:
+        """``(prefill PP, prefill TP, decode TP)``, checked against the model."""
+        from kvpush.core.producers import tp_ratio
+
+        pp, ptp, dtp = (v if v is not None else 1 for v in (self.prefill_pp, self.prefill_tp, self.decode_tp))
+        for name, value in (("prefill-pp", pp), ("prefill-tp", ptp), ("decode-tp", dtp)):
+            if value < 1:
+                raise ValueError(f"--{name} must be at least 1, got {value}")
+        try:
+            tp_ratio(ptp, dtp)
+        except Exception as err:
+            raise ValueError(f"--prefill-tp {ptp} and --decode-tp {dtp}: one must divide the other") from err
+        geo = self.geometry()
+        if pp > geo["layers"]:
+            raise ValueError(f"--prefill-pp {pp} exceeds the model's {geo['layers']} layers")
+        if geo.get("attention") != "mla":
+            heads = geo.get("kv_heads", 1) * (geo.get("tp", 1) if self.multi_rank else 1)
+            for name, tp in (("prefill-tp", ptp), ("decode-tp", dtp)):
+                if heads % tp:
+                    raise ValueError(
+                        f"--{name} {tp} does not divide the model's {heads} KV heads "
+                        f"(--kv-heads {geo.get('kv_heads', 1)} per rank x preset TP {geo.get('tp', 1)})"
+                    )
+        return pp, ptp, dtp
 
     def geometry(self) -> dict[str, Any]:
         if self.preset not in PRESETS:
@@ -94,6 +132,9 @@ class Workload:
 
         geo = self.geometry()
         layers = geo["layers"]
+        heads = geo.get("kv_heads", 1)
+        if self.multi_rank and geo.get("attention") != "mla":
+            heads *= geo.get("tp", 1)  # the whole model; each rank holds its slice
         extra: dict[str, Any] = {}
         if "window_tokens" in geo:
             extra = {
@@ -104,7 +145,7 @@ class Workload:
             name=f"serve-{self.preset}",
             num_layers=layers,
             attention=geo.get("attention", "mha"),
-            num_kv_heads=geo.get("kv_heads", 1),
+            num_kv_heads=heads,
             head_dim=geo["head_dim"],
             block_size=geo["block_size"],
             **extra,
@@ -130,11 +171,16 @@ class Workload:
         return [int(x) for x in np.clip(np.round(draws), 1, self.max_tokens)]
 
     def max_request_bytes(self) -> int:
-        """Bytes of the longest prompt (an upper bound for hybrid models)."""
+        """Bytes of the longest prompt on one rank (an upper bound for hybrid models and for
+        the larger-TP side of a multi-rank run)."""
         geo = self.geometry()
         tokens = max(self.tokens) if self.tokens else self.max_tokens
         sides = 1 if geo.get("attention") == "mla" else 2
-        per_block = sides * geo.get("kv_heads", 1) * geo["head_dim"] * geo["block_size"] * 2
+        heads = geo.get("kv_heads", 1)
+        if self.multi_rank and geo.get("attention") != "mla":
+            _, ptp, dtp = self.topology()
+            heads = heads * geo.get("tp", 1) // min(ptp, dtp)
+        per_block = sides * heads * geo["head_dim"] * geo["block_size"] * 2
         return geo["layers"] * per_block * max(self.blocks_per_group(tokens))
 
     def pool(self) -> list[int]:
@@ -360,9 +406,11 @@ class Outcome:
 
 
 class ServePair:
-    """P (this process) and D (a child process) for one workload."""
+    """P (this process) and D (a child process) for one workload. ``modes`` (of
+    :data:`kvpush.demo.serve_ranks.MODES`) names what :meth:`run` will replay; ``kernel`` sets up
+    the one-kernel copy into a second allocation on D's device (CUDA only)."""
 
-    def __init__(self, w: Workload) -> None:
+    def __init__(self, w: Workload, modes: Sequence[str] = ("kvpush", "nixl")) -> None:
         import torch
 
         from kvpush.core.manager import get_plugin_manager
@@ -372,10 +420,16 @@ class ServePair:
         from kvpush.demo.bench import RawAgent
 
         os.environ.setdefault("UCX_LOG_LEVEL", "error")
+        if "kernel" in modes:
+            from kvpush.demo.serve_kernel import require_cuda
+
+            require_cuda(w.device)
+            require_cuda(w.decode_device or w.device)
         torch.set_num_threads(1)
         if w.switch_interval_us > 0:
             sys.setswitchinterval(w.switch_interval_us / 1e6)
         self.w = w
+        self.kernel: Any = None
         self.p_server = SideChannelServer("serve-P")
         self.d_server = SideChannelServer("serve-D")
         ctx = mp.get_context("spawn")
@@ -411,6 +465,8 @@ class ServePair:
             self.pools = [BlockPool(n, w.seed + 100 + g) for g, n in enumerate(w.pool())]
             self.region_bytes = [r.block_len for r in self.regions]
             self.groups = [r.kv_group for r in self.regions]
+            if "kernel" in modes:
+                self._start_kernel(config)
         except BaseException:
             self.close()
             raise
@@ -420,6 +476,24 @@ class ServePair:
             "remote_host": "127.0.0.1",
             "remote_port": self.p_server.port,
         }
+
+    def _start_kernel(self, config: Any) -> None:
+        """The kernel ideal: a second allocation shaped as D's caches on D's device, written by
+        one launch per request from P's blocks (and its own pool of D-side block ids)."""
+        from kvpush.core.manager import get_plugin_manager
+        from kvpush.demo.serve_kernel import KernelIdeal, SpanTable, enable_peer_access
+
+        target = self.w.decode_device or self.w.device
+        enable_peer_access(self.w.device, target)
+        self.kernel_caches = _allocate(self.w, config, target)
+        regions = (
+            get_plugin_manager()
+            .layout(self.w.layout)
+            .describe(self.kernel_caches, config.parallel, config.model)
+        )
+        pair = (SpanTable(self.regions, (0, 1), self.groups), SpanTable(regions, (0, 1), self.groups))
+        self.kernel = KernelIdeal(self.w.device, [pair])
+        self.kernel_pools = [BlockPool(n, self.w.seed + 200 + g) for g, n in enumerate(self.w.pool())]
 
     def _instrument(self, transport: Any) -> None:
         """Stamp, per request, P's first post, its return, and the WRITE settling (monotonic)."""
@@ -458,13 +532,17 @@ class ServePair:
         rate: float,
         lengths: Sequence[int],
         *,
-        ideal: bool,
+        ideal: bool | str,
         say: Callable[[str], None],
         prefill_ms: float | None = None,
     ) -> list[Outcome]:
-        """One open-loop run at ``rate`` requests/s; returns every request's outcome."""
+        """One open-loop run at ``rate`` requests/s (``ideal``: False for kvpush, True or
+        ``"nixl"`` for raw NIXL, ``"kernel"`` for the one-kernel copy); returns every outcome."""
         from kvpush.core.planning import descriptor_ids
 
+        if ideal == "kernel":
+            return self._run_kernel(rate, lengths, prefill_ms)
+        ideal = bool(ideal)
         w = self.w
         self.runs += 1
         prefill_s = (w.prefill_ms if prefill_ms is None else prefill_ms) / 1e3
@@ -572,6 +650,88 @@ class ServePair:
             o.marks = self.trace.get(o.rid, {})
         return outcomes
 
+    def _run_kernel(self, rate: float, lengths: Sequence[int], prefill_ms: float | None) -> list[Outcome]:
+        """The kernel ideal under the same arrivals: at each finish one launch of the request's
+        precomputed spans; done when its event has completed (polled); samples compared."""
+        if self.kernel is None:
+            raise ValueError("this pair was started without the kernel ideal (modes)")
+        w = self.w
+        self.runs += 1
+        prefill_s = (w.prefill_ms if prefill_ms is None else prefill_ms) / 1e3
+        rng = np.random.default_rng(w.seed + int(rate * 1000))
+        gaps = rng.exponential(1.0 / rate, len(lengths))
+        start = time.monotonic() + 0.05
+        arrivals = start + np.cumsum(gaps) - gaps[0]
+        outcomes = [
+            Outcome(number=i, rid=f"kn{self.runs}-{rate:g}-{i}", tokens=t, nbytes=0)
+            for i, t in enumerate(lengths)
+        ]
+        live: dict[int, tuple[list[list[int]], list[list[int]], Any, bool]] = {}
+        finishes: list[tuple[float, int]] = []
+        events: dict[int, Any] = {}
+        pending, next_arrival = len(outcomes), 0
+        deadline = arrivals[-1] + w.timeout_s + 5
+        while pending:
+            now = time.monotonic()
+            if now > deadline:
+                for o in outcomes:
+                    if not o.done and o.failure is None:
+                        o.failure = "timed out"
+                break
+            while next_arrival < len(outcomes) and arrivals[next_arrival] <= now:
+                o = outcomes[next_arrival]
+                next_arrival += 1
+                o.arrival = float(arrivals[o.number])
+                counts = w.blocks_per_group(o.tokens)
+                o.nbytes = self.nbytes(counts)
+                p_ids = [pool.alloc(n) for pool, n in zip(self.pools, counts)]
+                d_ids = [pool.alloc(n) for pool, n in zip(self.kernel_pools, counts)]
+                if any(i is None for i in (*p_ids, *d_ids)):
+                    for pools, got in ((self.pools, p_ids), (self.kernel_pools, d_ids)):
+                        for pool, ids in zip(pools, got):
+                            if ids is not None:
+                                pool.release(ids)
+                    o.failure = "a block pool is full"
+                    pending -= 1
+                    continue
+                p_blocks = [list(i) for i in p_ids if i is not None]
+                d_blocks = [list(i) for i in d_ids if i is not None]
+                verify = w.verify_every > 0 and o.number % w.verify_every == 0
+                if verify:
+                    self.content.fill(o.number, p_blocks)
+                live[o.number] = (p_blocks, d_blocks, self.kernel.spans(p_blocks, d_blocks), verify)
+                finishes.append((o.arrival + prefill_s, o.number))
+            finishes.sort()
+            while finishes and finishes[0][0] <= time.monotonic():
+                number = finishes.pop(0)[1]
+                outcomes[number].finish = time.monotonic()
+                events[number] = self.kernel.launch(live[number][2])
+            for number, event in list(events.items()):
+                if event is not None and not event.query():
+                    continue
+                o = outcomes[number]
+                o.done = time.monotonic()
+                del events[number]
+                p_blocks, d_blocks, spans, verify = live.pop(number)
+                if verify:
+                    o.verified = self.kernel.check(spans)
+                for pools, ids_ in ((self.pools, p_blocks), (self.kernel_pools, d_blocks)):
+                    for pool, ids in zip(pools, ids_):
+                        pool.release(ids)
+                pending -= 1
+            if not events:
+                waits = [arrivals[next_arrival] if next_arrival < len(outcomes) else now + 0.01]
+                if finishes:
+                    waits.append(finishes[0][0])
+                sleep = min(waits) - time.monotonic()
+                if sleep > 0:
+                    time.sleep(min(sleep, 0.001))
+        for p_blocks, d_blocks, _, _ in live.values():
+            for pools, ids_ in ((self.pools, p_blocks), (self.kernel_pools, d_blocks)):
+                for pool, ids in zip(pools, ids_):
+                    pool.release(ids)
+        return outcomes
+
     def _release_p(self, rid: str, p_blocks: dict[str, list[list[int]]]) -> None:
         blocks = p_blocks.pop(rid, None)
         if blocks is not None:
@@ -668,19 +828,32 @@ def run(
     *,
     sweep: bool,
     p99_factor: float,
-    ideal: bool,
+    ideal: bool | Sequence[str],
     say: Callable[[str], None],
 ) -> dict[str, Any]:
+    """Warm up, then one run of kvpush and of each ideal per rate (``--sweep``: doubling until
+    the knee); ``ideal``: True (raw NIXL), False (none) or a list of ``nixl``/``kernel``."""
+    ideals = ("nixl",) if ideal is True else () if ideal is False else tuple(ideal)
+    for name in ideals:
+        if name not in IDEAL_KEYS:
+            raise ValueError(f"--ideal {name!r}: choose from {sorted(IDEAL_KEYS)}")
     lengths = w.prompt_lengths()
     results: list[dict[str, Any]] = []
-    with ServePair(w) as pair:
+    if w.multi_rank:
+        from kvpush.demo.serve_ranks import ServeCluster
+
+        harness: Any = ServeCluster(w, modes=("kvpush", *ideals))
+    else:
+        harness = ServePair(w, modes=("kvpush", *ideals))
+    with harness as pair:
         warm = lengths[: min(5, len(lengths))]
         # handshakes, first posts, kernel compiles; registrations land before the finish
         pair.run(min(rates), warm, ideal=False, say=say, prefill_ms=300)
-        if ideal:
-            pair.run(min(rates), warm, ideal=True, say=say, prefill_ms=300)
-        strategy_before = dict(pair.sender.stats)
-        ipc_before = getattr(pair.sender.transport, "ipc_writes", 0)
+        for name in ideals:
+            pair.run(min(rates), warm, ideal=name, say=say, prefill_ms=300)
+        strategy_before = _sender_stats(pair)
+        ipc_before = getattr(getattr(pair, "sender", None), "transport", None)
+        ipc_before = getattr(ipc_before, "ipc_writes", 0)
         say(HEADER)
         queue = list(rates)
         bound = None
@@ -690,9 +863,10 @@ def run(
             kv = summarize(rate, pair.run(rate, lengths, ideal=False, say=say))
             say(_line("kvpush", kv))
             entry: dict[str, Any] = {"rate": rate, "kvpush": kv}
-            if ideal:
-                entry["ideal"] = summarize(rate, pair.run(rate, lengths, ideal=True, say=say))
-                say(_line("ideal", entry["ideal"]))
+            for name in ideals:
+                key = IDEAL_KEYS[name]
+                entry[key] = summarize(rate, pair.run(rate, lengths, ideal=name, say=say))
+                say(_line(key[:7], entry[key]))
             results.append(entry)
             if bound is None and kv["p50_ms"] is not None:
                 bound = p99_factor * kv["p50_ms"]
@@ -707,9 +881,9 @@ def run(
                 knee = rate
             if sweep and ok and not queue and len(results) < 12:
                 queue.append(rate * 2)
-        stats = pair.sender.stats
+        stats = _sender_stats(pair)
         mix = {k: stats.get(k, 0) - strategy_before.get(k, 0) for k in ("packed_writes", "packed_fallbacks")}
-        transport = pair.sender.transport
+        transport = getattr(getattr(pair, "sender", None), "transport", None)
         mix["ipc_writes"] = getattr(transport, "ipc_writes", 0) - ipc_before
         if getattr(transport, "ipc_writes", 0):
             from kvpush.core.kernels import _COPIERS
@@ -726,9 +900,20 @@ def run(
                 "enqueue": round(1e3 * host[1] / launches, 3),
             }
         lengths_arr = np.array(lengths)
+    pp, ptp, dtp = w.topology()
     return {
         "workload": attrs.asdict(w),
         "geometry": w.geometry(),
+        "topology": {
+            "prefill_pp": pp,
+            "prefill_tp": ptp,
+            "decode_tp": dtp,
+            "processes": "P and D ranks as processes"
+            if w.multi_rank
+            else "P in the bench process, D one process",
+            "model_kv_heads": w.model().num_kv_heads,
+        },
+        "ideals": {IDEAL_KEYS[name]: IDEAL_WHAT[name] for name in ideals},
         "prompt_tokens": {
             "median": float(np.median(lengths_arr)),
             "p90": float(np.percentile(lengths_arr, 90)),
@@ -741,6 +926,24 @@ def run(
     }
 
 
+IDEAL_KEYS = {"nixl": "ideal", "kernel": "ideal_kernel"}
+"""``--ideal`` choice -> its key in each run's entry (``ideal`` stays raw NIXL's)."""
+IDEAL_WHAT = {
+    "nixl": "raw NIXL: per (P rank, D rank) pair one WRITE of the request's per-block "
+    "descriptors and one notification, posted at the finish (one pair: ids and handle made at "
+    "the finish; multi-rank: handle made at arrival, only posted at the finish)",
+    "kernel": "one kernel per P rank copying the request's slices into a second allocation on "
+    "D's device (no IPC, no notification)",
+}
+
+
+def _sender_stats(pair: Any) -> dict[str, Any]:
+    """P's sender stats (summed over P's ranks for a multi-rank run)."""
+    if hasattr(pair, "stats"):
+        return pair.stats()
+    return dict(pair.sender.stats)
+
+
 def plot(result: dict[str, Any], path: str) -> str:
     """Write latency against offered rate as a PNG; returns a line saying what happened."""
     try:
@@ -751,7 +954,7 @@ def plot(result: dict[str, Any], path: str) -> str:
     except ImportError:
         return f"--plot: matplotlib is not installed; no plot written to {path}"
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method, style in (("kvpush", "-"), ("ideal", "--")):
+    for method, style in (("kvpush", "-"), ("ideal", "--"), ("ideal_kernel", ":")):
         runs = [r for r in result["runs"] if method in r]
         if not runs:
             continue
@@ -764,7 +967,13 @@ def plot(result: dict[str, Any], path: str) -> str:
     ax.set_ylabel("added latency, finish -> D may decode (ms)")
     w = result["workload"]
     decode = w.get("decode_device") or w["device"]
-    ax.set_title(f"{w['preset']}: P {w['device']} -> D {decode}, {w.get('transport', 'nixl')}")
+    topo = result.get("topology") or {}
+    shape = (
+        f" PP{topo['prefill_pp']}xTP{topo['prefill_tp']} -> TP{topo['decode_tp']}"
+        if w.get("prefill_pp") or w.get("prefill_tp") or w.get("decode_tp")
+        else ""
+    )
+    ax.set_title(f"{w['preset']}{shape}: P {w['device']} -> D {decode}, {w.get('transport', 'nixl')}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -805,7 +1014,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--transport", choices=["nixl", "cuda_ipc"], default=None, help="default: nixl")
     group.add_argument("--sweep", action="store_true", help="double the rate until p99 breaks the bound")
     group.add_argument("--p99-factor", type=float, default=2.0, help="knee bound: p99 <= this x unloaded p50")
-    group.add_argument("--no-ideal", action="store_true", help="skip the raw-NIXL ideal replay")
+    group.add_argument("--no-ideal", action="store_true", help="skip every ideal replay")
+    group.add_argument(
+        "--ideal",
+        action="append",
+        choices=sorted(IDEAL_KEYS),
+        help="ideal(s) replayed under the same arrivals, repeatable (default: nixl); kernel: the "
+        "one-kernel copy into a second allocation on D's device (CUDA only)",
+    )
+    group.add_argument(
+        "--prefill-pp", type=int, default=None, help="P pipeline stages, one process each x TP (default 1)"
+    )
+    group.add_argument("--prefill-tp", type=int, default=None, help="P TP ranks per stage (default 1)")
+    group.add_argument(
+        "--decode-tp",
+        type=int,
+        default=None,
+        help="D TP ranks; any of the three topology flags runs every rank as its own process "
+        "(none: P in this process and one D process, per-rank geometry)",
+    )
     group.add_argument("--plot", default=None, metavar="PNG", help="write latency vs offered rate here")
     group.add_argument(
         "--switch-interval-us", type=float, default=0.0, help="sys.setswitchinterval of P and D (0: Python's)"
@@ -833,22 +1060,43 @@ def workload_from(args: argparse.Namespace) -> Workload:
         transport=args.transport or "nixl",
         seed=args.seed,
         switch_interval_us=args.switch_interval_us,
+        prefill_pp=args.prefill_pp,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
     )
 
 
+def check_ideals(w: Workload, ideals: Sequence[str]) -> None:
+    """Refuse, before anything starts, an ideal this workload's devices cannot run."""
+    if "kernel" in ideals:
+        from kvpush.demo.serve_kernel import require_cuda
+
+        require_cuda(w.device)
+        require_cuda(w.decode_device or w.device)
+
+
 def main(args: argparse.Namespace) -> int:
+    from kvpush.core.errors import ConfigError
+
     try:
         w = workload_from(args)
         w.model()
+        w.topology()
         rates = args.rate or [10.0]
         if any(r <= 0 for r in rates):
             raise ValueError(f"--rate must be positive, got {rates}")
+        ideals = [] if args.no_ideal else list(dict.fromkeys(args.ideal or ["nixl"]))
+        check_ideals(w, ideals)
+    except (ValueError, ConfigError) as err:
+        print(f"kvpush bench --serve: {err}", file=sys.stderr)
+        return 2
+    try:
         result = run(
             w,
             rates,
             sweep=args.sweep,
             p99_factor=args.p99_factor,
-            ideal=not args.no_ideal,
+            ideal=ideals,
             say=lambda msg: print(msg, file=sys.stderr, flush=True),
         )
     except Exception as err:
@@ -871,4 +1119,4 @@ def _fmt(v: Any) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-__all__ = ["PRESETS", "Workload", "add_arguments", "main", "run", "summarize"]
+__all__ = ["IDEAL_KEYS", "PRESETS", "Workload", "add_arguments", "check_ideals", "main", "run", "summarize"]
