@@ -86,6 +86,19 @@ class Workload:
     None: one P rank in this process and one D process at per-rank geometry (a rank pair of the
     preset's TP)."""
 
+    def rank_devices(self) -> tuple[list[str], list[str]]:
+        """Devices of P's and D's ranks: ``device`` and ``decode_device`` may list several,
+        comma-separated (multi-rank only), handed out round-robin (P stage-major)."""
+        p = [d.strip() for d in self.device.split(",") if d.strip()]
+        d = [x.strip() for x in (self.decode_device or self.device).split(",") if x.strip()]
+        if not p or not d:
+            raise ValueError("--device/--decode-device: no device given")
+        if not self.multi_rank and (len(p) > 1 or len(d) > 1):
+            raise ValueError(
+                "a device list (cuda:0,cuda:1) needs a multi-rank run; add --prefill-tp/--decode-tp"
+            )
+        return p, d
+
     @property
     def multi_rank(self) -> bool:
         return any(v is not None for v in (self.prefill_pp, self.prefill_tp, self.decode_tp))
@@ -1027,6 +1040,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--prefill-tp", type=int, default=None, help="P TP ranks per stage (default 1)")
     group.add_argument(
+        "--prefill-devices",
+        default=None,
+        metavar="LIST",
+        help="multi-rank: P ranks' devices, comma-separated, round-robin stage-major (e.g. "
+        "cuda:0,cuda:1; default: --device); --decode-device takes a list the same way",
+    )
+    group.add_argument(
         "--decode-tp",
         type=int,
         default=None,
@@ -1040,7 +1060,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workload_from(args: argparse.Namespace) -> Workload:
-    device = "cuda:0" if args.device == "cuda" else "cpu"
+    device = getattr(args, "prefill_devices", None) or ("cuda:0" if args.device == "cuda" else "cpu")
     return Workload(
         preset=args.preset,
         layers=args.serve_layers,
@@ -1071,8 +1091,8 @@ def check_ideals(w: Workload, ideals: Sequence[str]) -> None:
     if "kernel" in ideals:
         from kvpush.demo.serve_kernel import require_cuda
 
-        require_cuda(w.device)
-        require_cuda(w.decode_device or w.device)
+        for device in {*w.rank_devices()[0], *w.rank_devices()[1]}:
+            require_cuda(device)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -1082,6 +1102,7 @@ def main(args: argparse.Namespace) -> int:
         w = workload_from(args)
         w.model()
         w.topology()
+        w.rank_devices()
         rates = args.rate or [10.0]
         if any(r <= 0 for r in rates):
             raise ValueError(f"--rate must be positive, got {rates}")

@@ -24,7 +24,7 @@ Ideals for the same arrivals (``mode``):
   allocation shaped as its D ranks' caches on D's device; done when every P rank's copy
   finished (sampled: the copy is compared with P's rows).
 
-Protocol (tuples): to P ``("connect", [(d_rank, payload, raw_meta)], d_specs, kernel_device)``
+Protocol (tuples): to P ``("connect", [(d_rank, payload, raw_meta)], d_specs, kernel)``
 -> ``("connected", bytes per block per group)``; ``("prefill", rid, p_ids, d_ids, seed, mode)``;
 ``("finish", rid)`` -> ``("finished", rid, t)``, later ``("sent", rid, reason)`` and (kernel)
 ``("done", rid, t, reason, ok, miss)``. To D ``("connect", [raw_meta])`` -> ``("connected",
@@ -185,9 +185,10 @@ class _ServeRank:
         self,
         d_infos: Sequence[tuple[int, bytes, bytes | None]],
         d_specs: Sequence[Any],
-        kernel_device: str | None,
+        kernel: bool,
     ) -> list[int]:
-        """Plan this rank's WRITEs to D's ranks; returns the bytes it writes per block per group."""
+        """Plan this rank's WRITEs to D's ranks (and, ``kernel``, allocate the kernel ideal's
+        copies on each D rank's device); returns the bytes it writes per block per group."""
         from kvpush.core import wire
         from kvpush.demo.serve_kernel import KernelIdeal, SpanTable, align, enable_peer_access, targets
 
@@ -198,6 +199,7 @@ class _ServeRank:
         total = [0] * self.spec.model.num_groups
         kernel_pairs = []
         for d, local_part, remote_part in targets(p.tp_rank, o.prefill_tp, o.decode_tp, replicate):
+            device = d_specs[d].device
             payload, raw_meta = infos[d]
             meta = wire.decode_metadata(payload, expected_hash=None, source=f"serve D rank {d}")
             local = SpanTable(self.regions, local_part, groups)
@@ -210,11 +212,10 @@ class _ServeRank:
                 local_list = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local.table, mem)
                 remote_list = agent.prep_xfer_dlist(peer, remote.table, mem)
                 self.raw_pairs.append((local_list, remote_list, local, remote))
-            if kernel_device is not None:
-                kernel_pairs.append((local, self._copy_table(d_specs[d], kernel_device, remote_part)))
+            if kernel:
+                enable_peer_access(self.spec.device, device)
+                kernel_pairs.append((local, self._copy_table(d_specs[d], device, remote_part)))
         if kernel_pairs:
-            assert kernel_device is not None
-            enable_peer_access(self.spec.device, kernel_device)
             self.kernel = KernelIdeal(self.spec.device, kernel_pairs)
         return total
 
@@ -388,12 +389,13 @@ class ServeCluster:
         self.topology = (pp, ptp, dtp)
         model = w.model()
         self.model = model
-        kernel_device = (w.decode_device or w.device) if "kernel" in self.modes else None
-        if kernel_device is not None:
+        p_devices, d_devices = w.rank_devices()
+        kernel = "kernel" in self.modes
+        if kernel:
             from kvpush.demo.serve_kernel import require_cuda
 
-            require_cuda(w.device)
-            require_cuda(kernel_device)
+            for device in {*p_devices, *d_devices}:
+                require_cuda(device)
         self.p_ranks: list[Any] = []
         self.d_ranks: list[Any] = []
         self.servers: list[Any] = []
@@ -420,7 +422,7 @@ class ServeCluster:
                     parallel=ParallelConfig.for_stage(
                         num_layers=model.num_layers, pp_size=pp, pp_rank=s, tp_size=ptp, tp_rank=t
                     ),
-                    device=w.device,
+                    device=p_devices[(s * ptp + t) % len(p_devices)],
                     side_channel_port=p_server.port,
                     **common,
                 )
@@ -432,7 +434,7 @@ class ServeCluster:
                     role="decode",
                     engine_id="serve-D",
                     parallel=ParallelConfig(tp_size=dtp, tp_rank=t, num_layers=model.num_layers),
-                    device=w.decode_device or w.device,
+                    device=d_devices[t % len(d_devices)],
                     side_channel_port=d_server.port,
                     **common,
                 )
@@ -453,7 +455,7 @@ class ServeCluster:
             d_server.publish_all({k: v[0] for k, v in d_ready.items()})
             d_infos = [(r.key.tp_rank, d_ready[r.key][0], d_ready[r.key][1]) for r in self.d_ranks]
             for rank in self.p_ranks:
-                rank.send(("connect", d_infos, d_specs, kernel_device))
+                rank.send(("connect", d_infos, d_specs, kernel))
             for rank in self.d_ranks:
                 rank.send(("connect", [p_ready[r.key][1] for r in self.p_ranks]))
             per_block = [self._expect(rank, "connected", 120) for rank in self.p_ranks]

@@ -87,3 +87,150 @@ def test_short_open_loop_run_completes_and_verifies_over_nixl() -> None:
         assert s["verified"] == 6 and s["verify_failed"] == 0 and s["sample_rate"] == 0.5
         assert 0 < s["p50_ms"] <= s["p99_ms"] <= s["max_ms"]
     assert result["prompt_tokens"]["max"] <= 128 and result["knee_rps"] in (None, 40.0)
+
+
+# ---------------------------------------------------------------------------- multi-rank
+
+
+def test_topology_flags_parse_and_are_checked() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--serve",
+            "--preset",
+            "llama3-70b-tp8",
+            "--prefill-pp",
+            "2",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "8",
+        ]
+    )
+    w = serve.workload_from(args)
+    assert w.multi_rank and w.topology() == (2, 2, 8)
+    assert w.model().num_kv_heads == 8  # 1 head per rank at the preset's TP8: the model has 8
+    assert not serve.Workload(preset="llama3-70b-tp8").multi_rank
+    assert serve.Workload(preset="llama3-70b-tp8").model().num_kv_heads == 1  # one rank pair
+    with pytest.raises(ValueError, match="--decode-tp 3 does not divide the model's 8 KV heads"):
+        serve.Workload(decode_tp=3).topology()
+    with pytest.raises(ValueError, match="--prefill-tp 2 and --decode-tp 3"):
+        serve.Workload(preset="deepseek-v3-mla", prefill_tp=2, decode_tp=3).topology()
+    with pytest.raises(ValueError, match="--prefill-pp 5 exceeds the model's 4 layers"):
+        serve.Workload(layers=4, prefill_pp=5).topology()
+    with pytest.raises(ValueError, match="needs a multi-rank run"):
+        serve.Workload(decode_device="cuda:0,cuda:1").rank_devices()
+    assert serve.Workload(decode_tp=2, device="cuda:0,cuda:1").rank_devices() == (
+        ["cuda:0", "cuda:1"],
+        ["cuda:0", "cuda:1"],
+    )
+
+
+def test_kernel_ideal_is_refused_on_the_cpu_with_the_flag_named() -> None:
+    from kvpush.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--ideal kernel .* needs --device cuda"):
+        serve.check_ideals(serve.Workload(), ["nixl", "kernel"])
+    serve.check_ideals(serve.Workload(), ["nixl"])
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert serve.main(parser.parse_args(["--serve", "--ideal", "kernel", "--requests", "2"])) == 2
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (1, 4), (4, 2)])
+@pytest.mark.parametrize("replicate", [False, True])
+def test_ideal_plan_covers_each_d_block_once_with_kvpushs_producers(
+    prefill_tp: int, decode_tp: int, replicate: bool
+) -> None:
+    """The ideal's per-(P rank, D rank) slices: D counts exactly kvpush's producers, and the
+    slices written into one D block tile it without gaps or overlap (or, MLA, all of it)."""
+    from kvpush.core.producers import expected_producers
+    from kvpush.demo.serve_kernel import targets
+
+    writers: dict[int, list[tuple[int, tuple[int, int]]]] = {}
+    for p in range(prefill_tp):
+        for d, local_part, remote_part in targets(p, prefill_tp, decode_tp, replicate):
+            assert local_part == (0, 1) or remote_part == (0, 1)
+            writers.setdefault(d, []).append((p, remote_part))
+    for d in range(decode_tp):
+        expected = expected_producers(
+            prefill_pp=1, prefill_tp=prefill_tp, decode_tp_rank=d, decode_tp_size=decode_tp
+        )
+        assert {p for p, _ in writers[d]} == {k.tp_rank for k in expected}
+        parts = sorted(part for _, part in writers[d])
+        if replicate or prefill_tp <= decode_tp:
+            assert set(parts) == {(0, 1)}
+        else:
+            assert parts == [(i, prefill_tp // decode_tp) for i in range(prefill_tp // decode_tp)]
+
+
+def test_span_tables_pair_row_for_row_across_tp_sizes() -> None:
+    """P TP1 (8 heads) -> D TP2: P's two head slices of a block are its two halves, and D's
+    whole block has the same row lengths, so a request's spans pair up."""
+    from kvpush.core.types import ParallelConfig
+    from kvpush.demo.serve_kernel import SpanTable, align
+    from kvpush.layouts.uniform import allocate_kv_caches, describe_uniform
+
+    model = serve.Workload(layers=2, decode_tp=2).model()
+    p_par = ParallelConfig(tp_size=1, num_layers=2)
+    d_par = ParallelConfig(tp_size=2, tp_rank=1, num_layers=2)
+    p_regions = describe_uniform(allocate_kv_caches(model, p_par, 8), p_par, model)
+    d_regions = describe_uniform(allocate_kv_caches(model, d_par, 8), d_par, model)
+    groups = [r.kv_group for r in p_regions]
+    local = SpanTable(p_regions, (1, 2), groups)
+    remote = SpanTable(align(p_regions, d_regions), (0, 1), groups)
+    src, n = local.spans([[5, 2]])
+    dst, m = remote.spans([[0, 7]])
+    assert (n == m).all() and len(n) == 2 * 2 * 2  # layers x K/V x blocks
+    block = p_regions[0].block_len
+    assert src[0] == p_regions[0].base_addr + 5 * p_regions[0].block_stride + block // 2
+    assert dst[1] == d_regions[0].base_addr + 7 * d_regions[0].block_stride
+    assert local.bytes_per_block(1) == [2 * 2 * block // 2]
+
+
+def _check_multi_rank(result: dict, requests: int, sampled: int) -> None:
+    assert {"workload", "geometry", "topology", "ideals", "prompt_tokens", "strategy_mix", "runs"} <= set(
+        result
+    )
+    (entry,) = result["runs"]
+    for method in ("kvpush", "ideal"):
+        s = entry[method]
+        assert s["completed"] == requests and s["failed"] == 0, s
+        assert s["verified"] == sampled and s["verify_failed"] == 0, s
+        assert 0 < s["p50_ms"] <= s["p99_ms"] <= s["max_ms"] and s["mean_bytes"] > 0
+        assert {"offered_rps", "achieved_rps", "p90_ms", "gbps", "sample_rate"} <= set(s)
+
+
+@pytest.mark.parametrize(
+    ("preset", "prefill_pp", "prefill_tp", "decode_tp"),
+    [("llama3-8b", 2, 1, 2), ("llama3-8b", None, 2, None), ("deepseek-v3-mla", None, None, 2)],
+    ids=["PP2xTP1-to-TP2", "TP2-to-TP1", "mla-TP1-to-TP2"],
+)
+def test_multi_rank_open_loop_run_verifies_on_every_d_rank(
+    preset: str, prefill_pp: int | None, prefill_tp: int | None, decode_tp: int | None
+) -> None:
+    w = serve.Workload(
+        preset=preset,
+        layers=2,
+        median_tokens=40,
+        max_tokens=96,
+        requests=6,
+        verify_every=2,
+        poll_s=1e-3,
+        timeout_s=30,
+        prefill_pp=prefill_pp,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+    )
+    result = serve.run(w, [20.0], sweep=False, p99_factor=2.0, ideal=True, say=lambda _m: None)
+    _check_multi_rank(result, requests=6, sampled=3)
+    topo = result["topology"]
+    assert (topo["prefill_pp"], topo["prefill_tp"], topo["decode_tp"]) == w.topology()
+    model = w.model()
+    sides = 1 if model.attention == "mla" else 2
+    per_token = model.num_layers * sides * model.num_kv_heads * model.head_dim * 2
+    writes = (decode_tp or 1) if model.attention == "mla" else 1  # the latent goes to every D rank
+    s = result["runs"][0]["kvpush"]
+    total = round(s["mean_bytes"] * s["completed"])
+    assert total % (writes * per_token * model.block_size) == 0  # whole blocks of every head
