@@ -78,6 +78,8 @@ class KvpushPluginManager:
         self.pm = pluggy.PluginManager(PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
         self._dists: dict[str, tuple[str, str]] = {}
+        self._producers_memo: dict[tuple[ParallelConfig, int, int], frozenset[RankKey]] = {}
+        self._producers_impls: list[Any] = []
 
     # ---------------------------------------------------------------- registration
 
@@ -317,7 +319,28 @@ class KvpushPluginManager:
     def expected_producers(
         self, prefill: ParallelConfig, decode_tp_rank: int, decode_tp_size: int
     ) -> frozenset[RankKey]:
-        """The producers a D rank waits for (``kvpush_expected_producers``), checked."""
+        """The producers a D rank waits for (``kvpush_expected_producers``), checked.
+
+        A rule of configuration (P's published parallel config and D's TP), so answers are
+        memoised while the hook's implementations stay the same (P asks on every plan)."""
+        caller = self.pm.hook.kvpush_expected_producers
+        impls = caller.get_hookimpls()
+        key = (prefill, decode_tp_rank, decode_tp_size)
+        if self._producers_impls != impls:
+            self._producers_memo.clear()
+            self._producers_impls = impls
+        hit = self._producers_memo.get(key)
+        if hit is not None:
+            return hit
+        producers = self._expected_producers(prefill, decode_tp_rank, decode_tp_size)
+        if len(self._producers_memo) >= 1024:
+            self._producers_memo.clear()
+        self._producers_memo[key] = producers
+        return producers
+
+    def _expected_producers(
+        self, prefill: ParallelConfig, decode_tp_rank: int, decode_tp_size: int
+    ) -> frozenset[RankKey]:
         result = self.pm.hook.kvpush_expected_producers(
             prefill=prefill, decode_tp_rank=decode_tp_rank, decode_tp_size=decode_tp_size
         )

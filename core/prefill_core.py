@@ -88,6 +88,9 @@ class _Reg:
 class _DestState:
     state: _Dest = _Dest.WAIT_REG
     spec: ReadSpec | None = None
+    planned_from: PushRegistration | None = None
+    """The registration ``spec`` was planned from when the request was first planned; the spec
+    is reused only while that registration is still the destination's (planned once)."""
     handles: set[Any] = attrs.field(factory=set)
     bytes: int = 0
     error: str = ""
@@ -642,6 +645,10 @@ class PrefillCore:
         except Exception as err:  # a plugin, numpy or torch: the request fails, nothing else
             return self._fail_request(request, f"planning failed: {type(err).__name__}: {err}", now)
         request.dests = {spec.dst_tp_rank: _DestState() for spec in specs}
+        first_dest = request.dests.get(first.reg.decode_tp_rank)
+        if first_dest is not None:  # the plan already holds this rank's spec: not planned twice
+            first_dest.spec = next(s for s in specs if s.dst_tp_rank == first.reg.decode_tp_rank)
+            first_dest.planned_from = first.reg
         out: list[Any] = []
         for rank in sorted(request.regs):
             if rank not in request.dests:
@@ -672,6 +679,8 @@ class PrefillCore:
             dest.state = _Dest.WAIT_FRESH
             self.stats["stale_registrations"] += 1
             return self._want(engine, entry.agent, [request.key], now)
+        if dest.planned_from is not None and dest.planned_from is not entry.reg:
+            dest.spec = dest.planned_from = None  # registered again since: plan for the new one
         if dest.spec is None:
             try:
                 specs = [s for s in self._plan(request.blocks, entry.reg) if s.dst_tp_rank == rank]
@@ -682,6 +691,7 @@ class PrefillCore:
                     request, f"planning for D rank {rank} failed: {type(err).__name__}: {err}", now
                 )
             dest.spec = specs[0]
+        dest.planned_from = None  # the spec is this destination's from now on, as if planned here
         dest.state = _Dest.POSTING
         return [Post(request.key, rank, request.engine_id, dest.spec, entry.reg)]
 

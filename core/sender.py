@@ -68,6 +68,9 @@ class PushSender(RankWorker):
         """Match key -> request id of prefills finished and not yet reported (a second finish of
         a key is refused; close() reports what is left)."""
         self._packing_stats = {"packed_writes": 0, "packed_fallbacks": 0}
+        self._region_groups: tuple[Any, tuple[int, ...]] | None = None
+        self._aligned_regions: dict[int, tuple[Any, Any, Any, tuple[Any, ...]]] = {}
+        """id(peer rank) -> (the peer rank, its metadata, its alignment, its aligned regions)."""
 
     @property
     def stats(self) -> dict[str, int]:
@@ -289,9 +292,9 @@ class PushSender(RankWorker):
         if engine is None or rank not in engine.ranks:
             raise KvpushError(f"D rank {post.dst} of {post.engine_id!r} is not loaded any more")
         regions = self.metadata.regions
-        groups = [r.kv_group for r in regions]
+        groups = self._groups(regions)
         local_ids = descriptor_ids(regions, groups, spec.local_block_ids)
-        remote_ids = descriptor_ids(engine.ranks[rank].aligned_regions, groups, spec.remote_block_ids)
+        remote_ids = descriptor_ids(self._aligned(engine.ranks[rank]), groups, spec.remote_block_ids)
         if len(local_ids) != len(remote_ids):
             raise KvpushError(f"{len(local_ids)} local descriptors vs {len(remote_ids)} remote ones")
         job = PushJob(
@@ -321,6 +324,24 @@ class PushSender(RankWorker):
             r.block_len // spec.local_part[1] * len(spec.local_block_ids[r.kv_group]) for r in regions
         )
         return handles, nbytes
+
+    def _groups(self, regions: tuple[Any, ...]) -> tuple[int, ...]:
+        """Each local region's KV group (the regions never change after start)."""
+        cached = self._region_groups
+        if cached is None or cached[0] is not regions:
+            cached = self._region_groups = (regions, tuple(r.kv_group for r in regions))
+        return cached[1]
+
+    def _aligned(self, peer: Any) -> tuple[Any, ...]:
+        """A peer rank's aligned regions, one tuple per loaded peer rank (planning's tables are
+        cached per region tuple, so a list rebuilt per post would miss them)."""
+        hit = self._aligned_regions.get(id(peer))
+        if hit is None or hit[0] is not peer or hit[1] is not peer.meta or hit[2] is not peer.alignment:
+            if len(self._aligned_regions) >= 256:
+                self._aligned_regions.clear()
+            regions = tuple(peer.aligned_regions)
+            hit = self._aligned_regions[id(peer)] = (peer, peer.meta, peer.alignment, regions)
+        return hit[3]
 
     def _post_packed(
         self, reg: PushRegistration, spec: ReadSpec, engine: PeerEngine, rank: RankKey

@@ -31,6 +31,13 @@ def to_block_ids(value: Any) -> BlockIds:
     """Normalise block ids to a tuple of per-group tuples; a flat list becomes one group."""
     if value is None:
         return ()
+    if _CHECKED.get(id(value)) is value:
+        return value  # normalised and checked before (each hop of a request passes it on)
+    if type(value) is tuple and all(type(g) is tuple and _plain_ids(g) for g in value):
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED[id(value)] = value  # the entry holds the tuple, so its id is not reused
+        return value
     items = list(value)
     if items and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
         return to_block_ids([items])  # one group, checked like any other
@@ -44,6 +51,17 @@ def to_block_ids(value: Any) -> BlockIds:
                 raise ConfigError(f"block id {block!r} in {value!r} is not a non-negative int")
         groups.append(ids)
     return tuple(groups)
+
+
+_INT = frozenset((int,))
+_CHECKED: dict[int, tuple[tuple[int, ...], ...]] = {}
+"""Recently checked normalised block ids by id() (immutable, so checked once)."""
+_CHECKED_MAX = 64
+
+
+def _plain_ids(ids: tuple[Any, ...]) -> bool:
+    """Every id a plain, non-negative ``int`` (no bool or int subclass), checked at C speed."""
+    return not ids or (_INT.issuperset(map(type, ids)) and min(ids) >= 0)
 
 
 def read_only(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
