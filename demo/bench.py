@@ -201,6 +201,9 @@ class PairSpec:
     barrier whenever another job holds the second core (bimodal timings on a shared box)."""
     transport: str = "nixl"
     """The kvpush transport of both engines (``cuda_ipc`` for the ``cuda_ipc`` method)."""
+    decode_hook: str | None = None
+    """``module:function`` D calls with its receiver after start; what the function returns (a
+    callable giving a picklable value) answers D's ``stats`` under ``hook`` (profiling stamps)."""
 
 
 def _worker_config(spec: PairSpec, engine: str, model: Any) -> Any:
@@ -281,6 +284,12 @@ def _decode_main(spec: PairSpec, conn: Connection) -> None:
         receiver.start()
         assert receiver.metadata is not None
         raw = RawAgent("bench-raw-D", receiver.metadata.regions)
+        hook_report: Callable[[], Any] | None = None
+        if spec.decode_hook:
+            import importlib
+
+            module, _, function = spec.decode_hook.partition(":")
+            hook_report = getattr(importlib.import_module(module), function)(receiver)
         conn.send(("ready", (receiver.handshake_payload(), raw.metadata())))
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -330,6 +339,7 @@ def _decode_main(spec: PairSpec, conn: Connection) -> None:
                     reply = {
                         "staging_in_use": receiver.staging.bytes_in_use if receiver.staging else 0,
                         "pack_times": {k: list(v) for k, v in PACK_TIMES.items()},
+                        "hook": hook_report() if hook_report is not None else None,
                     }
                 else:
                     raise ValueError(f"unknown message {kind!r}")
