@@ -42,6 +42,19 @@ class DropPeer:
 
 
 @attrs.frozen
+class Fence:
+    """D: remove these P agents and make sure nothing they already sent can still land here
+    (the transport tears down every connection that carries their data; TCP keeps a partitioned
+    sender's bytes for minutes). The driver answers with ``DecodeCore.fenced(fence_id)`` once the
+    transport confirms it; blocks waiting on the fence are released only then."""
+
+    fence_id: int
+    engine_id: str
+    agents: tuple[str, ...]
+    reason: str
+
+
+@attrs.frozen
 class Report:
     """Tell the engine how a request ended (exactly once per request and side)."""
 

@@ -15,12 +15,15 @@ The rules it keeps (docs/reliability.md):
   dropped and counted in ``stats["rejected_notifications"]``.
 - **One exit.** Every request is reported exactly once (done, failed or cancelled) and its blocks
   released exactly once (a done request's blocks belong to the engine).
-- **Quarantine, not timers.** A failed or cancelled request is reported at once, but its blocks are
-  released only when every producer that may still write has acknowledged (CANCEL_ACK, or its
-  DONE/FAIL), or when no write can land any more: P may post only within ``fresh_s`` of the grant D
-  last sent, and every WRITE has P's published deadline, so after ``last grant + fresh_s + P's
-  write deadline`` (+ a margin) the P engine is dropped (its connection torn down) and the blocks
-  released.
+- **Quarantine, then a fence; never a timer alone.** A failed or cancelled request is reported at
+  once, but its blocks are released only when no byte of P's can land in them any more: every
+  producer that may have written acknowledged with its WRITE complete (DONE, or a FAIL/CANCEL_ACK
+  saying nothing it posted is unsettled), or P's connections were *fenced*: the transport tore
+  down every connection that can carry their data and confirmed it (:class:`Fence`, answered by
+  :meth:`DecodeCore.fenced`). A producer that says a WRITE ended unsettled (aborted, failed) is
+  fenced at once; a silent one once ``last grant + fresh_s + P's WRITE deadline`` (+ a margin) has
+  passed, when P may not post any more. A timer alone never releases blocks: TCP keeps a
+  partitioned sender's bytes for minutes and delivers them when the network returns.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 import attrs
 
 from kvpush.core import notifications as wire
-from kvpush.core.actions import Connect, DropPeer, FreeStaging, Release, Report, Scatter, Send
+from kvpush.core.actions import Connect, DropPeer, Fence, FreeStaging, Release, Report, Scatter, Send
 from kvpush.core.deadlines import Deadlines, RateLimit, RecentIds
 from kvpush.core.types import Notification, NotificationKind, PushRegistration, RankKey, RequestMetadata
 
@@ -147,6 +150,20 @@ class _Receive:
     """Heartbeat answers in which a producer said it never heard of the request."""
     reason: str = ""
     """Why the request is closing (the cancel report names it once the blocks are released)."""
+    unsettled: set[RankKey] = attrs.field(factory=set)
+    """Producers that said a WRITE of theirs ended unsettled: their connections must be fenced."""
+    fence_id: int | None = None
+    """The fence this request's blocks wait for (released when the driver confirms it)."""
+    fence_needed_at: float = 0.0
+
+
+@attrs.define(eq=False)
+class _Fence:
+    engine_id: str
+    issued_at: float
+    agents: frozenset[str]
+    waiting: set[str] = attrs.field(factory=set)
+    why: str = ""
 
 
 _REGISTERED = _Phase.REGISTERED
@@ -172,6 +189,8 @@ class DecodeCore:
         self._ended = RecentIds(ENDED_MEMORY)
         """Requests that ended here lately: a late DONE for one is a duplicate, not an early one."""
         self._warned = RateLimit(per_s=10)
+        self._fences: dict[int, _Fence] = {}
+        self._fence_seq = 0
         self.stats: dict[str, int] = {
             "push_regs_sent": 0,
             "duplicate_notifications": 0,
@@ -183,6 +202,7 @@ class DecodeCore:
             "heartbeats_sent": 0,
             "dead_peers": 0,
             "quarantined": 0,
+            "fences": 0,
         }
 
     # ------------------------------------------------------------------ queries
@@ -220,6 +240,7 @@ class DecodeCore:
             "early": len(self._early),
             "timers": len(self._timers),
             "quarantined": sum(1 for r in self._requests.values() if r.phase is _Phase.CLOSING),
+            "fences": len(self._fences),
         }
 
     # ------------------------------------------------------------------ engine events
@@ -285,7 +306,10 @@ class DecodeCore:
                 receive = self._requests[rid]
                 if receive.phase is not _Phase.REGISTERED:
                     continue
-                if restarted:  # the old processes are gone: nothing of theirs can land any more
+                if restarted:
+                    # The old processes are gone, but bytes their kernels queued may still be on
+                    # the way (TCP delivers them after the process died): fence before release.
+                    receive.unsettled |= receive.expected - receive.settled
                     receive.settled |= receive.expected
                     out += self._close(
                         rid, f"P engine {engine_id!r} restarted while this rank reconnected", now
@@ -448,12 +472,16 @@ class DecodeCore:
                 receive.write_in_flight = True  # it landed after the cancel went out
             if note.kind is NotificationKind.CANCEL_ACK:
                 receive.write_in_flight |= note.write_in_flight
+            if note.kind is not NotificationKind.DONE and note.unsettled:
+                receive.unsettled.add(producer)
             receive.settled.add(producer)
             return self._maybe_release(rid, receive, now)
         if note.kind is NotificationKind.CANCEL_ACK:
             return []  # an ack for a request this rank never cancelled
         if note.kind is NotificationKind.FAILED:
             receive.settled.add(producer)
+            if note.unsettled:
+                receive.unsettled.add(producer)
             return self._close(rid, f"P rank {producer} reported: {note.reason}", now)
         if producer in receive.reported:
             self.stats["duplicate_notifications"] += 1
@@ -517,11 +545,18 @@ class DecodeCore:
         return out + self._maybe_release(rid, receive, now)
 
     def _maybe_release(self, rid: str, receive: _Receive, now: float) -> list[Any]:
+        if receive.fence_id is not None:
+            return []  # released when the fence is confirmed
         if receive.expected - receive.settled:
             if self._timers.when(("quarantine", rid)) is None:
                 self.stats["quarantined"] += 1
                 self._timers.arm(("quarantine", rid), self._quarantine_end(receive, now))
             return []
+        if receive.unsettled:
+            ranks = ", ".join(str(r) for r in sorted(receive.unsettled))
+            return self._await_fence(
+                rid, receive, receive.unsettled, f"P rank(s) {ranks} ended a WRITE unsettled", now
+            )
         how = (
             "a WRITE was in flight and settled before the blocks were released"
             if receive.write_in_flight
@@ -547,28 +582,85 @@ class DecodeCore:
 
     def _on_quarantine_expired(self, rid: str, now: float) -> list[Any]:
         receive = self._requests.get(rid)
-        if receive is None:
+        if receive is None or receive.fence_id is not None:
             return []
         self.stats["quarantine_expiries"] += 1
-        silent = ", ".join(str(r) for r in sorted(receive.expected - receive.settled))
-        out: list[Any] = []
-        engine = self._engines.get(receive.engine_id)
-        current = engine is not None and engine.info is not None and engine.info.agents is receive.agents
-        if current and engine.state is not _EngineState.FAILED:
-            # Tear the connection down (a later write needs a new handshake), then reconnect:
-            # the engine's other requests carry on over the fresh connection. (A connection made
-            # after this request's was already a fresh one: nothing to tear down.)
-            out += self._reconnect(engine, f"no acknowledgement from P rank(s) {silent}")
-        return out + self._finish_close(
+        silent = receive.expected - receive.settled
+        names = ", ".join(str(r) for r in sorted(silent))
+        # P may not post any more (the grant window and its WRITE deadline passed), but a WRITE
+        # it posted may still sit in the network: fence P's connections, then release.
+        return self._await_fence(
             rid,
             receive,
-            f"released after the freshness window and P's WRITE deadline passed without an "
-            f"acknowledgement from P rank(s) {silent}; P's connection dropped",
+            silent | receive.unsettled,
+            f"no acknowledgement from P rank(s) {names} within the freshness window and P's WRITE deadline",
+            now,
         )
 
-    def _reconnect(self, engine: _Producer, reason: str) -> list[Any]:
-        """Drop the engine's agents (its connection) and handshake afresh; registered requests
-        keep waiting (their producers' names are unchanged unless P restarted)."""
+    def _await_fence(
+        self, rid: str, receive: _Receive, producers: set[RankKey] | frozenset[RankKey], why: str, now: float
+    ) -> list[Any]:
+        """Release ``rid``'s blocks once ``producers``' connections are fenced (a pending fence of
+        the same engine issued from now on covers it too)."""
+        self._timers.disarm(("quarantine", rid))
+        agents = frozenset(receive.agents[p] for p in producers if p in receive.agents)
+        if not agents:  # no handshake, so nothing was ever written
+            return self._finish_close(rid, receive, f"{why}; no connection to fence")
+        receive.fence_needed_at = now
+        for fence_id, fence in self._fences.items():
+            if fence.engine_id == receive.engine_id and fence.issued_at >= now and agents <= fence.agents:
+                fence.waiting.add(rid)
+                receive.fence_id = fence_id
+                return []
+        self._fence_seq += 1
+        self.stats["fences"] += 1
+        engine = self._engines.get(receive.engine_id)
+        current = (
+            frozenset(engine.info.agents.values()) if engine is not None and engine.info else frozenset()
+        )
+        if agents & current:
+            agents |= current  # one connection per engine: fence it whole
+        fence = _Fence(receive.engine_id, now, agents, {rid}, why)
+        self._fences[self._fence_seq] = fence
+        receive.fence_id = self._fence_seq
+        action = Fence(self._fence_seq, receive.engine_id, tuple(sorted(agents)), why)
+        if engine is not None and agents & current:
+            if engine.state is _EngineState.FAILED:
+                return [action, *self._forget_agents(engine)]
+            # The engine's other requests carry on over a fresh connection.
+            return self._reconnect(engine, why, action)
+        return [action]
+
+    def fenced(self, fence_id: int, now: float) -> list[Any]:
+        """The driver confirmed fence ``fence_id``: nothing its agents sent before can land."""
+        fence = self._fences.pop(fence_id, None)
+        if fence is None:
+            return []
+        out: list[Any] = []
+        for rid in sorted(fence.waiting):
+            receive = self._requests.get(rid)
+            if receive is None or receive.fence_id != fence_id:
+                continue
+            out += self._finish_close(
+                rid, receive, f"released after P's connections were fenced ({fence.why})"
+            )
+        return out
+
+    def _forget_agents(self, engine: _Producer) -> list[Any]:
+        """The engine's agents were fenced (removed): forget them (its state is FAILED)."""
+        assert engine.info is not None
+        for agent in engine.info.agents.values():
+            self._agent_engine.pop(agent, None)
+        engine.info = None
+        engine.stamps.clear()
+        engine.heard.clear()
+        engine.hello_pending.clear()
+        return []
+
+    def _reconnect(self, engine: _Producer, reason: str, fence: Fence | None = None) -> list[Any]:
+        """Drop the engine's agents (its connection; ``fence`` when a fence does it) and
+        handshake afresh; registered requests keep waiting (their producers' names are
+        unchanged unless P restarted)."""
         assert engine.info is not None
         for agent in engine.info.agents.values():
             self._agent_engine.pop(agent, None)
@@ -578,7 +670,8 @@ class DecodeCore:
         engine.stamps.clear()
         engine.heard.clear()
         self._timers.disarm(("hello", engine.engine_id))
-        return [DropPeer(engine.engine_id, reason), Connect(engine.engine_id, engine.host, engine.port)]
+        drop = fence if fence is not None else DropPeer(engine.engine_id, reason)
+        return [drop, Connect(engine.engine_id, engine.host, engine.port)]
 
     def _end(self, rid: str, receive: _Receive, report: Report | None, *, release: bool) -> list[Any]:
         """Forget a request: the one place request state is deleted."""
@@ -736,13 +829,7 @@ class DecodeCore:
         """Drop a failed engine's agents (its requests keep their producers' identities)."""
         if engine.state is not _EngineState.FAILED or engine.info is None:
             return []
-        for agent in engine.info.agents.values():
-            self._agent_engine.pop(agent, None)
-        engine.info = None
-        engine.stamps.clear()
-        engine.heard.clear()
-        engine.hello_pending.clear()
-        return [DropPeer(engine.engine_id, engine.error)]
+        return [*self._forget_agents(engine), DropPeer(engine.engine_id, engine.error)]
 
     def _retry_at(self, engine: _Producer) -> float:
         backoff = min(self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2 ** max(0, engine.failures - 1))

@@ -115,7 +115,9 @@ def encode_done(
     return _msg(DONE_PREFIX, body)
 
 
-def encode_failed(request_id: str, producer: RankKey, reason: str) -> bytes:
+def encode_failed(request_id: str, producer: RankKey, reason: str, unsettled: bool = True) -> bytes:
+    """``unsettled``: a WRITE posted to this D rank ended without completing (bytes may follow);
+    True unless P knows otherwise."""
     return _msg(
         FAIL_PREFIX,
         {
@@ -123,6 +125,7 @@ def encode_failed(request_id: str, producer: RankKey, reason: str) -> bytes:
             "pp": producer.pp_rank,
             "tp": producer.tp_rank,
             "reason": reason[:MAX_REASON],
+            "unsettled": unsettled,
         },
     )
 
@@ -135,7 +138,11 @@ def encode_cancel(match_key: str, reg: PushRegistration | None = None, decode_tp
     return _msg(CANCEL_PREFIX, body)
 
 
-def encode_cancel_ack(request_id: str, producer: RankKey, write_in_flight: bool) -> bytes:
+def encode_cancel_ack(
+    request_id: str, producer: RankKey, write_in_flight: bool, unsettled: bool = True
+) -> bytes:
+    """``unsettled``: a WRITE posted to this D rank ended without completing (bytes may follow);
+    True unless P knows otherwise."""
     return _msg(
         CANCEL_ACK_PREFIX,
         {
@@ -143,6 +150,7 @@ def encode_cancel_ack(request_id: str, producer: RankKey, write_in_flight: bool)
             "pp": producer.pp_rank,
             "tp": producer.tp_rank,
             "inflight": write_in_flight,
+            "unsettled": unsettled,
         },
     )
 
@@ -416,12 +424,22 @@ def decode_notification(message: bytes) -> Notification | None:
             kind=kind, request_id=request_id, registration=reg, producer=RankKey(0, reg.decode_tp_rank)
         )
     producer = _producer(body, what)
+    # A P that does not say whether a WRITE ended unsettled may have left bytes on the way.
+    unsettled = body.get("unsettled", True) is not False
     if kind is NotificationKind.CANCEL_ACK:
         return Notification(
-            kind=kind, request_id=request_id, producer=producer, write_in_flight=bool(body.get("inflight"))
+            kind=kind,
+            request_id=request_id,
+            producer=producer,
+            write_in_flight=bool(body.get("inflight")),
+            unsettled=unsettled,
         )
     reason = body.get("reason")
     reason = reason[:MAX_REASON] if isinstance(reason, str) else "unknown"
+    if kind is NotificationKind.FAILED:
+        return Notification(
+            kind=kind, request_id=request_id, producer=producer, reason=reason, unsettled=unsettled
+        )
     return Notification(kind=kind, request_id=request_id, producer=producer, reason=reason)
 
 

@@ -94,6 +94,8 @@ class _DestState:
     handles: set[Any] = attrs.field(factory=set)
     bytes: int = 0
     error: str = ""
+    unsettled: bool = False
+    """A WRITE was posted (or a post was attempted) and did not complete: bytes may be on the way."""
 
 
 @attrs.define(eq=False)
@@ -149,7 +151,8 @@ class PrefillCore:
         self.s = settings
         self._plan = plan
         self._requests: dict[str, _Request] = {}
-        self._tombstones: dict[str, tuple[str, str, str]] = {}
+        self._tombstones: dict[str, tuple[str, str, str, bool]] = {}
+        """Ended keys: (outcome, D engine, failure, whether a WRITE of it ended unsettled)."""
         """key -> (outcome "sent"/"failed", D engine id, failure reason)."""
         self._engines: dict[str, _Decode] = {}
         self._timers = Deadlines()
@@ -313,7 +316,10 @@ class PrefillCore:
                     Send(
                         agent,
                         wire.encode_failed(
-                            reg.request_id, self.s.rank, f"P no longer holds {key!r}: {tomb[2] or tomb[0]}"
+                            reg.request_id,
+                            self.s.rank,
+                            f"P no longer holds {key!r}: {tomb[2] or tomb[0]}",
+                            unsettled=tomb[3],
                         ),
                     )
                 ]
@@ -459,7 +465,7 @@ class PrefillCore:
             self._reject(agent, note, "CANCEL from an agent this rank has not loaded for that D rank")
             return []
         request = self._requests.get(key)
-        ack = wire.encode_cancel_ack(reg.request_id, self.s.rank, False)
+        ack = wire.encode_cancel_ack(reg.request_id, self.s.rank, False, unsettled=False)
         if request is None or request.engine_id != engine.engine_id:
             # Nothing of this key is being written to this engine. Refuse its later
             # registrations for the key (a PUSH_REG may still be on its way), then acknowledge:
@@ -744,6 +750,9 @@ class PrefillCore:
             return []
         # The engine stays loaded: a refused post is usually local, and a D that died and came
         # back is recognised by its new incarnation.
+        dest = request.dests.get(rank) if request.dests else None
+        if dest is not None:
+            dest.unsettled = True  # part of a refused post may have gone out
         return self._fail_request(request, f"WRITE to D rank {rank} failed: {reason}", now)
 
     def write_settled(
@@ -771,12 +780,12 @@ class PrefillCore:
             engine.inflight = max(0, engine.inflight - 1)
         if dest.error:
             dest.state = _Dest.FAILED
+            dest.unsettled = True  # aborted or failed after it was posted
             request.failure = request.failure or dest.error
             entry = request.regs.get(rank)
             if entry is not None:
-                out.append(
-                    Send(entry.agent, wire.encode_failed(entry.reg.request_id, self.s.rank, dest.error))
-                )
+                message = wire.encode_failed(entry.reg.request_id, self.s.rank, dest.error, unsettled=True)
+                out.append(Send(entry.agent, message))
         else:
             dest.state = _Dest.DONE
         if engine is not None and engine.drop_when_idle and not engine.inflight:
@@ -798,7 +807,9 @@ class PrefillCore:
                 dest.state = _Dest.FAILED
             loaded = engine is not None and engine.agents.get(rank) == entry.agent
             if tell_decode and loaded and entry.agent not in request.cancel_acks:
-                out.append(Send(entry.agent, wire.encode_failed(entry.reg.request_id, self.s.rank, reason)))
+                unsettled = dest is not None and dest.unsettled
+                message = wire.encode_failed(entry.reg.request_id, self.s.rank, reason, unsettled)
+                out.append(Send(entry.agent, message))
         for dest in (request.dests or {}).values():
             if dest.state in (_Dest.WAIT_REG, _Dest.WAIT_CONNECT, _Dest.WAIT_FRESH, _Dest.POSTING):
                 dest.state = _Dest.FAILED
@@ -818,10 +829,19 @@ class PrefillCore:
         for kind in ("lease", "stash"):
             self._timers.disarm((kind, request.key))
         outcome = "failed" if request.failure else "sent"
-        self._tombstones[request.key] = (outcome, request.engine_id, request.failure)
+        any_unsettled = any(d.unsettled for d in (request.dests or {}).values())
+        self._tombstones[request.key] = (outcome, request.engine_id, request.failure, any_unsettled)
         self._timers.arm(("tomb", request.key), now + self.s.registration_ttl_s)
+        unsettled = {
+            entry.agent
+            for rank, entry in request.regs.items()
+            if request.dests and rank in request.dests and request.dests[rank].unsettled
+        }
         out: list[Any] = [
-            Send(agent, wire.encode_cancel_ack(d_rid, self.s.rank, request.write_at_cancel))
+            Send(
+                agent,
+                wire.encode_cancel_ack(d_rid, self.s.rank, request.write_at_cancel, agent in unsettled),
+            )
             for agent, d_rid in request.cancel_acks.items()
         ]
         if request.blocks is None:

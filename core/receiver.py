@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from kvpush.core.actions import Connect, DropPeer, FreeStaging, Release, Report, Scatter, Send
+from kvpush.core.actions import Connect, DropPeer, Fence, FreeStaging, Release, Report, Scatter, Send
 from kvpush.core.decode_core import DecodeCore, DecodeSettings, ProducerInfo
 from kvpush.core.errors import ConfigError, HandshakeError, WaitTimeout
 from kvpush.core.peers import PeerEngine
@@ -40,6 +40,20 @@ from kvpush.core.types import (
 from kvpush.core.worker import WRITE_DEADLINE_KEY, RankWorker, lease_clock
 
 logger = logging.getLogger(__name__)
+
+FENCE_RETRY_S = 1.0
+"""A fence the transport has not confirmed by then is applied again (and logged)."""
+
+
+@attrs.define(eq=False)
+class _PendingFence:
+    action: Fence
+    started_at: float
+    retried_at: float = attrs.field()
+
+    @retried_at.default
+    def _retried_at(self) -> float:
+        return self.started_at
 
 
 @attrs.frozen
@@ -74,6 +88,8 @@ class PushReceiver(RankWorker):
         self._failed: dict[str, str] = {}
         self._cancelled: dict[str, str] = {}
         self._released: list[str] = []
+        self._fences: dict[int, _PendingFence] = {}
+        """Fences the transport has not confirmed yet (checked every writer step)."""
 
     @property
     def stats(self) -> dict[str, int]:
@@ -253,6 +269,8 @@ class PushReceiver(RankWorker):
         elif isinstance(action, DropPeer):
             logger.info("dropping P engine %s: %s", action.engine_id, action.reason)
             self.peers.remove(action.engine_id)
+        elif isinstance(action, Fence):
+            self._fence(action)
         else:
             raise TypeError(f"unknown action {action!r}")
 
@@ -350,10 +368,54 @@ class PushReceiver(RankWorker):
             )
         )
 
+    # ------------------------------------------------------------------ fences
+
+    def _fence(self, action: Fence) -> None:
+        """Remove the agents and shut every connection that carries their data; the blocks
+        waiting on the fence are released once the transport confirms it (:meth:`_poll`)."""
+        assert self.peers is not None and self.transport is not None
+        logger.warning(
+            "fencing P engine %s (agents %s): %s", action.engine_id, list(action.agents), action.reason
+        )
+        loaded = self.peers.engines.get(action.engine_id)
+        if loaded is not None and {r.agent for r in loaded.ranks.values()} & set(action.agents):
+            self.peers.remove(action.engine_id)  # the core reconnects or forgets the engine
+        fence_peer = getattr(self.transport, "fence_peer", None)
+        for agent in action.agents:
+            if fence_peer is not None:
+                fence_peer(agent)
+            else:
+                self.transport.remove_peer(agent)
+        self._fences[action.fence_id] = _PendingFence(action, time.monotonic())
+
+    def _check_fences(self) -> None:
+        assert self.core is not None and self.transport is not None
+        fenced = getattr(self.transport, "fenced", None)
+        now = time.monotonic()
+        for fence_id, pending in list(self._fences.items()):
+            agents = pending.action.agents
+            if fenced is not None and not all(fenced(agent) for agent in agents):
+                if now - pending.retried_at >= FENCE_RETRY_S:
+                    # Still not confirmed: shut down again what is still open, and say so.
+                    pending.retried_at = now
+                    logger.warning(
+                        "fence of P engine %s (agents %s) not confirmed after %.1fs; the blocks "
+                        "waiting on it stay held; retrying",
+                        pending.action.engine_id,
+                        list(agents),
+                        now - pending.started_at,
+                    )
+                    for agent in agents:
+                        self.transport.fence_peer(agent)  # type: ignore[attr-defined]
+                continue
+            del self._fences[fence_id]
+            self._execute(self.core.fenced(fence_id, lease_clock()))
+
     # ------------------------------------------------------------------ timers
 
     def _poll(self, now: float) -> None:
-        pass  # D posts no WRITEs
+        if self._fences:
+            self._check_fences()
 
     def _timers(self, now: float) -> None:
         assert self.core is not None
@@ -363,7 +425,7 @@ class PushReceiver(RankWorker):
         return self.core.next_deadline() if self.core is not None else None
 
     def _busy(self) -> bool:
-        return self.core is not None and self.core.pending > 0
+        return self.core is not None and (self.core.pending > 0 or bool(self._fences))
 
     def _closed(self) -> None:
         """Report every request still pending as failed and released (the agent is going away,

@@ -76,6 +76,15 @@ class Transport(Protocol):
     def remove_peer(self, peer: str) -> None:
         """Forget a peer and every list prepared against it."""
 
+    def fence_peer(self, peer: str) -> None:
+        """Remove ``peer`` and start making sure nothing it already sent can still land in this
+        agent's memory: tear down every connection that can carry its data (over TCP, bytes a
+        partitioned peer queued arrive minutes later unless the connection is gone). D calls it
+        before it reuses blocks a failed or silent P may have been writing."""
+
+    def fenced(self, peer: str) -> bool:
+        """True once the fence of ``peer`` is complete (D releases the blocks only then)."""
+
     def prepare_remote(self, peer: str, descriptors: np.ndarray, mem_type: MemType) -> int:
         """Prepare an Nx3 list of a peer's descriptors; returns a handle."""
 

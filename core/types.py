@@ -503,6 +503,10 @@ class Notification:
     request_ids: tuple[str, ...] = field(default=(), converter=tuple)
     write_in_flight: bool = False
     """CANCEL_ACK: a WRITE of the request was in flight when the cancel arrived (now settled)."""
+    unsettled: bool = False
+    """FAILED / CANCEL_ACK: a WRITE P posted to this D rank ended without completing (aborted at
+    its deadline, or an error), so some of its bytes may still be on their way: D fences P's
+    connections before it releases the blocks. A P that does not say is taken to mean True."""
     packing: PackManifest | None = None
     """DONE of a packed WRITE: where in D's staging the producer's bytes are, to scatter."""
     stamp: float | None = None

@@ -561,7 +561,11 @@ def test_hook_kvpush_decode_notification_round_trips(kvpush_pm):
     )
     failed = kvpush_pm.decode_notification(wire.encode_failed("d-req", RankKey(0, 1), "NIXL said no"))
     assert failed == Notification(
-        kind=NotificationKind.FAILED, request_id="d-req", producer=RankKey(0, 1), reason="NIXL said no"
+        kind=NotificationKind.FAILED,
+        request_id="d-req",
+        producer=RankKey(0, 1),
+        reason="NIXL said no",
+        unsettled=True,
     )
     cancel = kvpush_pm.decode_notification(wire.encode_cancel("xfer-1"))
     assert cancel == Notification(kind=NotificationKind.CANCEL, request_id="xfer-1")

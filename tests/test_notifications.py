@@ -76,6 +76,21 @@ def test_a_long_failure_reason_is_truncated_when_decoded() -> None:
     assert note is not None and len(note.reason) == wire.MAX_REASON
 
 
+@pytest.mark.parametrize("prefix", [wire.FAIL_PREFIX, wire.CANCEL_ACK_PREFIX])
+def test_an_unsettled_write_is_assumed_unless_p_says_otherwise(prefix: bytes) -> None:
+    """Issue 12: FAIL and CANCEL_ACK say whether a WRITE P posted ended without completing (D
+    must fence before releasing). A P that does not say is taken to mean it may have."""
+    if prefix == wire.FAIL_PREFIX:
+        settled = wire.encode_failed("d-1", RankKey(0, 0), "why", unsettled=False)
+    else:
+        settled = wire.encode_cancel_ack("d-1", RankKey(0, 0), False, unsettled=False)
+    fields = body(settled, prefix)
+    assert wire.decode_notification(settled).unsettled is False
+    assert wire.decode_notification(with_body(prefix, {**fields, "unsettled": True})).unsettled is True
+    silent = {k: v for k, v in fields.items() if k != "unsettled"}
+    assert wire.decode_notification(with_body(prefix, silent)).unsettled is True
+
+
 def test_a_peer_one_minor_version_ahead_interoperates() -> None:
     """A synthetic newer peer: minor version 7 and fields this side has never heard of."""
     fields = body(wire.encode_push_reg(REG), wire.PUSH_REG_PREFIX)

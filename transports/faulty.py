@@ -193,6 +193,12 @@ class FaultyTransport:
     def remove_peer(self, peer: str) -> None:
         self.inner.remove_peer(peer)
 
+    def fence_peer(self, peer: str) -> None:
+        self.inner.fence_peer(peer)
+
+    def fenced(self, peer: str) -> bool:
+        return bool(self.inner.fenced(peer))
+
     def prepare_remote(self, peer: str, descriptors: np.ndarray, mem_type: MemType) -> int:
         return self.inner.prepare_remote(peer, descriptors, mem_type)
 

@@ -82,6 +82,13 @@ class LoopbackTransport:
             for handle in [h for h, (owner, _) in self._lists.items() if owner == peer]:
                 del self._lists[handle]
 
+    def fence_peer(self, peer: str) -> None:
+        """In-process copies complete inside ``post_write``: removing the peer is the fence."""
+        self.remove_peer(peer)
+
+    def fenced(self, peer: str) -> bool:
+        return peer not in self._peers
+
     def prepare_remote(self, peer: str, descriptors: np.ndarray, mem_type: MemType) -> int:
         handle = next(_IDS)
         self._lists[handle] = (peer, np.array(descriptors, dtype=np.uint64))

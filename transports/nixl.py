@@ -26,6 +26,13 @@ Options (``TransportConfig.options``):
 The ``UCX_*`` settings are put in the environment only while the backend is created (UCX reads
 its configuration then) and restored afterwards, so agents in one process can differ.
 
+Fencing (:meth:`NixlTransport.fence_peer`): removing a NIXL agent does not close UCX's TCP
+connection to it, and UCX over TCP copies a WRITE's bytes into memory as it reads them. So the
+metadata carries this agent's UCX TCP listeners, and a fence shuts down every connection to the
+peer's listeners and from its addresses into ours (:mod:`kvpush.transports.tcp_fence`); bytes
+the peer queued before are then refused by the kernel. Over RDMA, destroying the endpoint is
+the fence (there are no sockets to shut).
+
 NIXL is imported only when a transport is created, never at plugin import.
 """
 
@@ -43,10 +50,15 @@ from kvpush.core.errors import ConfigError, TransferError
 from kvpush.core.markers import hookimpl
 from kvpush.core.transport import TransferState, TransportConfig, TransportCounters
 from kvpush.core.types import KVRegion, MemType, TransportProvider
+from kvpush.transports import tcp_fence
+from kvpush.transports.framing import frame, unframe
 
 logger = logging.getLogger(__name__)
 
 LOCAL_AGENT = "NIXL_INIT_AGENT"
+MAGIC = b"KVPNIXL1\0"
+PEER_LISTENERS_KEPT = 4096
+"""Removed peers whose listeners are remembered, so a fence can still find their sockets."""
 
 
 def _merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -183,6 +195,7 @@ class NixlTransport:
         self._agent = nixl_agent(
             config.agent_name, nixl_agent_config(enable_prog_thread=progress, backends=[])
         )
+        listeners_before = tcp_fence.own_listeners() if tcp_fence.supported() else set()
         for backend in backends:
             params: dict[str, str] = {}
             env: dict[str, str] = {}
@@ -201,6 +214,14 @@ class NixlTransport:
                     f"{err}; available plugins: {sorted(self._agent.get_plugin_list())}"
                 ) from err
         self._agent_name = config.agent_name
+        self._tcp_listeners = sorted(
+            (tcp_fence.own_listeners() - listeners_before) if tcp_fence.supported() else set()
+        )
+        """UCX's TCP listeners of this agent (published, so a peer can fence its connections)."""
+        self._peer_listeners: dict[str, list[tuple[str, int]] | None] = {}
+        self._fences: dict[str, tuple[list[int], int]] = {}
+        """Peer -> (inodes shut down, drain count when it was fenced)."""
+        self._drains = 0
         self._blob = self._agent.get_agent_metadata()
         self._registrations: list[Any] = []
         self._lists: set[int] = set()
@@ -214,7 +235,7 @@ class NixlTransport:
         return self._agent_name
 
     def metadata(self) -> bytes:
-        return self._blob
+        return frame(MAGIC, {"tcp_listeners": [list(a) for a in self._tcp_listeners]}, self._blob)
 
     # ------------------------------------------------------------------ memory
 
@@ -248,11 +269,19 @@ class NixlTransport:
     # ------------------------------------------------------------------ peers
 
     def load_peer(self, blob: bytes) -> str:
+        inner, info = unframe(MAGIC, blob, "nixl")
         try:
-            name = self._agent.add_remote_agent(blob)
+            name = self._agent.add_remote_agent(inner)
         except Exception as err:
             raise TransferError(f"NIXL could not load a peer agent: {err}") from err
         name = name.decode() if isinstance(name, bytes) else str(name)
+        self._peer_listeners.pop(name, None)
+        self._peer_listeners[name] = _listeners(info)
+        while len(self._peer_listeners) > PEER_LISTENERS_KEPT:
+            oldest = next(iter(self._peer_listeners))
+            if oldest in self._peers:
+                break
+            del self._peer_listeners[oldest]
         if name not in self._peers:
             self._peers.add(name)
             self.counters.peers_loaded += 1
@@ -268,6 +297,41 @@ class NixlTransport:
             except Exception as err:  # the peer may already be gone
                 logger.warning("removing NIXL peer %s failed: %s", peer, err)
             self.counters.peers_removed += 1
+
+    def fence_peer(self, peer: str) -> None:
+        """Remove ``peer`` and shut down every TCP connection that can carry its data here."""
+        self.remove_peer(peer)
+        inodes: list[int] = []
+        if tcp_fence.supported():
+            listeners = self._peer_listeners.get(peer)
+            if listeners is None:
+                # A peer that published no listeners (an older release): its connections cannot
+                # be told apart, so every connection into ours is shut (safe; others reconnect).
+                logger.warning(
+                    "fencing %s: it published no UCX TCP listeners; shutting every inbound one", peer
+                )
+            found = tcp_fence.peer_sockets(listeners, self._tcp_listeners)
+            inodes = tcp_fence.shut_down(s.inode for s in found)
+            if inodes:
+                logger.info(
+                    "fenced %s: shut down %d TCP connection(s) %s",
+                    peer,
+                    len(inodes),
+                    [f"{s.local[1]}->{s.remote[0]}:{s.remote[1]}" for s in found],
+                )
+        self._fences[peer] = (inodes, self._drains)
+
+    def fenced(self, peer: str) -> bool:
+        """True once nothing ``peer`` sent before :meth:`fence_peer` can still be read: every
+        fenced socket is closed or drained, and UCX progressed at least once since."""
+        entry = self._fences.get(peer)
+        if entry is None:
+            return peer not in self._peers
+        inodes, drains = entry
+        if self._drains <= drains or not tcp_fence.fence_complete(inodes):
+            return False
+        del self._fences[peer]
+        return True
 
     def prepare_remote(self, peer: str, descriptors: np.ndarray, mem_type: MemType) -> int:
         try:
@@ -358,6 +422,7 @@ class NixlTransport:
         self.counters.notifs_sent += 1
 
     def drain_notifs(self) -> list[tuple[str, bytes]]:
+        self._drains += 1
         out = []
         for peer, messages in self._agent.get_new_notifs().items():
             name = peer.decode() if isinstance(peer, bytes) else str(peer)
@@ -380,6 +445,25 @@ class NixlTransport:
             except Exception as err:
                 logger.warning("deregistering NIXL memory failed: %s", err)
         self._registrations.clear()
+
+
+def _listeners(info: dict[str, Any] | None) -> list[tuple[str, int]] | None:
+    """The peer's published UCX TCP listeners; None for a peer that published none."""
+    if info is None or not isinstance(info.get("tcp_listeners"), list):
+        return None
+    out = []
+    for entry in info["tcp_listeners"]:
+        if (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], int)
+            and 0 < entry[1] < 65536
+        ):
+            out.append((entry[0], entry[1]))
+        else:
+            raise TransferError(f"nixl peer metadata: a TCP listener must be [host, port], got {entry!r}")
+    return out
 
 
 @hookimpl

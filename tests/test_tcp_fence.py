@@ -1,0 +1,166 @@
+"""Issue 12: fencing a peer's TCP connections (``kvpush.transports.tcp_fence``, NIXL's
+``fence_peer``): after the fence, bytes the peer sends on an old connection are refused by the
+kernel, never read, so they cannot land in blocks D released."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpush.transports import tcp_fence
+
+pytestmark = pytest.mark.skipif(not tcp_fence.supported(), reason="needs /proc/self/net/tcp (Linux)")
+WAIT_S = 30.0
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket, socket.socket]]:
+    """(listener, client, server side): a connection made by this process to its own listener."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    try:
+        yield listener, client, server
+    finally:
+        for s in (listener, client, server):
+            s.close()
+
+
+def _inode(table: list[tcp_fence.TcpSocket], sock: socket.socket) -> int:
+    return next(s.inode for s in table if (s.local, s.remote) == (sock.getsockname(), sock.getpeername()))
+
+
+def test_peer_sockets_finds_connections_to_the_peers_listeners_and_from_its_host(
+    pair: tuple[socket.socket, socket.socket, socket.socket],
+) -> None:
+    listener, client, server = pair
+    port = listener.getsockname()[1]
+    table = tcp_fence.sockets()
+    out = {s.inode for s in tcp_fence.peer_sockets([("127.0.0.1", port)], [], table)}
+    client_inode = _inode(table, client)
+    server_inode = _inode(table, server)
+    assert out == {client_inode}, "outbound: the connection to the peer's listener only"
+    inbound = {s.inode for s in tcp_fence.peer_sockets([("127.0.0.2", 1)], [("0.0.0.0", port)], table)}
+    assert server_inode not in inbound, "inbound from another host is not the peer's"
+    unknown = {s.inode for s in tcp_fence.peer_sockets(None, [("0.0.0.0", port)], table)}
+    assert server_inode in unknown, "a peer that publishes nothing: every inbound connection"
+    assert tcp_fence.peer_sockets([], [("0.0.0.0", port)], table) == [], "no TCP listener, no TCP"
+
+
+def test_after_the_fence_new_bytes_are_refused_and_never_read(
+    pair: tuple[socket.socket, socket.socket, socket.socket],
+) -> None:
+    """The kernel rule the fence rests on: a socket shut down for reading and writing answers
+    new data with a reset; the reader sees end of stream or the reset, never the bytes."""
+    _, client, server = pair
+    client.sendall(b"before")
+    assert server.recv(64) == b"before"
+    inode = _inode(tcp_fence.sockets(), server)
+    assert tcp_fence.shut_down([inode]) == [inode]
+    deadline = time.monotonic() + WAIT_S
+    while not tcp_fence.fence_complete([inode]):
+        assert time.monotonic() < deadline, "the fence was not confirmed"
+        time.sleep(0.01)
+    with pytest.raises(OSError):  # reset by the fenced side (EPIPE / ECONNRESET)
+        for _ in range(50):
+            client.sendall(b"after the fence" * 1000)
+            time.sleep(0.02)
+    try:
+        got = server.recv(64)
+    except ConnectionResetError:
+        got = b""  # the fenced side reset the connection itself
+    assert got == b"", "the fenced side reads end of stream or a reset, never the new bytes"
+
+
+def test_shut_down_ignores_sockets_this_process_does_not_hold() -> None:
+    assert tcp_fence.shut_down([2**40]) == []
+    assert tcp_fence.fence_complete([2**40])
+
+
+# ------------------------------------------------------------------------------ NIXL
+
+torch = pytest.importorskip("torch")
+
+
+def _tcp_peer(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from test_nixl_transport import Peer
+
+    monkeypatch.setenv("UCX_TLS", "tcp")  # the spawned peer's UCX reads it
+    return Peer("fence-test-peer")
+
+
+def _progress_until(local: Any, done: Any, what: str) -> None:
+    """Progress ``local``'s UCX worker (a send goes out only when it progresses) until ``done()``."""
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, f"{what!r} did not arrive within {WAIT_S}s"
+        end = time.monotonic() + 0.05
+        while time.monotonic() < end:
+            local.drain_notifs()
+
+
+def test_nixl_publishes_its_ucx_tcp_listeners() -> None:
+    from kvpush.core.transport import TransportConfig
+    from kvpush.transports.framing import unframe
+    from kvpush.transports.nixl import MAGIC, NixlTransport
+
+    transport = NixlTransport(TransportConfig(agent_name="fence-listeners", options={"ucx_tls": "tcp"}))
+    try:
+        _, info = unframe(MAGIC, transport.metadata(), "nixl")
+        assert info is not None and info["tcp_listeners"], info
+        listening = {s.local for s in tcp_fence.sockets() if s.state == tcp_fence.LISTEN}
+        assert {tuple(a) for a in info["tcp_listeners"]} <= listening
+    finally:
+        transport.close()
+
+
+def test_nixl_fence_shuts_the_peers_connection_and_a_new_one_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpush.core.transport import TransportConfig
+    from kvpush.transports.nixl import NixlTransport
+
+    peer = _tcp_peer(monkeypatch)
+    local = NixlTransport(TransportConfig(agent_name="fence-test-local", options={"ucx_tls": "tcp"}))
+    try:
+        name = local.load_peer(peer.blob)
+        assert peer.call("load", local.metadata()) == "fence-test-local"
+        local.send_notif(name, b"hello")
+        _progress_until(local, lambda: any(m == b"hello" for _, m in peer.call("notifs")), "hello")
+        peer.call("notify", "fence-test-local", b"before")
+        deadline = time.monotonic() + WAIT_S
+        got: list[tuple[str, bytes]] = []
+        while not got and time.monotonic() < deadline:
+            got += local.drain_notifs()
+        assert got == [(name, b"before")]
+        mine = tcp_fence.own_socket_fds()
+        before = [s for s in tcp_fence.sockets() if s.inode in mine and s.state == tcp_fence.ESTABLISHED]
+        assert before, "no TCP connection to fence: UCX did not use TCP"
+
+        local.fence_peer(name)
+        deadline = time.monotonic() + WAIT_S
+        while not local.fenced(name):
+            assert time.monotonic() < deadline, "the fence was not confirmed"
+            local.drain_notifs()
+            time.sleep(0.005)
+        alive = {s.inode for s in tcp_fence.sockets() if s.state == tcp_fence.ESTABLISHED}
+        assert not alive & {s.inode for s in before}, "a fenced connection is still established"
+
+        # The peer's next message on its old connection is refused, never delivered here.
+        try:
+            peer.call("notify", "fence-test-local", b"after the fence")
+        except RuntimeError:
+            pass  # the peer's UCX saw the reset
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            assert local.drain_notifs() == [], "bytes sent on a fenced connection were read"
+
+        # A fresh connection works.
+        name = local.load_peer(peer.blob)
+        local.send_notif(name, b"again")
+        _progress_until(local, lambda: any(m == b"again" for _, m in peer.call("notifs")), "again")
+    finally:
+        local.close()
+        peer.stop()
