@@ -64,6 +64,14 @@ class RankOptions:
     switch_interval_us: float = 0.0
 
 
+class _Landed:
+    """Stands in for the event of an empty copy."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+
 @attrs.define
 class _Request:
     p_ids: list[list[int]]
@@ -271,7 +279,7 @@ class _ServeRank:
                 self.raw.agent.transfer(handle)
             request.event = now  # posted
         else:
-            request.event = self.kernel.launch(request.spans)
+            request.event = self.kernel.launch(request.spans) or _Landed()  # None: nothing to copy
         self.send(("finished", rid, now))
 
     def poll_prefill(self) -> bool:
@@ -495,6 +503,8 @@ class ServeCluster:
         kind = message[0]
         if kind == "error":
             raise RuntimeError(f"serve rank {rank.key} failed:\n{message[1]}")
+        if kind not in ("finished", "sent", "done"):
+            return  # a reply nobody waits for any more
         tally = self._tallies.get(message[1])
         if tally is None:
             return  # a late report of an earlier run
@@ -587,7 +597,8 @@ class ServeCluster:
                     o.verified = all(tally.oks) if tally.oks else None
                     open_.discard(rid)
                     self._release(self.d_pools, blocks, rid, 1)
-                if tally.sent >= len(self.p_ranks):
+            for rid in [r for r, e in blocks.items() if e[0] is not None]:
+                if self._tallies[rid].sent >= len(self.p_ranks):  # every P rank is done with them
                     self._release(self.p_pools, blocks, rid, 0)
             waits = [arrivals[next_arrival] if next_arrival < len(outcomes) else now + 0.01]
             if finishes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import attrs
 import numpy as np
 import pytest
 
@@ -234,3 +235,14 @@ def test_multi_rank_open_loop_run_verifies_on_every_d_rank(
     s = result["runs"][0]["kvpush"]
     total = round(s["mean_bytes"] * s["completed"])
     assert total % (writes * per_token * model.block_size) == 0  # whole blocks of every head
+
+
+def test_multi_rank_blocks_go_back_to_the_pools_as_requests_end() -> None:
+    """P's and D's blocks return to their pools as each request ends, not at the end of the
+    run: a pool one block short of holding every request at once serves them all."""
+    base = serve.Workload(layers=2, median_tokens=40, max_tokens=96, requests=5, verify_every=0, poll_s=1e-3)
+    need = sum(base.blocks_per_group(t)[0] for t in base.prompt_lengths())
+    w = attrs.evolve(base, prefill_tp=2, pool_blocks=max(need - 1, base.blocks_per_group(96)[0]))
+    result = serve.run(w, [2.0], sweep=False, p99_factor=2.0, ideal=False, say=lambda _m: None)
+    s = result["runs"][0]["kvpush"]
+    assert s["completed"] == 5 and s["failures"] == [], s
