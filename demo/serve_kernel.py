@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kvpush.core.errors import ConfigError
@@ -102,57 +103,87 @@ def enable_peer_access(a: str, b: str) -> None:
         torch.zeros(1, device=a).copy_(torch.zeros(1, device=b))
 
 
+@attrs.frozen
+class Spans:
+    """A request's rows in the kernel ideal: ids into the concatenated P-side and copy-side
+    descriptor tables, and the same rows as addresses (``src``, ``dst``, ``lengths``)."""
+
+    lids: np.ndarray
+    rids: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    lengths: np.ndarray
+
+
 class KernelIdeal:
     """One kernel launch per request from P's blocks into a copy allocation on D's device.
 
     ``pairs`` lists, per D rank P writes, ``(P's SpanTable, the copy's SpanTable)``: the copy's
     regions are a second allocation shaped as that D rank's caches (aligned to P's regions).
+    Both sides' descriptor tables go to the GPU once (:class:`kvpush.core.kernels.DeviceTable`),
+    so a request uploads only its row ids and the kernel resolves addresses
+    (``launch_indirect``, as kvpush's ``cuda_ipc`` posts do); rows of unequal length or
+    unaligned fall back to uploading addresses (``launch``).
     """
 
     def __init__(self, device: str, pairs: Sequence[tuple[SpanTable, SpanTable]]) -> None:
         require_cuda(device)
         import torch
 
-        from kvpush.core.kernels import copier_for
+        from kvpush.core.kernels import DeviceTable, copier_for
 
         self.device = torch.device(device)
         self.pairs = list(pairs)
         self.copier = copier_for(self.device)
+        self.local = np.concatenate([local.table for local, _ in self.pairs]).astype(np.int64)
+        self.remote = np.concatenate([copy.table for _, copy in self.pairs]).astype(np.int64)
+        self.local_offsets = np.cumsum([0] + [len(local.table) for local, _ in self.pairs])[:-1]
+        self.remote_offsets = np.cumsum([0] + [len(copy.table) for _, copy in self.pairs])[:-1]
+        self.ltab = DeviceTable(self.local[:, 0], self.local[:, 1], self.device)
+        self.rtab = DeviceTable(self.remote[:, 0], self.remote[:, 1], self.device)
+        self.indirect = self.ltab.usable and self.rtab.usable and self.ltab.length == self.rtab.length
+        if max(len(self.local), len(self.remote)) >= 1 << 31:
+            self.indirect = False  # ids are int32
         self._check: Any = None
 
-    def spans(
-        self, p_ids: Sequence[Sequence[int]], d_ids: Sequence[Sequence[int]]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(src, dst, lengths)`` of the whole request (computed before its finish)."""
-        src, dst, lengths = [], [], []
-        for local, copy in self.pairs:
-            s, n = local.spans(p_ids)
-            d, m = copy.spans(d_ids)
-            if not np.array_equal(n, m):
-                raise ConfigError("kernel ideal: P's and D's rows differ in length (slices do not pair)")
-            src.append(s)
-            dst.append(d)
-            lengths.append(n)
-        return np.concatenate(src), np.concatenate(dst), np.concatenate(lengths)
+    def spans(self, p_ids: Sequence[Sequence[int]], d_ids: Sequence[Sequence[int]]) -> Spans:
+        """The whole request's rows (computed before its finish)."""
+        lids, rids = [], []
+        for (local, copy), lo, ro in zip(self.pairs, self.local_offsets, self.remote_offsets):
+            lids.append(local.ids(p_ids).astype(np.int64) + lo)
+            rids.append(copy.ids(d_ids).astype(np.int64) + ro)
+        li, ri = np.concatenate(lids), np.concatenate(rids)
+        lengths = self.local[li, 1]
+        if len(li) != len(ri) or not np.array_equal(lengths, self.remote[ri, 1]):
+            raise ConfigError("kernel ideal: P's and D's rows differ in length (slices do not pair)")
+        return Spans(
+            lids=li.astype(np.int32),
+            rids=ri.astype(np.int32),
+            src=self.local[li, 0],
+            dst=self.remote[ri, 0],
+            lengths=lengths,
+        )
 
-    def launch(self, spans: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Any:
+    def launch(self, spans: Spans) -> Any:
         """Enqueue the copy; returns the CUDA event recorded after it (``.query()`` to poll)."""
-        return self.copier.launch(*spans)
+        if self.indirect:
+            return self.copier.launch_indirect(self.ltab, self.rtab, spans.lids, spans.rids)
+        return self.copier.launch(spans.src, spans.dst, spans.lengths)
 
-    def check(self, spans: tuple[np.ndarray, np.ndarray, np.ndarray]) -> bool:
+    def check(self, spans: Spans) -> bool:
         """True when every destination row holds its source row's bytes (both gathered into
         contiguous buffers by the same copier, then compared)."""
         import torch
 
-        src, dst, lengths = spans
+        lengths = spans.lengths
         total = int(lengths.sum())
         if self._check is None or self._check.numel() < 2 * total:
             self._check = torch.empty(2 * total, dtype=torch.uint8, device=self.device)
         buffer = self._check
         offsets = buffer.data_ptr() + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-        self.copier.copy(src, offsets, lengths)
-        self.copier.copy(dst, offsets + total, lengths)
+        self.copier.copy(spans.src, offsets, lengths)
+        self.copier.copy(spans.dst, offsets + total, lengths)
         return bool(torch.equal(buffer[:total], buffer[total : 2 * total]))
 
 
-__all__ = ["KernelIdeal", "SpanTable", "align", "enable_peer_access", "require_cuda", "targets"]
+__all__ = ["KernelIdeal", "SpanTable", "Spans", "align", "enable_peer_access", "require_cuda", "targets"]

@@ -246,3 +246,95 @@ def test_multi_rank_blocks_go_back_to_the_pools_as_requests_end() -> None:
     result = serve.run(w, [2.0], sweep=False, p99_factor=2.0, ideal=False, say=lambda _m: None)
     s = result["runs"][0]["kvpush"]
     assert s["completed"] == 5 and s["failures"] == [], s
+
+
+class _CpuCopier:
+    """Stands in for the CUDA kernel on the CPU: the same span lists (and, indirect, the same
+    ``DeviceTable`` encoding of addresses), copied with ``kvpush.core.kernels.copy_spans_cpu``."""
+
+    class _Landed:
+        @staticmethod
+        def query() -> bool:
+            return True
+
+    def launch(self, src, dst, lengths, **_kw):
+        from kvpush.core.kernels import copy_spans_cpu
+
+        copy_spans_cpu(src, dst, lengths)
+        return self._Landed()
+
+    def launch_indirect(self, ltab, rtab, lids, rids, **_kw):
+        from kvpush.core.kernels import copy_spans_cpu
+
+        def resolve(tab, ids):
+            return tab.tensor.data_ptr() + tab.tensor.numpy()[np.asarray(ids)] * 16
+
+        copy_spans_cpu(resolve(ltab, lids), resolve(rtab, rids), ltab.length)
+        return self._Landed()
+
+    def copy(self, src, dst, lengths, **_kw) -> int:
+        from kvpush.core.kernels import copy_spans_cpu
+
+        return copy_spans_cpu(src, dst, lengths)
+
+
+@pytest.fixture
+def cpu_kernel(monkeypatch):
+    from kvpush.core import kernels
+    from kvpush.demo import serve_kernel
+
+    monkeypatch.setattr(serve_kernel, "require_cuda", lambda *_a, **_k: None)
+    monkeypatch.setattr(kernels, "copier_for", lambda _device: _CpuCopier())
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 2)])
+def test_kernel_ideal_lands_every_head_where_d_expects_it(
+    cpu_kernel, prefill_tp: int, decode_tp: int
+) -> None:
+    """The kernel ideal's rows for P TP -> D TP: P's ranks fill their heads, each copies its
+    slices into D-shaped copies, and every D rank's copy holds D's expected (global) heads."""
+    from kvpush.core.types import ParallelConfig
+    from kvpush.demo.content import fill_request, region_views, verify_request
+    from kvpush.demo.serve_kernel import KernelIdeal, SpanTable, align, targets
+    from kvpush.layouts.uniform import allocate_kv_caches, describe_uniform
+
+    model = serve.Workload(layers=2, decode_tp=2).model()
+    seed, p_ids, d_ids = 11, [[3, 5, 1]], [[6, 0, 2]]
+    d_side = []
+    for t in range(decode_tp):
+        par = ParallelConfig(tp_size=decode_tp, tp_rank=t, num_layers=2)
+        caches = allocate_kv_caches(model, par, 8)
+        d_side.append((par, caches, describe_uniform(caches, par, model)))
+    ideals = []
+    for r in range(prefill_tp):
+        par = ParallelConfig(tp_size=prefill_tp, tp_rank=r, num_layers=2)
+        caches = allocate_kv_caches(model, par, 8)
+        regions = describe_uniform(caches, par, model)
+        fill_request(regions, region_views(caches, regions), par, seed, p_ids)
+        groups = [x.kv_group for x in regions]
+        pairs = [
+            (SpanTable(regions, lp, groups), SpanTable(align(regions, d_side[d][2]), rp, groups))
+            for d, lp, rp in targets(r, prefill_tp, decode_tp, replicate=False)
+        ]
+        ideal = KernelIdeal("cpu", pairs)
+        assert ideal.indirect  # uniform rows: the id-only launch is taken
+        spans = ideal.spans(p_ids, d_ids)
+        assert ideal.launch(spans).query() and ideal.check(spans)
+        ideals.append((ideal, spans, caches))
+    for par, caches, regions in d_side:
+        assert verify_request(regions, region_views(caches, regions), par, seed, d_ids) is None
+    ideal, spans, _ = ideals[0]
+    d_caches = d_side[0][1]
+    next(iter(d_caches.values()))[0, 6].view(-1)[0] += 1  # a byte of D's first block, K of layer 0
+    assert not ideal.check(spans)
+    assert verify_request(d_side[0][2], region_views(d_caches, d_side[0][2]), d_side[0][0], seed, d_ids)
+
+
+def test_pair_kernel_ideal_run_replays_the_arrivals(cpu_kernel) -> None:
+    """``--ideal kernel`` in the one-pair harness, the CPU copy standing in for the kernel: every
+    request lands by the same Poisson arrivals and the sampled ones compare equal."""
+    w = serve.Workload(layers=2, median_tokens=40, max_tokens=96, requests=6, verify_every=2, poll_s=1e-3)
+    with serve.ServePair(w, modes=("kvpush", "kernel")) as pair:
+        s = serve.summarize(20.0, pair.run(20.0, w.prompt_lengths(), ideal="kernel", say=lambda _m: None))
+    assert s["completed"] == 6 and s["verified"] == 3 and s["verify_failed"] == 0, s
+    assert 0 < s["p50_ms"] <= s["max_ms"]
