@@ -254,34 +254,64 @@ def test_loss_is_ridden_through(hosts: MultiHost, loss: float) -> None:
     assert_no_leaks(hosts)
 
 
-def _outage(hosts: MultiHost, start: str, end: str, seconds: float) -> None:
-    push_ok(hosts, ["warm-0"], BOUND_S)
+def _outage(
+    hosts: MultiHost,
+    start: str,
+    end: str,
+    seconds: float,
+    bound_s: float = BOUND_S,
+    recovery_s: float = RECOVERY_S,
+) -> None:
+    push_ok(hosts, ["warm-0"], bound_s)
     rids = [f"{start}-{i}" for i in range(16)]
     hosts.plan(rids, num_blocks=48)
     hosts.dispatch(rids)
     getattr(hosts, start)()
     outage_end = time.monotonic() + seconds
-    # During the outage every request must resolve (fail, named) within its bound.
-    hosts.wait_decode(rids, BOUND_S)
-    assert_outcomes(hosts, rids)
+    # During the outage every request must resolve (fail, named) within its bound, and have its
+    # blocks released (after D fenced P's connections).
+    hosts.wait_decode(rids, bound_s)
+    assert_outcomes(hosts, rids, bound_s)
     time.sleep(max(0.0, outage_end - time.monotonic()))
     getattr(hosts, end)()
-    took = push_ok(hosts, [f"after-{start}-0", f"after-{start}-1"], RECOVERY_S + BOUND_S)
+    # The WRITEs P's kernel queued before the outage arrive now: the fence must refuse them.
+    took = push_ok(hosts, [f"after-{start}-0", f"after-{start}-1"], recovery_s + bound_s)
     hosts.record["new_requests_after_network_returned_s"] = round(took, 2)
     assert hosts.check_freed() == {}, "a WRITE landed in blocks D had freed"
     assert_no_leaks(hosts)
 
 
 @pytest.mark.multihost_full
-@pytest.mark.xfail(
-    strict=False,
-    reason="open (issue 12/16): with the link down (not a silent DROP) for 60 s, stage 1's WRITEs "
-    "queued before the outage land when the link returns, after D released the blocks: neither "
-    "P aborting its handle and removing D's agent at the WRITE deadline nor D removing P's agents "
-    "closes the kernel's TCP connection (see docs/reliability.md, residual risk)",
-)
 def test_a_60s_link_down_with_writes_in_flight(hosts: MultiHost) -> None:
+    """Issue 12: the WRITEs P's kernel queued before the outage arrive when the link returns,
+    long after D released the blocks; D fenced P's connections first, so they are refused."""
     _outage(hosts, "link_down", "link_up", 60.0)
+
+
+FAST_TIMERS = {
+    "request_timeout_s": 6.0,
+    "lease_s": 6.0,
+    "heartbeat_interval_s": 0.5,
+    "peer_silence_s": 4.0,
+    "write_deadline_s": 2.0,
+}
+"""Timers short enough that requests fail and their blocks are released well inside a 20 s
+outage (quarantine: 1 s grant window + 2 s WRITE deadline + 2 s margin)."""
+
+
+@pytest.mark.multihost
+def test_writes_queued_through_a_link_down_are_refused_after_d_released_the_blocks() -> None:
+    """The quick form of the 60 s link-down (CI): blocks released during a 20 s outage, then the
+    link returns with P's queued WRITEs; none lands (D fenced P's connections before the
+    release), and new requests succeed over fresh connections."""
+    bound = FAST_TIMERS["request_timeout_s"] + quarantine_s(FAST_TIMERS) + SLACK_S
+    recovery = 2 * FAST_TIMERS["heartbeat_interval_s"] + SLACK_S
+    with MultiHost(timers=FAST_TIMERS) as hosts:
+        hosts.record["test"] = "writes_queued_through_a_link_down_are_refused"
+        try:
+            _outage(hosts, "link_down", "link_up", 20.0, bound, recovery)
+        finally:
+            _save(hosts.record)
 
 
 @pytest.mark.multihost_full
