@@ -338,3 +338,24 @@ def test_pair_kernel_ideal_run_replays_the_arrivals(cpu_kernel) -> None:
         s = serve.summarize(20.0, pair.run(20.0, w.prompt_lengths(), ideal="kernel", say=lambda _m: None))
     assert s["completed"] == 6 and s["verified"] == 3 and s["verify_failed"] == 0, s
     assert 0 < s["p50_ms"] <= s["max_ms"]
+
+
+def _cuda() -> bool:
+    from kvpush.core.kernels import triton_available
+
+    return triton_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device and Triton")
+@pytest.mark.parametrize("topology", [{}, {"prefill_pp": 2, "decode_tp": 2}, {"prefill_tp": 2}])
+def test_kernel_ideal_on_cuda_replays_and_verifies(topology: dict) -> None:
+    """On a GPU: kvpush and both ideals (raw NIXL, the one-kernel copy) for one pair and for
+    multi-rank topologies, every sampled request verified."""
+    w = serve.Workload(
+        layers=2, median_tokens=40, max_tokens=96, requests=8, verify_every=2, device="cuda:0", **topology
+    )
+    result = serve.run(w, [20.0], sweep=False, p99_factor=2.0, ideal=["nixl", "kernel"], say=lambda _m: None)
+    (entry,) = result["runs"]
+    for method in ("kvpush", "ideal", "ideal_kernel"):
+        s = entry[method]
+        assert s["completed"] == 8 and s["verified"] == 4 and s["verify_failed"] == 0, (method, s)
