@@ -2,9 +2,10 @@
 
 Requests arrive open-loop (Poisson at ``--rate`` per second) with prompt lengths drawn from a
 log-normal distribution (``--median-tokens``, ``--sigma``, capped at ``--max-tokens``) or a
-fixed list (``--tokens``). This process is P (a real :class:`PushSender`, TP1, PP1); a spawned
-process is D (a real :class:`PushReceiver`, TP1). Both allocate each request's blocks at random
-from a churned pool, the way a paged cache does (blocks return to the pool as requests end).
+fixed list (``--tokens``). By default this process is P (a real :class:`PushSender`, TP1, PP1)
+and a spawned process is D (a real :class:`PushReceiver`, TP1), at one rank's geometry. Both
+allocate each request's blocks at random from a churned pool, the way a paged cache does
+(blocks return to the pool as requests end).
 
 Per request: at arrival D registers it (its ``PUSH_REG`` goes to P); ``--prefill-ms`` later
 P's "prefill" finishes (``request_finished``; no compute is simulated) and the clock starts;
@@ -13,9 +14,17 @@ clocks are ``CLOCK_MONOTONIC`` of one host). That interval is the **added latenc
 owns in time-to-first-token. Every ``--verify-every``-th request is filled with a pattern on
 P before its finish and checked block by block on D (the sample rate is reported).
 
-The same arrivals and prompt lengths are replayed against the **ideal**: a raw NIXL WRITE of
-the request's per-block descriptors (ids computed before the finish, posted at the finish,
-one notification, as a connector that needs nothing else would do).
+The same arrivals and prompt lengths are replayed against the **ideal** (``--ideal``,
+repeatable): ``nixl`` (default), a raw NIXL WRITE of the request's per-block descriptors (posted
+at the finish, one notification, as a connector that needs nothing else would do); ``kernel``
+(CUDA only), one kernel copying the request's blocks in P's process into a second allocation
+on D's device (:mod:`kvpush.demo.serve_kernel`).
+
+``--prefill-pp``/``--prefill-tp``/``--decode-tp`` run P as PP x TP rank processes and D as TP
+rank processes instead (:mod:`kvpush.demo.serve_ranks`, on the demo's rank machinery): the
+model then has the preset's KV heads x its TP, each rank holds its slice, the clock runs from
+the earliest P rank's finish to the last D rank's done, every D rank verifies the samples, and
+the ideals post the same per-(P rank, D rank) WRITEs (or one kernel per P rank).
 
 ``--sweep`` doubles the rate from ``--rate`` until p99 exceeds ``--p99-factor`` x the
 unloaded p50 (the first rate's) or the achieved rate falls below 90 % of the offered one,
