@@ -69,6 +69,7 @@ class PushSender(RankWorker):
         a key is refused; close() reports what is left)."""
         self._packing_stats = {"packed_writes": 0, "packed_fallbacks": 0}
         self._region_groups: tuple[Any, tuple[int, ...]] | None = None
+        self._block_bytes: dict[int, tuple[Any, dict[int, int]]] = {}
         self._aligned_regions: dict[int, tuple[Any, Any, Any, tuple[Any, ...]]] = {}
         """id(peer rank) -> (the peer rank, its metadata, its alignment, its aligned regions)."""
 
@@ -321,7 +322,8 @@ class PushSender(RankWorker):
                 )
             ]
         nbytes = sum(
-            r.block_len // spec.local_part[1] * len(spec.local_block_ids[r.kv_group]) for r in regions
+            size * len(spec.local_block_ids[group])
+            for group, size in self._group_bytes(regions, spec.local_part[1]).items()
         )
         return handles, nbytes
 
@@ -330,6 +332,17 @@ class PushSender(RankWorker):
         cached = self._region_groups
         if cached is None or cached[0] is not regions:
             cached = self._region_groups = (regions, tuple(r.kv_group for r in regions))
+        return cached[1]
+
+    def _group_bytes(self, regions: tuple[Any, ...], count: int) -> dict[int, int]:
+        """KV group -> bytes one block id of the group moves over all regions, for slices of
+        ``count`` per block (the request's byte count is this times its ids, per group)."""
+        cached = self._block_bytes.get(count)
+        if cached is None or cached[0] is not regions:
+            sizes: dict[int, int] = {}
+            for r in regions:
+                sizes[r.kv_group] = sizes.get(r.kv_group, 0) + r.block_len // count
+            cached = self._block_bytes[count] = (regions, sizes)
         return cached[1]
 
     def _aligned(self, peer: Any) -> tuple[Any, ...]:

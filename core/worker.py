@@ -172,6 +172,7 @@ class RankWorker:
         self.unauthenticated_notifications = 0
         secret = config.secret if config.secret is not None else os.environ.get("KVPUSH_SIDE_CHANNEL_SECRET")
         self._mac_key = notif_auth.derive_key(secret.encode()) if secret else None
+        self._capacity: dict[int, int] | None = None
         self.staging: Any = None
         """Packed-transfer staging pool (:class:`kvpush.core.packing.StagingPool`), once started."""
         self.packer: Any = None
@@ -291,11 +292,14 @@ class RankWorker:
             raise ConfigError(f"request_id must be a non-empty string, got {request_id!r}")
         blocks = to_block_ids(block_ids)
         assert self.metadata is not None
-        capacity: dict[int, int] = {}
-        for region in self.metadata.regions:
-            capacity[region.kv_group] = min(
-                capacity.get(region.kv_group, region.num_blocks), region.num_blocks
-            )
+        capacity = self._capacity
+        if capacity is None:  # per KV group: the fewest blocks of its regions (fixed after start)
+            capacity = {}
+            for region in self.metadata.regions:
+                capacity[region.kv_group] = min(
+                    capacity.get(region.kv_group, region.num_blocks), region.num_blocks
+                )
+            self._capacity = capacity
         for group, ids in enumerate(blocks):
             if len(set(ids)) != len(ids):
                 raise ConfigError(
