@@ -109,6 +109,95 @@ def _kernel() -> Any:
     return _KERNEL
 
 
+_REPLAY = [True]
+"""Whether compiled kernels are launched directly (off after a replay failed once)."""
+
+
+def _spec(value: Any) -> tuple[Any, ...]:
+    """What Triton specialises an argument on: a pointer's 16-byte alignment; an int's being
+    1, a multiple of 16 and 32-bit. Launches that agree on these reuse one compiled kernel."""
+    if isinstance(value, int):
+        return (value == 1, value % 16 == 0, -(1 << 31) <= value < 1 << 31)
+    ptr = getattr(value, "data_ptr", None)
+    return (ptr() % 16 == 0,) if ptr is not None else (type(value),)
+
+
+class _Launcher:
+    """Launches Triton kernels with the least host work.
+
+    The first launch of each specialisation (kernel, constexprs, warps, argument
+    specialisation) goes through Triton's JIT entry (binding, specialisation, cache lookup:
+    ~50-90 µs of host time, more in a busy engine process); later ones call that compiled
+    kernel's own launcher directly, as the JIT entry would (Triton >= 3.3: ``run(grid, stream,
+    function, packed_metadata, launch_metadata, hooks, *all arguments)``). Any failure of the
+    direct call turns it off for the process and launches through the JIT entry again.
+    """
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+        self.replays = 0
+        self._knobs: Any = None
+        if _REPLAY[0]:
+            try:
+                from triton import knobs
+
+                self._knobs = knobs
+            except ImportError:  # Triton < 3.3: another launcher signature
+                _REPLAY[0] = False
+
+    def __call__(
+        self,
+        kernel: Any,
+        grid: tuple[int, int],
+        args: tuple[Any, ...],
+        constexprs: dict[str, Any],
+        warps: int,
+        stream: Any,
+    ) -> None:
+        import torch
+
+        key = (id(kernel), warps, *constexprs.items(), *map(_spec, args))
+        compiled = self._compiled.get(key) if _REPLAY[0] else None
+        if compiled is not None and torch.cuda.current_device() == self.device.index:
+            knobs = self._knobs.runtime
+            values = (*args, *constexprs.values())
+            handle = stream.cuda_stream
+            try:
+                metadata = compiled.launch_metadata(grid, handle, *values)
+                compiled.run(
+                    grid[0],
+                    grid[1],
+                    1,
+                    handle,
+                    compiled.function,
+                    compiled.packed_metadata,
+                    metadata,
+                    knobs.launch_enter_hook,
+                    knobs.launch_exit_hook,
+                    *values,
+                )
+                self.replays += 1
+                return
+            except Exception as err:  # a launcher signature this code does not know: JIT from now on
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    "direct Triton launch failed (%r); using Triton's JIT entry", err
+                )
+                _REPLAY[0] = False
+        with torch.cuda.stream(stream):
+            compiled = kernel[grid](*args, **constexprs, num_warps=warps)
+        if hasattr(compiled, "result"):  # an asynchronous compile's future
+            compiled = compiled.result()
+        if _REPLAY[0] and all(
+            hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")
+        ):
+            if len(self._compiled) >= 256:
+                self._compiled.clear()
+            self._compiled[key] = compiled
+
+
 def widest(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> int:
     """The widest element size (8, 4, 2, 1) dividing every address and length."""
     bits = int(np.bitwise_or.reduce(src)) if len(src) else 0
@@ -179,9 +268,29 @@ class SpanCopier:
         self.launches = 0
         self.aligned_launches = 0
         self.host_seconds = [0.0, 0.0]
+        """Host time of launches: preparing the table, enqueueing upload and kernel (totals)."""
         self._ids_host = torch.empty(0, dtype=torch.int32).pin_memory()
         self._ids_dev = torch.empty(0, dtype=torch.int32, device=self.device)
-        """Host time of launches: preparing the table, enqueueing upload and kernel (totals)."""
+        self._launch = _Launcher(self.device)
+        self._after = torch.cuda.Event()
+        """Re-recorded per launch on the stream waited for (a wait takes the record of its call)."""
+        self._upload_event = torch.cuda.Event()
+        """Re-recorded per launch after the upload; synchronised before ``host`` is refilled."""
+
+    @property
+    def replays(self) -> int:
+        """Launches that skipped Triton's JIT entry (see ``_Launcher``)."""
+        return self._launch.replays
+
+    def _wait_for(self, after: Any) -> None:
+        """Make the copier's stream wait for ``after`` (default: the engine's current stream)."""
+        import torch
+
+        if after is not None:
+            self.stream.wait_stream(after)  # any stream (its own fresh event)
+            return
+        self._after.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(self._after)
 
     def _buffers(self, words: int) -> tuple[Any, Any]:
         import torch
@@ -231,8 +340,7 @@ class SpanCopier:
             block = min(MAX_BLOCK, 1 << max(0, (longest - 1).bit_length()))
             grid = (count, -(-longest // block))
         stream = self.stream
-        waited = after if after is not None else torch.cuda.current_stream(self.device)
-        stream.wait_stream(waited)
+        self._wait_for(after)
         plain, fast, _ = _kernel()
         prepared = time.perf_counter()
         with torch.cuda.stream(stream):
@@ -241,24 +349,16 @@ class SpanCopier:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
             table[:words].copy_(host[:words], non_blocking=True)
-            uploaded = torch.cuda.Event()
-            uploaded.record(stream)
-            warps = max(1, min(8, block // 256))
-            if aligned:
-                fast[grid](
-                    table,
-                    table,
-                    count,
-                    LEN=elems,
-                    BLOCK=block,
-                    MASK=elems % block != 0,
-                    num_warps=warps,
-                )
-            else:
-                plain[grid](table, count, WIDTH=width, BLOCK=block, num_warps=warps)
-            done = torch.cuda.Event(enable_timing=timed)
-            done.record(stream)
-        self._uploaded = uploaded
+        self._upload_event.record(stream)
+        warps = max(1, min(8, block // 256))
+        if aligned:
+            constexprs = {"LEN": elems, "BLOCK": block, "MASK": elems % block != 0}
+            self._launch(fast, grid, (table, table, count), constexprs, warps, stream)
+        else:
+            self._launch(plain, grid, (table, count), {"WIDTH": width, "BLOCK": block}, warps, stream)
+        done = torch.cuda.Event(enable_timing=timed)
+        done.record(stream)
+        self._uploaded = self._upload_event
         self._timing = (start, done) if timed else None
         self.host_seconds[0] += prepared - began
         self.host_seconds[1] += time.perf_counter() - prepared
@@ -292,27 +392,20 @@ class SpanCopier:
         block = min(ALIGNED_BLOCK, 1 << max(0, (elems - 1).bit_length()))
         grid = (count, -(-elems // block))
         stream = self.stream
-        stream.wait_stream(after if after is not None else torch.cuda.current_stream(self.device))
+        self._wait_for(after)
         indirect = _kernel()[2]
         prepared = time.perf_counter()
         with torch.cuda.stream(stream):
             self._ids_dev[: 2 * count].copy_(self._ids_host[: 2 * count], non_blocking=True)
-            uploaded = torch.cuda.Event()
-            uploaded.record(stream)
-            warps = max(1, min(8, block // 256))
-            indirect[grid](
-                ltab.tensor,
-                rtab.tensor,
-                self._ids_dev,
-                count,
-                LEN=elems,
-                BLOCK=block,
-                MASK=elems % block != 0,
-                num_warps=warps,
-            )
-            done = torch.cuda.Event()
-            done.record(stream)
-        self._uploaded = uploaded
+        self._upload_event.record(stream)
+        warps = max(1, min(8, block // 256))
+        constexprs = {"LEN": elems, "BLOCK": block, "MASK": elems % block != 0}
+        self._launch(
+            indirect, grid, (ltab.tensor, rtab.tensor, self._ids_dev, count), constexprs, warps, stream
+        )
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._uploaded = self._upload_event
         self._timing = None
         self.launches += 1
         self.aligned_launches += 1
@@ -330,8 +423,8 @@ class SpanCopier:
 
     def copy(self, src: Any, dst: Any, lengths: Any, *, after: Any = None, timed: bool = False) -> int:
         """Copy and wait for the copy's event; returns the bytes copied."""
-        _, _, n = as_spans(src, dst, lengths)
-        event = self.launch(src, dst, lengths, after=after, timed=timed)
+        s, d, n = as_spans(src, dst, lengths)
+        event = self.launch(s, d, n, after=after, timed=timed)
         if event is not None:
             event.synchronize()
         return int(n.sum())

@@ -152,3 +152,20 @@ def test_cuda_packer_round_trip_equals_cpu() -> None:
     Packer(rd).copy(pool.tensor, offsets, rd, ids_d, (0, 1), gather=False)
     for name in src:
         assert torch.equal(kv_bytes(src[name])[:, list(ids_p[0])], kv_bytes(dst[name])[:, list(ids_d[0])])
+
+
+@GPU
+def test_repeated_launches_skip_tritons_jit_entry_and_stay_byte_exact() -> None:
+    """After the first launch of a specialisation, launches call the compiled kernel directly;
+    span counts that specialise differently (1, multiples of 16, others) each stay exact."""
+    source = torch.randint(0, 255, (1 << 22,), dtype=torch.uint8, device="cuda")
+    copier = kernels.copier_for("cuda")
+    before = copier.replays
+    for count in (1, 16, 17, 300, 1, 16, 17, 300, 64):
+        target = torch.zeros(1 << 22, dtype=torch.uint8, device="cuda")
+        starts = np.arange(count) * 8192
+        copier.copy(source.data_ptr() + starts, target.data_ptr() + starts + 4096, 4096)
+        for s in starts.tolist():
+            assert torch.equal(target[s + 4096 : s + 8192], source[s : s + 4096]), count
+    if kernels._REPLAY[0]:
+        assert copier.replays > before
