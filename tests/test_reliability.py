@@ -143,7 +143,7 @@ def test_cancel_racing_an_in_flight_write_is_reported_only_after_it_settles() ->
 
 def test_lost_cancel_keeps_blocks_until_no_write_can_land_then_drops_p() -> None:
     """Issue 10.3: without an ack, the blocks are released only after the freshness window plus
-    P's published WRITE deadline (never on a bare timer), and P's connection is dropped."""
+    P's published WRITE deadline, and then only once P's connection was fenced (issue 12)."""
     with Cluster(
         heartbeat_interval_s=0.05,
         write_deadline_s=0.4,
@@ -157,8 +157,9 @@ def test_lost_cancel_keeps_blocks_until_no_write_can_land_then_drops_p() -> None
         reason = cancelled_reason(cluster, "d-1")
         held = time.monotonic() - started
         assert held >= 0.4, f"released after {held:.2f}s, inside P's WRITE deadline"
-        assert "without an acknowledgement from P rank(s) (pp=0, tp=0)" in reason
-        assert receiver.stats["quarantine_expiries"] == 1
+        assert "no acknowledgement from P rank(s) (pp=0, tp=0)" in reason
+        assert "released after P's connections were fenced" in reason
+        assert receiver.stats["quarantine_expiries"] == 1 and receiver.stats["fences"] == 1
         assert receiver.transport.counters.peers_removed >= 1  # the connection was torn down ...
         cluster.add("d-2", [[2]], "x-2")  # ... and a fresh one serves the next request
         cluster.finish("p-2", [[3]], "x-2")
