@@ -597,6 +597,9 @@ class ServeCluster:
                     o.verified = all(tally.oks) if tally.oks else None
                     open_.discard(rid)
                     self._release(self.d_pools, blocks, rid, 1)
+                elif mode == "nixl" and tally.failure and tally.sent >= len(self.p_ranks):
+                    o.failure = tally.failure  # a raw WRITE failed: D would wait for it in vain
+                    open_.discard(rid)
             for rid in [r for r, e in blocks.items() if e[0] is not None]:
                 if self._tallies[rid].sent >= len(self.p_ranks):  # every P rank is done with them
                     self._release(self.p_pools, blocks, rid, 0)
