@@ -231,6 +231,7 @@ class DecodeCore:
                 self._agent_engine.pop(agent, None)
         del self._engines[engine_id]
         self._timers.disarm(("hello", engine_id))
+        self._timers.disarm(("hello_resend", engine_id))
 
     def state_sizes(self) -> dict[str, int]:
         """Counts of everything the core tracks (flat under load; tests assert it drains)."""
@@ -300,6 +301,7 @@ class DecodeCore:
             return self._engine_failed(engine, f"handshake with P failed: {error}", now)
         out: list[Any] = []
         previous, engine.previous = engine.previous, None
+        restarted = False
         if previous is not None:  # a reconnect: did P restart meanwhile?
             restarted = previous.incarnations != {a: info.incarnations.get(a) for a in previous.incarnations}
             for rid in sorted(engine.requests):
@@ -316,14 +318,25 @@ class DecodeCore:
                     )
                 else:
                     receive.agents = info.agents
+        if any(isinstance(action, Fence) for action in out):
+            # The old processes' connections share the agent names with the new ones: fence
+            # them (the fence removes what was just loaded), then handshake afresh.
+            return [*out, Connect(engine.engine_id, engine.host, engine.port)]
         engine.info = info
         for agent in info.agents.values():
             self._agent_engine[agent] = engine_id
         engine.state = _EngineState.HELLO
         engine.hello_pending = set(info.agents.values())
         self._timers.arm(("hello", engine_id), now + self.s.hello_timeout_s)
+        return out + self._send_hellos(engine, now)
+
+    def _send_hellos(self, engine: _Producer, now: float) -> list[Any]:
+        """HELLO to every agent that has not answered; resent until the HELLO timeout (a lost
+        HELLO must not fail every request waiting for the engine)."""
+        resend = min(self.s.heartbeat_interval_s, self.s.hello_timeout_s / 4)
+        self._timers.arm(("hello_resend", engine.engine_id), now + resend)
         hello = wire.encode_hello(self._coordinates(""), self.s.tp_rank)
-        return out + [Send(agent, hello) for agent in sorted(engine.hello_pending)]
+        return [Send(agent, hello) for agent in sorted(engine.hello_pending)]
 
     def unreachable(self, agent: str, error: str, now: float) -> list[Any]:
         """Sending to ``agent`` raised: its engine is dead to this rank."""
@@ -399,6 +412,10 @@ class DecodeCore:
                 out += self._on_quarantine_expired(name, now)
             elif kind == "hello":
                 out += self._on_hello_timeout(name, now)
+            elif kind == "hello_resend":
+                engine = self._engines.get(name)
+                if engine is not None and engine.state is _EngineState.HELLO and engine.hello_pending:
+                    out += self._send_hellos(engine, now)
             elif kind == "early":
                 dropped = self._early.pop(name, [])
                 for agent, _ in dropped:
@@ -670,6 +687,7 @@ class DecodeCore:
         engine.stamps.clear()
         engine.heard.clear()
         self._timers.disarm(("hello", engine.engine_id))
+        self._timers.disarm(("hello_resend", engine.engine_id))
         drop = fence if fence is not None else DropPeer(engine.engine_id, reason)
         return [drop, Connect(engine.engine_id, engine.host, engine.port)]
 
@@ -786,6 +804,7 @@ class DecodeCore:
         engine.state = _EngineState.READY
         engine.failures = 0
         self._timers.disarm(("hello", engine.engine_id))
+        self._timers.disarm(("hello_resend", engine.engine_id))
         out: list[Any] = []
         waiting, engine.waiting = engine.waiting, []
         for rid in waiting:
@@ -814,6 +833,7 @@ class DecodeCore:
         engine.failures += 1
         engine.failed_at = now
         self._timers.disarm(("hello", engine.engine_id))
+        self._timers.disarm(("hello_resend", engine.engine_id))
         for rid in sorted(engine.requests):
             receive = self._requests.get(rid)
             if receive is None:

@@ -24,7 +24,15 @@ class HandshakeError(KvpushError):
 
 
 class TransferError(KvpushError):
-    """Posting or completing a transfer failed."""
+    """Posting or completing a transfer failed.
+
+    ``maybe_sent``: some bytes may have gone out before it failed (the default: D then fences
+    the connection before it reuses the blocks); False only when nothing was handed to the
+    network (e.g. the transfer could not even be prepared)."""
+
+    def __init__(self, message: str, *, maybe_sent: bool = True) -> None:
+        super().__init__(message)
+        self.maybe_sent = maybe_sent
 
 
 class RequestFailed(KvpushError):

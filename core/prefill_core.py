@@ -744,14 +744,17 @@ class PrefillCore:
         self._timers.arm(("write", key, rank), now + self.s.write_deadline_s)
         return []
 
-    def post_failed(self, key: str, rank: int, reason: str, now: float) -> list[Any]:
+    def post_failed(
+        self, key: str, rank: int, reason: str, now: float, *, maybe_sent: bool = True
+    ) -> list[Any]:
+        """A post raised; ``maybe_sent``: some of its bytes may have gone out (D must fence)."""
         request = self._requests.get(key)
         if request is None:
             return []
         # The engine stays loaded: a refused post is usually local, and a D that died and came
         # back is recognised by its new incarnation.
         dest = request.dests.get(rank) if request.dests else None
-        if dest is not None:
+        if dest is not None and maybe_sent:
             dest.unsettled = True  # part of a refused post may have gone out
         return self._fail_request(request, f"WRITE to D rank {rank} failed: {reason}", now)
 

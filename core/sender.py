@@ -19,7 +19,7 @@ import attrs
 
 from kvpush.core import notifications as wire
 from kvpush.core.actions import Abort, Connect, DropPeer, Post, Report, Send
-from kvpush.core.errors import ConfigError, KvpushError
+from kvpush.core.errors import ConfigError, KvpushError, TransferError
 from kvpush.core.peers import PeerEngine
 from kvpush.core.planning import descriptor_ids, trim_for_prefix_hit
 from kvpush.core.prefill_core import PrefillCore, PrefillSettings
@@ -281,7 +281,8 @@ class PushSender(RankWorker):
             handles, nbytes = self._post_writes(post)
         except Exception as err:
             reason = str(err) if isinstance(err, KvpushError) else f"{type(err).__name__}: {err}"
-            self._execute(self.core.post_failed(post.key, post.dst, reason, lease_clock()))
+            sent = getattr(err, "maybe_sent", True)  # unknown errors: bytes may have gone out
+            self._execute(self.core.post_failed(post.key, post.dst, reason, lease_clock(), maybe_sent=sent))
             return
         self._execute(self.core.posted(post.key, post.dst, handles, nbytes, lease_clock()))
 
@@ -291,13 +292,17 @@ class PushSender(RankWorker):
         engine = self.peers.engines.get(post.engine_id)
         rank = RankKey(0, post.dst)
         if engine is None or rank not in engine.ranks:
-            raise KvpushError(f"D rank {post.dst} of {post.engine_id!r} is not loaded any more")
+            raise TransferError(
+                f"D rank {post.dst} of {post.engine_id!r} is not loaded any more", maybe_sent=False
+            )
         regions = self.metadata.regions
         groups = self._groups(regions)
         local_ids = descriptor_ids(regions, groups, spec.local_block_ids)
         remote_ids = descriptor_ids(self._aligned(engine.ranks[rank]), groups, spec.remote_block_ids)
         if len(local_ids) != len(remote_ids):
-            raise KvpushError(f"{len(local_ids)} local descriptors vs {len(remote_ids)} remote ones")
+            raise TransferError(
+                f"{len(local_ids)} local descriptors vs {len(remote_ids)} remote ones", maybe_sent=False
+            )
         job = PushJob(
             local=self.metadata,
             decode_tp_size=reg.decode_tp_size,

@@ -238,7 +238,9 @@ class FaultyTransport:
         if self._hit("fail_posts"):
             self.injected["fail_post"] += 1
             self.inner.counters.writes_failed += 1
-            raise TransferError(f"faulty transport: injected post failure ({len(local_ids)} descriptors)")
+            raise TransferError(
+                f"faulty transport: injected post failure ({len(local_ids)} descriptors)", maybe_sent=False
+            )
         if self._hit("fail_writes"):
             self.injected["fail_write"] += 1
             handle = _FailedWrite()

@@ -375,7 +375,10 @@ class NixlTransport:
             if handle is not None:
                 self._release_quietly(handle)
             self.counters.writes_failed += 1
-            raise TransferError(f"NIXL WRITE of {len(local_ids)} descriptors failed: {err}") from err
+            raise TransferError(
+                f"NIXL WRITE of {len(local_ids)} descriptors failed: {err}",
+                maybe_sent=handle is not None,  # nothing goes out before transfer() is called
+            ) from err
         self._handles.add(handle)
         self.counters.writes_posted += 1
         if state == "ERR":
