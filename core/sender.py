@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -36,7 +37,7 @@ from kvpush.core.types import (
     Role,
     read_only,
 )
-from kvpush.core.worker import RankWorker, lease_clock
+from kvpush.core.worker import FRESH_WINDOW_S, RankWorker, lease_clock
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +285,7 @@ class PushSender(RankWorker):
             sent = getattr(err, "maybe_sent", True)  # unknown errors: bytes may have gone out
             self._execute(self.core.post_failed(post.key, post.dst, reason, lease_clock(), maybe_sent=sent))
             return
+        self._fresh_until = time.monotonic() + FRESH_WINDOW_S
         self._execute(self.core.posted(post.key, post.dst, handles, nbytes, lease_clock()))
 
     def _post_writes(self, post: Post) -> tuple[list[Any], int]:

@@ -173,6 +173,10 @@ class RankWorker:
         secret = config.secret if config.secret is not None else os.environ.get("KVPUSH_SIDE_CHANNEL_SECRET")
         self._mac_key = notif_auth.derive_key(secret.encode()) if secret else None
         self._capacity: dict[int, int] | None = None
+        self._fresh_until = 0.0
+        """``time.monotonic()`` until which the writer polls every ``FRESH_POLL_S`` (P: set by
+        each post; a GPU copy is done within a few hundred microseconds, and for ``cuda_ipc``
+        D's DONE goes out only at the poll that sees it)."""
         self.staging: Any = None
         """Packed-transfer staging pool (:class:`kvpush.core.packing.StagingPool`), once started."""
         self.packer: Any = None
@@ -356,6 +360,8 @@ class RankWorker:
             except Exception:
                 logger.exception("kvpush writer of %s hit an error; continuing", self.agent_name)
             timeout = self.config.busy_poll_s if self._busy() else self.config.idle_poll_s
+            if self._fresh_until and time.monotonic() < self._fresh_until:
+                timeout = min(timeout, FRESH_POLL_S)  # a WRITE was just posted: see it end soon
             deadline = self._next_deadline()
             if deadline is not None:
                 timeout = max(0.0, min(timeout, deadline - lease_clock()))
@@ -526,6 +532,10 @@ def new_incarnation() -> str:
     late message of a replaced start is recognised as stale), then random bits."""
     return f"{time.time_ns():016x}{os.urandom(4).hex()}"
 
+
+FRESH_POLL_S = 50e-6
+"""The writer's poll interval for ``FRESH_WINDOW_S`` after a post (instead of ``busy_poll_s``)."""
+FRESH_WINDOW_S = 2e-3
 
 WRITE_DEADLINE_KEY = "write_deadline_s"
 """Metadata extension where a P rank publishes its WRITE deadline (D's quarantine needs it)."""
