@@ -101,6 +101,8 @@ class _Producer:
     port: int
     state: _EngineState = _EngineState.CONNECTING
     info: ProducerInfo | None = None
+    fenced_while_connecting: bool = False
+    """A fence went out while a handshake ran: its result may be the fenced agents; redo it."""
     waiting: list[str] = attrs.field(factory=list)
     """Requests waiting for the engine to be ready."""
     hello_pending: set[str] = attrs.field(factory=set)
@@ -154,7 +156,6 @@ class _Receive:
     """Producers that said a WRITE of theirs ended unsettled: their connections must be fenced."""
     fence_id: int | None = None
     """The fence this request's blocks wait for (released when the driver confirms it)."""
-    fence_needed_at: float = 0.0
 
 
 @attrs.define(eq=False)
@@ -297,6 +298,12 @@ class DecodeCore:
         engine = self._engines.get(engine_id)
         if engine is None or engine.state is not _EngineState.CONNECTING:
             return [DropPeer(engine_id, "handshake result for an engine no longer wanted")] if info else []
+        if engine.fenced_while_connecting:  # the fence may have removed what this handshake loaded
+            engine.fenced_while_connecting = False
+            return [
+                DropPeer(engine_id, "a fence went out while this handshake ran; handshaking again"),
+                Connect(engine.engine_id, engine.host, engine.port),
+            ]
         if info is None:
             return self._engine_failed(engine, f"handshake with P failed: {error}", now)
         out: list[Any] = []
@@ -321,6 +328,7 @@ class DecodeCore:
         if any(isinstance(action, Fence) for action in out):
             # The old processes' connections share the agent names with the new ones: fence
             # them (the fence removes what was just loaded), then handshake afresh.
+            engine.fenced_while_connecting = False  # this Connect comes after the fence
             return [*out, Connect(engine.engine_id, engine.host, engine.port)]
         engine.info = info
         for agent in info.agents.values():
@@ -623,7 +631,6 @@ class DecodeCore:
         agents = frozenset(receive.agents[p] for p in producers if p in receive.agents)
         if not agents:  # no handshake, so nothing was ever written
             return self._finish_close(rid, receive, f"{why}; no connection to fence")
-        receive.fence_needed_at = now
         for fence_id, fence in self._fences.items():
             if fence.engine_id == receive.engine_id and fence.issued_at >= now and agents <= fence.agents:
                 fence.waiting.add(rid)
@@ -641,6 +648,8 @@ class DecodeCore:
         self._fences[self._fence_seq] = fence
         receive.fence_id = self._fence_seq
         action = Fence(self._fence_seq, receive.engine_id, tuple(sorted(agents)), why)
+        if engine is not None and engine.state is _EngineState.CONNECTING:
+            engine.fenced_while_connecting = True
         if engine is not None and agents & current:
             if engine.state is _EngineState.FAILED:
                 return [action, *self._forget_agents(engine)]

@@ -1163,3 +1163,54 @@ def test_a_late_write_deadline_on_p_is_covered_up_to_the_deadline_again(late_s: 
     machine._land(w, True)  # the WRITE, stuck until now, lands
     machine._run_p(p, p.core.handle_timer(machine.now(p)))
     machine.teardown()
+
+
+def test_a_lost_hello_is_resent_and_no_waiting_request_fails() -> None:
+    """Every fence reconnects; one HELLO lost must not fail every request waiting for the engine
+    (the soak collapsed that way): D resends it until the HELLO timeout."""
+    machine = CoreCluster()
+    machine.start(topology=(1, 1, 1))
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    (handshake,) = machine.handshakes
+    machine.handshakes.clear()
+    machine._handshake(handshake, True)
+    assert machine.net, "D sent its HELLO"
+    machine.net.clear()  # lost
+    machine.advance_clock(dt=1.5)  # < the 5 s HELLO timeout, >= the resend interval (1.25 s)
+    assert machine.net, "D resent the HELLO"
+    machine.pump(rounds=8, stall_writes=False)
+    machine.prefill_finished(i=0, j=0, one_rank=False, bind=True, boom=False)
+    machine.pump(rounds=8, stall_writes=False)
+    (req,) = machine.d_procs[0].requests.values()
+    assert req.outcomes == ["done"]
+    machine.teardown()
+
+
+def test_a_fence_during_a_handshake_redoes_the_handshake() -> None:
+    """A fence that goes out while D reconnects may remove what that handshake loaded: D does
+    not use its result, it handshakes again (otherwise its HELLO goes to removed agents)."""
+    machine, first = _pushing()
+    d = machine.d_procs[0]
+    machine.advance_clock(dt=3.0)
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    machine.pump(rounds=8, stall_writes=True)  # the second request registers 3 s later
+    second = next(r for r in d.requests.values() if r is not first)
+    for i in range(2):
+        machine.cancel(i=i, j=0)
+    machine.net.clear()  # both CANCELs are lost: D waits out their quarantines
+    engine = d.core._engines[P_ENGINE]
+    for _ in range(100):  # the first quarantine ends: fence + reconnect (handshake not run)
+        if machine.fences:
+            break
+        machine.advance_clock(dt=0.5)
+    assert engine.state.value == "connecting" and machine.handshakes
+    assert not engine.fenced_while_connecting
+    for _ in range(100):  # the second ends while that handshake is still running
+        if engine.fenced_while_connecting:
+            break
+        machine.advance_clock(dt=0.5)
+    assert engine.fenced_while_connecting
+    machine.pump(rounds=8, stall_writes=False)
+    assert first.released and second.released
+    assert not engine.fenced_while_connecting and engine.state.value == "ready"
+    machine.teardown()
