@@ -39,16 +39,20 @@ def to_block_ids(value: Any) -> BlockIds:
         _CHECKED[id(value)] = value  # the entry holds the tuple, so its id is not reused
         return value
     items = list(value)
-    if items and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+    if items and (
+        _INT.issuperset(map(type, items))
+        or all(isinstance(x, int) and not isinstance(x, bool) for x in items)
+    ):
         return to_block_ids([items])  # one group, checked like any other
     groups = []
     for group in items:
         if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
             raise ConfigError(f"block ids must be a list of ints or a list of per-group lists, got {value!r}")
         ids = tuple(group)
-        for block in ids:
-            if not isinstance(block, int) or isinstance(block, bool) or block < 0:
-                raise ConfigError(f"block id {block!r} in {value!r} is not a non-negative int")
+        if not _plain_ids(ids):  # else: int subclasses, or an error naming the bad id
+            for block in ids:
+                if not isinstance(block, int) or isinstance(block, bool) or block < 0:
+                    raise ConfigError(f"block id {block!r} in {value!r} is not a non-negative int")
         groups.append(ids)
     return tuple(groups)
 
