@@ -3,25 +3,37 @@
 P (this process) and D (a spawned process) are the ``kvpush bench`` pair
 (:class:`kvpush.demo.bench.BenchPair`: real ``PushSender`` / ``PushReceiver`` over real NIXL,
 plus a bare ``nixl_agent`` each for the raw column). Both sides' methods are wrapped with
-``time.perf_counter_ns`` stamps (CLOCK_MONOTONIC: one clock for both processes), one request
-at a time, and each stage's median is printed beside raw NIXL doing the same WRITE:
+``time.perf_counter_ns`` stamps (CLOCK_MONOTONIC: one clock for both processes) and
+``time.thread_time_ns`` (the calling thread's CPU time, which load on a shared box inflates
+less than wall time), one request at a time; each stage's median is printed beside raw NIXL
+doing the same WRITE (D polling for its notification):
 
-P: ``finish -> core``   ``request_finished`` returns -> the writer thread runs the core (the hop)
-   ``core -> post``     core.finished (planning, read-spec hook) -> ``_post`` starts
-   ``post checks``      ``_post`` -> transport post (confirm_post, descriptor ids, strategy hook)
-   ``transport post``   NIXL ``make_prepped_xfer`` + ``transfer`` (or the packed gather+post)
-   ``post -> DONE``     posted -> the poll that saw DONE
-D: ``DONE -> D drain``  P saw DONE -> D's drain returned the notification (D's poll wait)
-   ``D core``           D's core handled the notification (and its actions up to the report)
-   ``D report -> ack``  D reported the request -> P got D's acknowledgement (pipe, bench loop)
+P  ``request_finished call``   the engine's call itself (id checks, queueing for the writer)
+   ``finish -> core``          request start -> the writer thread runs the core (the hop, and
+                               the notification drain that must come first)
+   ``core.finished``           the core: planning (``P.plan``: trim, read-spec hook, producer
+                               check) and the Post action
+   ``post checks``             ``_post`` -> the transport's post (confirm_post, descriptor ids,
+                               strategy hook, DONE encoding)
+   ``transport post``          NIXL ``make_prepped_xfer`` + ``transfer`` (cuda_ipc: the launch)
+   ``post -> P polls DONE``    posted -> the poll that saw DONE (cuda_ipc sends D's DONE then)
+D  ``post -> D drained DONE``  posted -> D's drain returned the DONE (D's poll interval)
+   ``D drained -> D core``     decoding the notification (plugin hook)
+   ``D core (DONE)``, ``D core -> report``, ``D report -> ack`` (the bench's pipe back to P)
 
-plus the time inside each plugin hook, planning and descriptor-id building per request. Run::
+plus the time inside each plugin hook, planning and descriptor-id building per request, and on
+CUDA P's kernel launches (how many skipped Triton's JIT entry). Shapes: ``small`` (8 regions x
+16 x 4 KiB contiguous, direct) and ``large`` (32 x 512 x 4 KiB scattered, direct) on the CPU;
+``direct32m`` (64 x 16 x 32 KiB contiguous, direct over NIXL) and ``ipc256m`` (64 x 128 x 32
+KiB scattered, ``cuda_ipc``) with ``--device cuda``. Run::
 
-    .venv/bin/python benchmarks/profile_host_path.py            # both shapes, 60 reps
-    .venv/bin/python benchmarks/profile_host_path.py --cprofile  # cProfile of P's writer thread
+    .venv/bin/python benchmarks/profile_host_path.py                    # small and large
+    .venv/bin/python benchmarks/profile_host_path.py --device cuda      # direct32m and ipc256m
+    .venv/bin/python benchmarks/profile_host_path.py --cprofile         # + cProfile tops
 
-``--cprofile`` adds a run with cProfile enabled in P's writer thread (and D's, via
-``KVPUSH_PROFILE_D``) and prints the top functions by own time.
+``--cprofile`` also runs cProfile in P's writer thread (and D's, via ``KVPUSH_PROFILE_D``) and
+prints the top functions by own time (on a loaded box, time a thread waits for a core lands on
+whatever function it was in).
 """
 
 from __future__ import annotations
@@ -38,8 +50,9 @@ from collections.abc import Callable
 from typing import Any
 
 ns = time.perf_counter_ns
-Event = tuple[str, int, int]
-"""(label, start ns, end ns) of one wrapped call."""
+cpu = time.thread_time_ns
+Event = tuple[str, int, int, int]
+"""(label, start ns, end ns, CPU ns of the calling thread) of one wrapped call."""
 
 
 class Recorder:
@@ -57,11 +70,11 @@ class Recorder:
         fixed = label or name
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = ns()
+            start, busy = ns(), cpu()
             try:
                 return original(*args, **kwargs)
             finally:
-                events.append((tag(*args, **kwargs) if tag else fixed, start, ns()))
+                events.append((tag(*args, **kwargs) if tag else fixed, start, ns(), cpu() - busy))
 
         setattr(obj, name, timed)
 
@@ -81,10 +94,10 @@ def instrument_decode(receiver: Any) -> Callable[[], Any]:
     drain = transport.drain_notifs
 
     def drain_notifs() -> Any:
-        start = ns()
+        start, busy = ns(), cpu()
         batch = drain()
         if batch:
-            rec.events.append(("D.drain", start, ns()))
+            rec.events.append(("D.drain", start, ns(), cpu() - busy))
         return batch
 
     transport.drain_notifs = drain_notifs
@@ -96,10 +109,9 @@ def instrument_decode(receiver: Any) -> Callable[[], Any]:
 
     def report() -> Any:
         text = ""
-        if profiler is not None:
+        if profiler is not None:  # cumulative: the last report holds every request's calls
             receiver.call_on_writer(profiler.disable)
             text = _top(profiler, 25)
-            profiler.clear()
             receiver.call_on_writer(profiler.enable)
         return {"events": rec.take(), "profile": text}
 
@@ -127,9 +139,9 @@ def instrument_prefill(pair: Any) -> Recorder:
     poll = transport.poll
 
     def timed_poll(handle: Any) -> Any:
-        start = ns()
+        start, busy = ns(), cpu()
         state = poll(handle)
-        rec.events.append((f"P.poll.{state.value}", start, ns()))
+        rec.events.append((f"P.poll.{state.value}", start, ns(), cpu() - busy))
         return state
 
     transport.poll = timed_poll
@@ -145,8 +157,11 @@ def _last(events: list[Event], label: str, before: int) -> Event | None:
     return hits[-1] if hits else None
 
 
-def _total(events: list[Event], label: str) -> tuple[float, int]:
+def _total(events: list[Event], label: str, index: int = 2) -> tuple[float, int]:
+    """Microseconds (wall, or with ``index=3`` the thread's CPU time) and calls of ``label``."""
     hits = [e for e in events if e[0] == label]
+    if index == 3:
+        return sum(e[3] for e in hits) / 1e3, len(hits)
     return sum(e[2] - e[1] for e in hits) / 1e3, len(hits)
 
 
@@ -182,9 +197,17 @@ def request_stages(t0: int, t_ret: int, t_end: int, p: list[Event], d: list[Even
             "P DONE -> P report": (p_report[2] - done[2]) / 1e3 if p_report else float("nan"),
         }
     )
+    mine = [e for e in p if t0 <= e[1] <= t_end]
     for label in ("P.plan", "P.descriptor_ids", *(f"P.hook.{h}" for h in HOOKS)):
-        total, calls = _total([e for e in p if t0 <= e[1] <= t_end], label)
+        total, calls = _total(mine, label)
         out[f"{label} (x{calls})"] = total
+    # CPU time of the calling thread: what the work costs, whatever else holds the cores
+    out["CPU: P core.finished"] = core[3] / 1e3
+    out["CPU: P post checks (post - transport)"] = (post[3] - tpost[3]) / 1e3
+    out["CPU: P transport post"] = tpost[3] / 1e3
+    out["CPU: P plan"] = _total(mine, "P.plan", 3)[0]
+    out["CPU: P descriptor ids"] = _total(mine, "P.descriptor_ids", 3)[0]
+    out["CPU: D core (DONE)"] = note[3] / 1e3
     return out
 
 
@@ -214,7 +237,15 @@ def _stamped(call: Callable[..., Any], returned: list[int]) -> Callable[..., Any
 
 
 def profile_shape(
-    *, layers: int, block_bytes: int, blocks: int, pattern: str, method: str, reps: int, cprofile: bool
+    *,
+    layers: int,
+    block_bytes: int,
+    blocks: int,
+    pattern: str,
+    method: str,
+    reps: int,
+    cprofile: bool,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     from kvpush.demo.bench import BenchPair, PairSpec, block_tables
 
@@ -226,7 +257,11 @@ def profile_shape(
         pool_blocks=max(2 * blocks, 64),
         staging_bytes=staging,
         decode_hook=f"{module}:instrument_decode",
+        device=device,
+        transport="cuda_ipc" if method == "cuda_ipc" else "nixl",
     )
+    # raw NIXL beside a cuda_ipc pair would map D's memory twice (see kvpush.demo.bench)
+    raw = None if method == "cuda_ipc" else "raw_nixl"
     if cprofile:
         os.environ["KVPUSH_PROFILE_D"] = "1"
     else:
@@ -234,7 +269,8 @@ def profile_shape(
     with BenchPair(spec) as pair:
         p_ids, d_ids = block_tables(blocks, spec.pool_blocks, pattern, seed=0)
         pair.verify(method, p_ids, d_ids)
-        pair.verify("raw_nixl", p_ids, d_ids)
+        if raw:
+            pair.verify(raw, p_ids, d_ids)
         rec = instrument_prefill(pair)
         profiler = cProfile.Profile() if cprofile else None
         if profiler is not None:
@@ -242,7 +278,8 @@ def profile_shape(
         raw_times: list[float] = []
         rows: list[dict[str, float]] = []
         for rep in range(reps + 3):
-            raw_times.append(pair.run("raw_nixl", p_ids, d_ids) * 1e6)
+            if raw:
+                raw_times.append(pair.run(raw, p_ids, d_ids) * 1e6)
             run = pair.prepare(method, p_ids, d_ids)
             rec.take()
             returned: list[int] = []
@@ -267,17 +304,52 @@ def profile_shape(
     return {
         "shape": f"{2 * layers} regions x {blocks} x {block_bytes // 1024} KiB {pattern}, {method}",
         "bytes": 2 * layers * block_bytes * blocks,
-        "raw_nixl_us": statistics.median(raw_times[3:]),
+        "raw_nixl_us": statistics.median(raw_times[3:]) if raw_times else float("nan"),
+        "launches": _launch_stats(pair),
         "stages_us": stages,
         "p_profile": p_profile,
         "d_profile": d_profile,
     }
 
 
+def _launch_stats(pair: Any) -> dict[str, Any]:
+    """P's kernel launches (CUDA): launches, direct replays, host seconds per launch."""
+    from kvpush.core import kernels
+
+    out: dict[str, Any] = {}
+    for (_thread, device), copier in kernels._COPIERS.items():
+        launches = max(1, copier.launches)
+        out[f"cuda:{device}"] = {
+            "launches": copier.launches,
+            "replays": copier.replays,
+            "host_us_per_launch": [round(1e6 * x / launches, 1) for x in copier.host_seconds],
+        }
+    seconds = getattr(pair.sender.transport, "post_seconds", None)
+    writes = getattr(pair.sender.transport, "ipc_writes", 0)
+    if seconds and writes:
+        out["ipc_post_us_per_write"] = [round(1e6 * x / writes, 1) for x in seconds]
+    return out
+
+
 SHAPES = {
     "small": {"layers": 4, "block_bytes": 4096, "blocks": 16, "pattern": "contiguous", "method": "direct"},
     "large": {"layers": 16, "block_bytes": 4096, "blocks": 512, "pattern": "scattered", "method": "direct"},
     "packed": {"layers": 16, "block_bytes": 4096, "blocks": 512, "pattern": "scattered", "method": "packed"},
+    # GPU (--device cuda): issue 14's rows
+    "direct32m": {
+        "layers": 32,
+        "block_bytes": 32768,
+        "blocks": 16,
+        "pattern": "contiguous",
+        "method": "direct",
+    },
+    "ipc256m": {
+        "layers": 32,
+        "block_bytes": 32768,
+        "blocks": 128,
+        "pattern": "scattered",
+        "method": "cuda_ipc",
+    },
 }
 
 
@@ -288,10 +360,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cprofile", action="store_true", help="also print cProfile tops of P's and D's writer"
     )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="KV caches on cuda:0 (shapes direct32m, ipc256m)",
+    )
     args = parser.parse_args(argv)
+    device = "cuda:0" if args.device == "cuda" else "cpu"
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
-    for name in args.shape or ["small", "large"]:
-        result = profile_shape(**SHAPES[name], reps=args.reps, cprofile=args.cprofile)
+    for name in args.shape or (["direct32m", "ipc256m"] if device != "cpu" else ["small", "large"]):
+        result = profile_shape(**SHAPES[name], reps=args.reps, cprofile=args.cprofile, device=device)
         stages = result["stages_us"]
         print(
             f"\n== {name}: {result['shape']} ({result['bytes'] / 2**20:.1f} MiB), medians of {args.reps} (us)"
@@ -300,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, value in stages.items():
             print(f"{label:<44}{value:>10.1f}")
         print(f"{'overhead over raw NIXL':<44}{stages['total'] - result['raw_nixl_us']:>10.1f}")
+        if result["launches"]:
+            print(f"kernel launches on P: {result['launches']}")
         if args.cprofile:
             print("\n-- P writer thread, cProfile by own time --\n" + result["p_profile"])
             print("\n-- D writer thread, cProfile by own time --\n" + result["d_profile"])
