@@ -163,3 +163,25 @@ def test_nixl_fence_shuts_the_peers_connection_and_a_new_one_works(monkeypatch: 
     finally:
         local.close()
         peer.stop()
+
+
+def test_a_restarted_peers_old_listeners_are_still_fenced() -> None:
+    """A peer restarted under the same agent name publishes new listeners; the old process's
+    connections (its kernel may still deliver) must be fenced too, so both are remembered."""
+    from kvpush.core.transport import TransportConfig
+    from kvpush.transports.framing import frame
+    from kvpush.transports.nixl import MAGIC, NixlTransport
+
+    local = NixlTransport(TransportConfig(agent_name="fence-restart-local", options={"ucx_tls": "tcp"}))
+    other = NixlTransport(TransportConfig(agent_name="fence-restart-peer", options={"ucx_tls": "tcp"}))
+    try:
+        from kvpush.transports.framing import unframe
+
+        inner, _ = unframe(MAGIC, other.metadata(), "nixl")
+        name = local.load_peer(frame(MAGIC, {"tcp_listeners": [["10.0.0.1", 1111]]}, inner))
+        local.remove_peer(name)
+        local.load_peer(frame(MAGIC, {"tcp_listeners": [["10.0.0.1", 2222]]}, inner))
+        assert local._peer_listeners[name] == [("10.0.0.1", 1111), ("10.0.0.1", 2222)]
+    finally:
+        local.close()
+        other.close()

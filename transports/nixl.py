@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 LOCAL_AGENT = "NIXL_INIT_AGENT"
 MAGIC = b"KVPNIXL1\0"
 PEER_LISTENERS_KEPT = 4096
+MAX_LISTENERS_PER_PEER = 64
+"""Listeners remembered per peer name across restarts (oldest dropped first)."""
 """Removed peers whose listeners are remembered, so a fence can still find their sockets."""
 
 
@@ -275,8 +277,13 @@ class NixlTransport:
         except Exception as err:
             raise TransferError(f"NIXL could not load a peer agent: {err}") from err
         name = name.decode() if isinstance(name, bytes) else str(name)
-        self._peer_listeners.pop(name, None)
-        self._peer_listeners[name] = _listeners(info)
+        # Keep the listeners of earlier loads under this name too: a restarted peer reuses its
+        # name, and the old process's connections (bytes its kernel still holds) must be fenced.
+        earlier = self._peer_listeners.pop(name, None)
+        listeners = _listeners(info)
+        if listeners is not None and earlier:
+            listeners = list(dict.fromkeys(earlier + listeners))[-MAX_LISTENERS_PER_PEER:]
+        self._peer_listeners[name] = listeners
         while len(self._peer_listeners) > PEER_LISTENERS_KEPT:
             oldest = next(iter(self._peer_listeners))
             if oldest in self._peers:
