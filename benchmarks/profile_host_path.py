@@ -83,6 +83,71 @@ class Recorder:
         return out
 
 
+# ------------------------------------------------------------------------------ A/B switch
+
+AB_ENV = "KVPUSH_PROFILE_AB"
+D_POLL_ENV = "KVPUSH_PROFILE_D_BUSY_POLL_US"
+FAST: dict[str, bool] = {"on": True}
+"""``--ab``: whether this rep runs with round 2's host-path fast paths (both processes flip
+it per rep: P before each rep, D when the rep's events are collected)."""
+
+
+def install_switch() -> None:
+    """Route round 2's fast paths through ``FAST`` so one run interleaves requests with and
+    without them (same process, same load): the inline DONE decode, hooks called without
+    pluggy's loop, the leaner descriptor ids and the trim that keeps the checked tuple. Off
+    runs the code they replaced (the general decode, pluggy, the baselines below)."""
+    from kvpush.core import manager, notifications, planning, sender
+
+    direct_done = notifications._direct_done
+    direct_calls = manager.KvpushPluginManager._direct_calls
+    notifications._direct_done = lambda message: direct_done(message) if FAST["on"] else None
+    manager.KvpushPluginManager._direct_calls = (  # type: ignore[method-assign]
+        lambda self, name: direct_calls(self, name) if FAST["on"] else None
+    )
+    ids, trim = planning.descriptor_ids, planning.trim_for_prefix_hit
+    sender.descriptor_ids = lambda *a, **k: (ids if FAST["on"] else _baseline_ids)(*a, **k)
+    sender.trim_for_prefix_hit = lambda *a: (trim if FAST["on"] else _baseline_trim)(*a)
+
+
+def _baseline_ids(regions: Any, groups: Any, block_ids: Any, *, per_token: bool = True) -> Any:
+    """``descriptor_ids`` before round 2 (its one-row path; the rest is shared)."""
+    import numpy as np
+
+    from kvpush.core import planning
+
+    table = planning._region_table(regions, per_token)
+    top = max(groups, default=-1)
+    if not (table.one_row and groups and min(groups) == top and top < len(block_ids)):
+        return planning.descriptor_ids(regions, groups, block_ids, per_token=per_token)
+    seq = block_ids[top]
+    ids = np.asarray(seq, dtype=np.int64)
+    if len(seq) <= 256 and isinstance(seq, tuple):
+        if seq and (max(seq) >= table.min_capacity or min(seq) < 0):
+            planning._check_capacity(ids, table.min_capacity, top)
+    else:
+        planning._check_capacity(ids, table.min_capacity, top)
+    offsets32 = table.column32.reshape(-1)
+    out = np.empty((len(offsets32), len(ids)), dtype=np.int32)
+    np.add(offsets32[:, None], ids.astype(np.int32)[None, :], out=out)
+    return out.ravel()
+
+
+def _baseline_trim(producer: Any, decode: Any, request_id: str) -> Any:
+    """``trim_for_prefix_hit`` before round 2: always a new tuple (checked again downstream)."""
+
+    from kvpush.core.errors import ConfigError
+
+    if len(producer) != len(decode):
+        raise ConfigError(f"request {request_id!r}: P has {len(producer)} groups, D {len(decode)}")
+    trimmed = []
+    for group, (p_ids, d_ids) in enumerate(zip(producer, decode)):
+        if len(d_ids) > len(p_ids):
+            raise ConfigError(f"request {request_id!r}: D registered more blocks in group {group}")
+        trimmed.append(tuple(p_ids[len(p_ids) - len(d_ids) :]) if d_ids else ())
+    return tuple(trimmed)
+
+
 # ------------------------------------------------------------------------------ D's side
 
 
@@ -93,7 +158,10 @@ def instrument_decode(receiver: Any) -> Callable[[], Any]:
     transport = receiver.transport
     drain = transport.drain_notifs
 
+    drains = [0]
+
     def drain_notifs() -> Any:
+        drains[0] += 1
         start, busy = ns(), cpu()
         batch = drain()
         if batch:
@@ -102,18 +170,28 @@ def instrument_decode(receiver: Any) -> Callable[[], Any]:
 
     transport.drain_notifs = drain_notifs
     rec.wrap(receiver.core, "notification", tag=lambda peer, note, now: f"D.note.{note.kind.value}")
+    rec.wrap(receiver.pm, "decode_notification", "D.decode")
     rec.wrap(receiver, "_report", "D.report")
     profiler = cProfile.Profile() if os.environ.get("KVPUSH_PROFILE_D") else None
     if profiler is not None:
         receiver.call_on_writer(profiler.enable)
+    ab = bool(os.environ.get(AB_ENV))
+    poll = os.environ.get(D_POLL_ENV)
+    if poll:  # WorkerConfig is frozen: the experiment sets the field underneath
+        object.__setattr__(receiver.config, "busy_poll_s", float(poll) * 1e-6)
+    if ab:
+        install_switch()
 
     def report() -> Any:
+        if ab:  # every report ends a rep: the next one runs with the fast paths flipped
+            FAST["on"] = not FAST["on"]
         text = ""
         if profiler is not None:  # cumulative: the last report holds every request's calls
             receiver.call_on_writer(profiler.disable)
             text = _top(profiler, 25)
             receiver.call_on_writer(profiler.enable)
-        return {"events": rec.take(), "profile": text}
+        writer_cpu = receiver.call_on_writer(time.thread_time_ns)
+        return {"events": rec.take(), "profile": text, "writer_cpu_ns": writer_cpu, "drains": drains[0]}
 
     return report
 
@@ -174,6 +252,7 @@ def request_stages(t0: int, t_ret: int, t_end: int, p: list[Event], d: list[Even
     done = _first(p, "P.poll.done", t0)
     note = _first(d, "D.note.done", t0)
     drain = _last(d, "D.drain", note[1]) if note else None
+    decode = _last(d, "D.decode", note[1]) if note else None
     report = _first(d, "D.report", t0)
     p_report = _first(p, "P.report", t0)
     if not (core and post and tpost and done and note and report):
@@ -191,6 +270,7 @@ def request_stages(t0: int, t_ret: int, t_end: int, p: list[Event], d: list[Even
             "post -> D drained DONE": (drain[2] - tpost[2]) / 1e3 if drain else float("nan"),
             "D drain call (of DONE)": (drain[2] - drain[1]) / 1e3 if drain else float("nan"),
             "D drained -> D core": (note[1] - drain[2]) / 1e3 if drain else float("nan"),
+            "D decode (of DONE)": (decode[2] - decode[1]) / 1e3 if decode else float("nan"),
             "D core (DONE)": (note[2] - note[1]) / 1e3,
             "D core -> report": (report[2] - note[2]) / 1e3,
             "D report -> ack": (t_end - report[2]) / 1e3,
@@ -208,6 +288,8 @@ def request_stages(t0: int, t_ret: int, t_end: int, p: list[Event], d: list[Even
     out["CPU: P plan"] = _total(mine, "P.plan", 3)[0]
     out["CPU: P descriptor ids"] = _total(mine, "P.descriptor_ids", 3)[0]
     out["CPU: D core (DONE)"] = note[3] / 1e3
+    out["CPU: D decode (DONE)"] = decode[3] / 1e3 if decode else float("nan")
+    out["CPU: D drain call (of DONE)"] = drain[3] / 1e3 if drain else float("nan")
     return out
 
 
@@ -246,6 +328,7 @@ def profile_shape(
     reps: int,
     cprofile: bool,
     device: str = "cpu",
+    ab: bool = False,
 ) -> dict[str, Any]:
     from kvpush.demo.bench import BenchPair, PairSpec, block_tables
 
@@ -266,6 +349,12 @@ def profile_shape(
         os.environ["KVPUSH_PROFILE_D"] = "1"
     else:
         os.environ.pop("KVPUSH_PROFILE_D", None)
+    if ab:
+        os.environ[AB_ENV] = "1"
+        install_switch()
+    else:
+        os.environ.pop(AB_ENV, None)
+    FAST["on"] = True
     with BenchPair(spec) as pair:
         p_ids, d_ids = block_tables(blocks, spec.pool_blocks, pattern, seed=0)
         pair.verify(method, p_ids, d_ids)
@@ -277,7 +366,9 @@ def profile_shape(
             pair.sender.call_on_writer(profiler.enable)
         raw_times: list[float] = []
         rows: list[dict[str, float]] = []
+        off_rows: list[dict[str, float]] = []
         for rep in range(reps + 3):
+            FAST["on"] = not ab or rep % 2 == 0  # D flips its own at each rep's "stats"
             if raw:
                 raw_times.append(pair.run(raw, p_ids, d_ids) * 1e6)
             run = pair.prepare(method, p_ids, d_ids)
@@ -294,14 +385,20 @@ def profile_shape(
             pair.settle()
             d_events = pair._call(("stats",))["hook"]["events"]
             if rep >= 3:  # warm-up reps are not counted
-                rows.append(request_stages(t0, t_ret, t_end, rec.take(), d_events))
+                row = request_stages(t0, t_ret, t_end, rec.take(), d_events)
+                (rows if FAST["on"] else off_rows).append(row)
+        idle = idle_cpu(pair, method, p_ids, d_ids)
         d_profile = pair._call(("stats",))["hook"]["profile"] if cprofile else ""
         p_profile = ""
         if profiler is not None:
             pair.sender.call_on_writer(profiler.disable)
             p_profile = _top(profiler, 30)
+    FAST["on"] = True
     stages = {k: statistics.median(r[k] for r in rows if k in r) for k in rows[-1]}
+    off = {k: statistics.median(r[k] for r in off_rows if k in r) for k in rows[-1]} if off_rows else {}
     return {
+        "stages_off_us": off,
+        "idle": idle,
         "shape": f"{2 * layers} regions x {blocks} x {block_bytes // 1024} KiB {pattern}, {method}",
         "bytes": 2 * layers * block_bytes * blocks,
         "raw_nixl_us": statistics.median(raw_times[3:]) if raw_times else float("nan"),
@@ -309,6 +406,39 @@ def profile_shape(
         "stages_us": stages,
         "p_profile": p_profile,
         "d_profile": d_profile,
+    }
+
+
+def idle_cpu(pair: Any, method: str, p_ids: Any, d_ids: Any, seconds: float = 1.0) -> dict[str, float]:
+    """Writer threads' CPU (% of a core) and D's polls per second, with nothing to do and
+    with one request registered on D that P has not finished yet (D is busy: it polls at
+    its busy interval)."""
+
+    def sample() -> tuple[int, int, int, int]:
+        d = pair._call(("stats",))["hook"]
+        return ns(), pair.sender.call_on_writer(time.thread_time_ns), d["writer_cpu_ns"], d["drains"]
+
+    def share(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, float, float]:
+        wall = b[0] - a[0]
+        return 100 * (b[1] - a[1]) / wall, 100 * (b[2] - a[2]) / wall, 1e9 * (b[3] - a[3]) / wall
+
+    pair.settle()
+    first = sample()
+    time.sleep(seconds)
+    p_idle, d_idle, d_idle_polls = share(first, sample())
+    first = sample()  # D answers nothing while it waits for a request: sample around it
+    run = pair.prepare(method, p_ids, d_ids)  # D registered, P not finished: D polls busy
+    time.sleep(seconds)
+    run()
+    pair.settle()
+    p_wait, d_pending, d_polls = share(first, sample())
+    return {
+        "P writer CPU %, idle": p_idle,
+        "D writer CPU %, idle": d_idle,
+        "D polls/s, idle": d_idle_polls,
+        "P writer CPU %, D waiting": p_wait,
+        "D writer CPU %, a request pending": d_pending,
+        "D polls/s, a request pending": d_polls,
     }
 
 
@@ -358,6 +488,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: small and large")
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument(
+        "--d-busy-poll-us",
+        type=float,
+        help="D's busy_poll_s for this run, in microseconds (the bench pair's default: 50)",
+    )
+    parser.add_argument(
+        "--ab",
+        action="store_true",
+        help="alternate requests with and without round 2's fast paths (one run, both columns)",
+    )
+    parser.add_argument(
         "--cprofile", action="store_true", help="also print cProfile tops of P's and D's writer"
     )
     parser.add_argument(
@@ -369,16 +509,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = "cuda:0" if args.device == "cuda" else "cpu"
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    if args.d_busy_poll_us is not None:
+        os.environ[D_POLL_ENV] = str(args.d_busy_poll_us)
     for name in args.shape or (["direct32m", "ipc256m"] if device != "cpu" else ["small", "large"]):
-        result = profile_shape(**SHAPES[name], reps=args.reps, cprofile=args.cprofile, device=device)
-        stages = result["stages_us"]
+        result = profile_shape(
+            **SHAPES[name], reps=args.reps, cprofile=args.cprofile, device=device, ab=args.ab
+        )
+        stages, off = result["stages_us"], result["stages_off_us"]
         print(
             f"\n== {name}: {result['shape']} ({result['bytes'] / 2**20:.1f} MiB), medians of {args.reps} (us)"
         )
+        if off:
+            print(f"{'(fast paths)':<44}{'off':>10}{'on':>10}  on/off")
         print(f"{'raw NIXL (same WRITE, D polls the notif)':<44}{result['raw_nixl_us']:>10.1f}")
         for label, value in stages.items():
+            if off:
+                ratio = value / off[label] if off.get(label) else float("nan")
+                print(f"{label:<44}{off.get(label, float('nan')):>10.1f}{value:>10.1f}  {ratio:.2f}")
+            else:
+                print(f"{label:<44}{value:>10.1f}")
+        over = stages["total"] - result["raw_nixl_us"]
+        if off:
+            print(f"{'overhead over raw NIXL':<44}{off['total'] - result['raw_nixl_us']:>10.1f}{over:>10.1f}")
+        else:
+            print(f"{'overhead over raw NIXL':<44}{over:>10.1f}")
+        for label, value in result["idle"].items():
             print(f"{label:<44}{value:>10.1f}")
-        print(f"{'overhead over raw NIXL':<44}{stages['total'] - result['raw_nixl_us']:>10.1f}")
         if result["launches"]:
             print(f"kernel launches on P: {result['launches']}")
         if args.cprofile:

@@ -80,6 +80,10 @@ class KvpushPluginManager:
         self._dists: dict[str, tuple[str, str]] = {}
         self._producers_memo: dict[tuple[ParallelConfig, int, int], frozenset[RankKey]] = {}
         self._producers_impls: list[Any] = []
+        self._plain_exec = self.pm._inner_hookexec
+        """pluggy's own call loop (``enable_tracing`` and call monitoring replace it)."""
+        self._direct: dict[str, tuple[list[Any], Any, tuple[tuple[Any, tuple[str, ...]], ...] | None]] = {}
+        """Hook name -> (its implementations, the call loop, what :meth:`_direct_calls` found)."""
 
     # ---------------------------------------------------------------- registration
 
@@ -294,7 +298,7 @@ class KvpushPluginManager:
     # ---------------------------------------------------------------- read specs
 
     def build_read_specs(self, job: PushJob) -> list[ReadSpec]:
-        specs = self.pm.hook.kvpush_build_read_specs(job=job)
+        specs = self._first_result("kvpush_build_read_specs", {"job": job})
         if specs is None:
             raise PluginError("no plugin built read specs; is the 'tp_mapping' plugin disabled?")
         specs = list(specs)
@@ -307,7 +311,9 @@ class KvpushPluginManager:
         return specs
 
     def transfer_strategy(self, job: PushJob, spec: ReadSpec, num_descriptors: int) -> str:
-        name = self.pm.hook.kvpush_transfer_strategy(job=job, spec=spec, num_descriptors=num_descriptors)
+        name = self._first_result(
+            "kvpush_transfer_strategy", {"job": job, "spec": spec, "num_descriptors": num_descriptors}
+        )
         if name is None:
             return "direct"
         if name not in STRATEGIES:
@@ -359,7 +365,48 @@ class KvpushPluginManager:
         return producers
 
     def decode_notification(self, message: bytes) -> Notification | None:
-        return self.pm.hook.kvpush_decode_notification(message=message)
+        calls = self._direct_calls("kvpush_decode_notification")
+        if calls is None:
+            return self.pm.hook.kvpush_decode_notification(message=message)
+        for function, _ in calls:  # first result wins, in pluggy's order
+            note = function(message)
+            if note is not None:
+                return note
+        return None
+
+    def _first_result(self, hook_name: str, kwargs: dict[str, Any]) -> Any:
+        """A ``firstresult`` hook's answer: its implementations called in turn while pluggy's
+        call loop would do nothing more (:meth:`_direct_calls`), else through pluggy."""
+        calls = self._direct_calls(hook_name)
+        if calls is None:
+            return getattr(self.pm.hook, hook_name)(**kwargs)
+        for function, argnames in calls:
+            result = function(*[kwargs[name] for name in argnames])
+            if result is not None:
+                return result
+        return None
+
+    def _direct_calls(self, hook_name: str) -> tuple[tuple[Any, tuple[str, ...]], ...] | None:
+        """``(function, argument names)`` of a hook's implementations in pluggy's call order,
+        to be called without pluggy's call loop on hot paths; None while the loop does more
+        than call them in turn (a wrapper, keyword-only arguments, tracing or monitoring), and
+        then the hook goes through pluggy. Recomputed whenever the implementations change, so
+        a plugin registered later is called exactly as pluggy would call it."""
+        caller = getattr(self.pm.hook, hook_name)
+        impls = caller.get_hookimpls()
+        loop = self.pm._inner_hookexec
+        hit = self._direct.get(hook_name)
+        if hit is not None and hit[1] is loop and hit[0] == impls:
+            return hit[2]
+        calls: tuple[tuple[Any, tuple[str, ...]], ...] | None = tuple(
+            (impl.function, tuple(impl.argnames)) for impl in reversed(impls)
+        )
+        if loop is not self._plain_exec or any(
+            impl.wrapper or impl.hookwrapper or impl.kwargnames for impl in impls
+        ):
+            calls = None
+        self._direct[hook_name] = (impls, loop, calls)
+        return calls
 
 
 def _check_alignment(local: AgentMetadata, peer: AgentMetadata, alignment: RegionAlignment) -> None:

@@ -28,6 +28,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import msgpack
+
 from kvpush.core.errors import WireError
 from kvpush.core.types import (
     Notification,
@@ -58,6 +60,7 @@ HEARTBEAT_PREFIX = b"HB:"
 HELLO_PREFIX = b"HELLO:"
 
 _V = list(NOTIF_VERSION)
+_unpackb = msgpack.unpackb
 
 
 def _msg(prefix: bytes, body: dict[str, Any]) -> bytes:
@@ -347,6 +350,10 @@ def _check_version(body: Mapping[str, Any], what: str) -> None:
 def decode_notification(message: bytes) -> Notification | None:
     """Decode a kvpush notification; None if the prefix is not kvpush's. Raises ``WireError``
     (naming the field) on a kvpush prefix with a malformed or out-of-range body."""
+    if message.startswith(DONE_PREFIX):  # the hot path: a direct DONE, every check inline
+        note = _direct_done(message)
+        if note is not None:
+            return note
     match = next(((p, k) for p, k in _PREFIXES if message.startswith(p)), None)
     if match is None:
         return None
@@ -441,6 +448,45 @@ def decode_notification(message: bytes) -> Notification | None:
             kind=kind, request_id=request_id, producer=producer, reason=reason, unsettled=unsettled
         )
     return Notification(kind=kind, request_id=request_id, producer=producer, reason=reason)
+
+
+_DONE = NotificationKind.DONE
+_MAJOR = NOTIF_VERSION[0]
+_DONE_BODY = len(DONE_PREFIX)
+_new_rank = tuple.__new__
+
+
+def _direct_done(message: bytes) -> Notification | None:
+    """A direct (not packed) DONE with every field in range, decoded with the checks of the
+    general path (version major, request id, producer ranks, P's TP size) inline; None for
+    anything else, which the general path then decodes or refuses with its error."""
+    try:
+        body = _unpackb(message[_DONE_BODY:], raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    if type(body) is not dict or "pk" in body:
+        return None
+    version, rid = body.get("v"), body.get("request_id")
+    pp, tp, ptp = body.get("pp"), body.get("tp"), body.get("ptp")
+    if (
+        type(version) is list
+        and len(version) >= 2
+        and type(version[0]) is int
+        and type(version[1]) is int
+        and version[0] == _MAJOR
+        and type(rid) is str
+        and 0 < len(rid) <= MAX_ID_CHARS
+        and type(pp) is int
+        and type(tp) is int
+        and type(ptp) is int
+        and 0 <= pp < MAX_PARALLEL
+        and 0 <= tp < MAX_PARALLEL
+        and 1 <= ptp <= MAX_PARALLEL
+    ):
+        # RankKey's own checks (non-negative plain ints) hold: skip its constructor
+        producer = _new_rank(RankKey, (pp, tp))
+        return Notification(kind=_DONE, request_id=rid, producer=producer, producer_tp_size=ptp)
+    return None
 
 
 def _fields(reg: PushRegistration) -> dict[str, Any]:

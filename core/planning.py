@@ -79,15 +79,15 @@ def descriptor_ids(
         )
     if table.one_row and groups and min(groups) == top:  # common case: one broadcast, int32
         seq = block_ids[top]
-        ids = np.asarray(seq, dtype=np.int64)
-        if len(seq) <= 256 and isinstance(seq, tuple):  # builtins beat numpy's reductions here
+        if len(seq) <= 256 and type(seq) is tuple:  # builtins beat numpy's reductions here
             if seq and (max(seq) >= table.min_capacity or min(seq) < 0):
-                _check_capacity(ids, table.min_capacity, top)
+                _check_capacity(np.asarray(seq, dtype=np.int64), table.min_capacity, top)
+            ids = np.array(seq, dtype=np.int32)  # in range: below a capacity that fits int32
         else:
-            _check_capacity(ids, table.min_capacity, top)
-        out = np.empty((len(table.offsets), len(ids)), dtype=np.int32)
-        np.add(table.offsets32[:, None], ids.astype(np.int32)[None, :], out=out)
-        return out.ravel()
+            wide = np.asarray(seq, dtype=np.int64)
+            _check_capacity(wide, table.min_capacity, top)
+            ids = wide.astype(np.int32)
+        return np.add(table.column32, ids).reshape(-1)  # region-major: one row per region
     # region order is kept: ids are emitted region by region (then block, then token row)
     offsets, capacities, rows = table.offsets, table.capacities, table.rows
     parts = []
@@ -104,7 +104,8 @@ class _Table(NamedTuple):
     regions: Sequence[KVRegion]
     offsets: np.ndarray
     capacities: np.ndarray
-    offsets32: np.ndarray
+    column32: np.ndarray
+    """``offsets`` as an int32 (n, 1) column, for the broadcast."""
     rows: tuple[int, ...]
     one_row: bool
     """Every region one row per block (the broadcast path)."""
@@ -138,7 +139,7 @@ def _region_table(regions: Sequence[KVRegion], per_token: bool) -> _Table:
         regions=tuple(regions),
         offsets=offsets,
         capacities=capacities,
-        offsets32=offsets.astype(np.int32),
+        column32=offsets.astype(np.int32)[:, None],
         rows=rows,
         one_row=all(n == 1 for n in rows),
         min_capacity=int(capacities.min(initial=np.iinfo(np.int64).max)),
@@ -174,6 +175,8 @@ def trim_for_prefix_hit(producer: BlockIds, decode: BlockIds, request_id: str) -
                 f"P computed only {len(p_ids)}"
             )
         trimmed.append(tuple(p_ids[len(p_ids) - len(d_ids) :]) if d_ids else ())
+    if type(producer) is tuple and all(a is b or a == b for a, b in zip(trimmed, producer)):
+        return producer  # nothing trimmed: the checked tuple itself (its checks are not redone)
     return tuple(trimmed)
 
 
