@@ -480,11 +480,11 @@ class PrefillCore:
         if any(d.state is _Dest.INFLIGHT for d in (request.dests or {}).values()):
             self.stats["cancels_during_write"] += 1
             request.write_at_cancel = True
-            why = "cancelled by D while a WRITE was in flight (settled before the ack)"
+            why = f"cancelled by D rank {rank} while a WRITE was in flight (settled before the ack)"
         elif request.blocks is None:
-            why = "cancelled by D before the prefill finished"
+            why = f"cancelled by D rank {rank} before the prefill finished"
         else:
-            why = "cancelled by D before the WRITE was posted"
+            why = f"cancelled by D rank {rank} before the WRITE was posted"
         return self._fail_request(request, why, now)
 
     # ------------------------------------------------------------------ handshakes

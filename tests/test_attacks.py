@@ -222,7 +222,7 @@ def test_spoofed_cancel_ack_while_a_write_is_landing_frees_nothing_early() -> No
         assert released_at is not None, "D never released the cancelled request"
         assert released_at - posted >= 0.5, f"released {released_at - posted:.2f}s after the post"
         assert w.receiver.stats["rejected_notifications"] >= before + 1
-        assert "cancelled by D while a WRITE was in flight" in w.cluster.wait_prefill("p-f")[P0]
+        assert "cancelled by D rank 0 while a WRITE was in flight" in w.cluster.wait_prefill("p-f")[P0]
         time.sleep(0.5)
         for tensor in w.cluster.d_caches[0].values():
             assert bool((kv_bytes(tensor)[:, d_blocks] == 0x5A5A).all()), "a WRITE landed after the release"

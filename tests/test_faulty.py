@@ -166,5 +166,9 @@ def test_each_fault_across_processes_ends_in_a_verified_push_or_a_named_failure(
         assert report["verified"] == 8, report
     else:
         assert report["failed_with_reason"] == 8, report
-        assert set(report["failure_reasons"]) == {reason}, report["failure_reasons"]
+        # A D rank that fails cancels the request at P, which fails it on the other D rank too:
+        # that rank may name the cancel (and which D rank sent it) if it arrives first.
+        reasons = set(report["failure_reasons"])
+        assert reason in reasons, report["failure_reasons"]
+        assert all(r == reason or "cancelled by D rank" in r for r in reasons), report["failure_reasons"]
     assert report["leaked_handles"] == 0 and report["leaked_blocks"] == 0

@@ -56,7 +56,7 @@ def test_heartbeat_by_match_key_renews_the_lease_and_by_request_id_does_not() ->
         assert sender.stats["heartbeat_renewals"] >= 5
         cluster.receivers[0].cancel("d-1")
         assert "no WRITE in flight" in cancelled_reason(cluster, "d-1")
-        assert "cancelled by D before the WRITE was posted" in cluster.wait_prefill("p-1")[P0]
+        assert "cancelled by D rank 0 before the WRITE was posted" in cluster.wait_prefill("p-1")[P0]
 
 
 def test_p_that_lost_a_request_fails_it_at_d_within_a_heartbeat() -> None:
@@ -117,7 +117,7 @@ def test_cancel_after_registration_is_acknowledged_and_prefill_never_writes() ->
         reason = cancelled_reason(cluster, "d-1")
         assert "no WRITE in flight" in reason
         cluster.finish("p-1", [[7, 8]], "x-1")
-        assert "cancelled by D before the prefill finished" in cluster.wait_prefill("p-1")[P0]
+        assert "cancelled by D rank 0 before the prefill finished" in cluster.wait_prefill("p-1")[P0]
         assert sender.stats["writes"] == 0 and sender.stats["cancels"] == 1
         assert cluster.receivers[0].stats["cancel_acks"] == 1
 
@@ -136,7 +136,7 @@ def test_cancel_racing_an_in_flight_write_is_reported_only_after_it_settles() ->
         assert time.monotonic() - started >= 0.2
         assert "a WRITE was in flight and settled" in reason
         assert_pushed(cluster, [5, 6], [20, 21])  # the bytes landed before the report
-        assert "cancelled by D while a WRITE was in flight" in cluster.wait_prefill("p-1")[P0]
+        assert "cancelled by D rank 0 while a WRITE was in flight" in cluster.wait_prefill("p-1")[P0]
         assert sender.stats["cancels_during_write"] == 1
         assert sender.transport.outstanding_handles == 0
 
@@ -344,7 +344,8 @@ def test_cancel_before_and_after_registration_and_during_a_write_across_processe
             assert kind == "cancelled" and "no WRITE in flight" in reason
         engines.finish("after")
         engines.wait_prefill(["after"])
-        assert "cancelled by D before the prefill finished" in engines.p_results[RankKey(0, 0)]["after"]
+        reason = engines.p_results[RankKey(0, 0)]["after"]
+        assert "cancelled by D rank 0 before the prefill finished" in reason
 
         # during a WRITE (held in flight 0.4 s)
         engines.plan("during", [4, 5, 6], [4, 5, 6])

@@ -415,6 +415,15 @@ class CudaIpcTransport:
         self._close_peer(peer)
         self.inner.remove_peer(peer)
 
+    def fence_peer(self, peer: str) -> None:
+        """Close the peer's IPC handles and fence the wrapped transport's connections. (An IPC
+        copy is a kernel in P's process; it ends with P's WRITE deadline or P's process.)"""
+        self._close_peer(peer)
+        self.inner.fence_peer(peer)
+
+    def fenced(self, peer: str) -> bool:
+        return bool(self.inner.fenced(peer))
+
     def ipc_peer(self, peer: str) -> bool:
         """True when WRITEs to ``peer`` go over CUDA IPC."""
         return self.use_ipc and peer in self._peers
