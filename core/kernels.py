@@ -248,6 +248,54 @@ def copy_spans_cpu(src: Any, dst: Any, lengths: Any) -> int:
     return int(n.sum())
 
 
+UPLOAD_SLOTS = 8
+"""Pinned upload buffers per copier, used round robin (a launch never waits for the copy before)."""
+
+
+class _UploadRing:
+    """Pinned host buffers and their device twins, used round robin. A slot's host buffer is
+    refilled only once the upload that read it has finished (its event), which, ``slots``
+    launches later, it normally has: a launch does not wait for the previous request's copy, as
+    one shared buffer made it (the upload queues behind the copy before it on the stream).
+    A device twin is overwritten by a later upload on the same stream, so after every kernel
+    that read it."""
+
+    def __init__(self, device: Any, dtype: Any, slots: int = UPLOAD_SLOTS) -> None:
+        import torch
+
+        self.device, self.dtype = device, dtype
+        self.host = [torch.empty(0, dtype=dtype).pin_memory() for _ in range(slots)]
+        self.dev = [torch.empty(0, dtype=dtype, device=device) for _ in range(slots)]
+        self.events: list[Any] = [None] * slots
+        self.next = 0
+        self.waits = 0
+        """Launches that had to wait for an earlier upload (the ring was too short)."""
+
+    def take(self, words: int, stream: Any) -> tuple[Any, Any, int]:
+        import torch
+
+        slot = self.next
+        self.next = (slot + 1) % len(self.host)
+        event = self.events[slot]
+        if event is not None and not event.query():
+            self.waits += 1
+            event.synchronize()
+        if self.host[slot].numel() < words:
+            size = max(words, 2 * self.host[slot].numel(), 8192)
+            stream.synchronize()  # the old device twin may still be read by a queued kernel
+            self.host[slot] = torch.empty(size, dtype=self.dtype).pin_memory()
+            self.dev[slot] = torch.empty(size, dtype=self.dtype, device=self.device)
+        return self.host[slot], self.dev[slot], slot
+
+    def uploaded(self, slot: int, stream: Any) -> None:
+        import torch
+
+        event = self.events[slot]
+        if event is None:
+            event = self.events[slot] = torch.cuda.Event()
+        event.record(stream)
+
+
 class SpanCopier:
     """Copies span lists on one CUDA device with one kernel launch each, on its own stream.
 
@@ -261,21 +309,21 @@ class SpanCopier:
         if self.device.type != "cuda":
             raise ConfigError(f"SpanCopier needs a CUDA device, got {self.device}")
         self.stream = torch.cuda.Stream(self.device)
-        self._host = torch.empty(0, dtype=torch.int64).pin_memory()
-        self._table = torch.empty(0, dtype=torch.int64, device=self.device)
-        self._uploaded: Any = None  # event: the last table upload finished reading ``_host``
+        self._tables = _UploadRing(self.device, torch.int64)
         self._timing: tuple[Any, Any] | None = None
         self.launches = 0
         self.aligned_launches = 0
         self.host_seconds = [0.0, 0.0]
         """Host time of launches: preparing the table, enqueueing upload and kernel (totals)."""
-        self._ids_host = torch.empty(0, dtype=torch.int32).pin_memory()
-        self._ids_dev = torch.empty(0, dtype=torch.int32, device=self.device)
+        self._ids = _UploadRing(self.device, torch.int32)
         self._launch = _Launcher(self.device)
         self._after = torch.cuda.Event()
         """Re-recorded per launch on the stream waited for (a wait takes the record of its call)."""
-        self._upload_event = torch.cuda.Event()
-        """Re-recorded per launch after the upload; synchronised before ``host`` is refilled."""
+
+    @property
+    def upload_waits(self) -> int:
+        """Launches that waited for an earlier upload to finish (0 when the ring is long enough)."""
+        return self._tables.waits + self._ids.waits
 
     @property
     def replays(self) -> int:
@@ -291,15 +339,6 @@ class SpanCopier:
             return
         self._after.record(torch.cuda.current_stream(self.device))
         self.stream.wait_event(self._after)
-
-    def _buffers(self, words: int) -> tuple[Any, Any]:
-        import torch
-
-        if self._host.numel() < words:
-            size = max(words, 2 * self._host.numel(), 3 * 4096)
-            self._host = torch.empty(size, dtype=torch.int64).pin_memory()
-            self._table = torch.empty(size, dtype=torch.int64, device=self.device)
-        return self._host, self._table
 
     def launch(self, src: Any, dst: Any, lengths: Any, *, after: Any = None, timed: bool = False) -> Any:
         """Enqueue the copy; returns a ``torch.cuda.Event`` recorded after it (None if empty).
@@ -321,9 +360,7 @@ class SpanCopier:
         first = int(n[0])
         aligned = first % 16 == 0 and not ((s | d) & 15).any()
         aligned = aligned and bool((n == first).all()) and first // 8 <= 65535 * ALIGNED_BLOCK
-        host, table = self._buffers(3 * count)
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # the previous upload has finished reading ``host``
+        host, table, slot = self._tables.take(3 * count, self.stream)
         view = host[: 3 * count].numpy()
         if aligned:  # one length, 16-byte aligned: starts in 16-byte units from the table's address
             base = table.data_ptr()  # any 16-byte aligned address; a tensor keeps Triton's fast path
@@ -349,7 +386,7 @@ class SpanCopier:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
             table[:words].copy_(host[:words], non_blocking=True)
-        self._upload_event.record(stream)
+        self._tables.uploaded(slot, stream)
         warps = max(1, min(8, block // 256))
         if aligned:
             constexprs = {"LEN": elems, "BLOCK": block, "MASK": elems % block != 0}
@@ -358,7 +395,6 @@ class SpanCopier:
             self._launch(plain, grid, (table, count), {"WIDTH": width, "BLOCK": block}, warps, stream)
         done = torch.cuda.Event(enable_timing=timed)
         done.record(stream)
-        self._uploaded = self._upload_event
         self._timing = (start, done) if timed else None
         self.host_seconds[0] += prepared - began
         self.host_seconds[1] += time.perf_counter() - prepared
@@ -380,13 +416,8 @@ class SpanCopier:
             raise ConfigError("launch_indirect: lists differ in span length or descriptor count")
         if not count:
             return None
-        if self._ids_host.numel() < 2 * count:
-            size = max(2 * count, 2 * self._ids_host.numel(), 8192)
-            self._ids_host = torch.empty(size, dtype=torch.int32).pin_memory()
-            self._ids_dev = torch.empty(size, dtype=torch.int32, device=self.device)
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
-        view = self._ids_host[: 2 * count].numpy()
+        ids_host, ids_dev, slot = self._ids.take(2 * count, self.stream)
+        view = ids_host[: 2 * count].numpy()
         view[:count], view[count:] = lids, rids
         elems = ltab.length // 8
         block = min(ALIGNED_BLOCK, 1 << max(0, (elems - 1).bit_length()))
@@ -396,16 +427,13 @@ class SpanCopier:
         indirect = _kernel()[2]
         prepared = time.perf_counter()
         with torch.cuda.stream(stream):
-            self._ids_dev[: 2 * count].copy_(self._ids_host[: 2 * count], non_blocking=True)
-        self._upload_event.record(stream)
+            ids_dev[: 2 * count].copy_(ids_host[: 2 * count], non_blocking=True)
+        self._ids.uploaded(slot, stream)
         warps = max(1, min(8, block // 256))
         constexprs = {"LEN": elems, "BLOCK": block, "MASK": elems % block != 0}
-        self._launch(
-            indirect, grid, (ltab.tensor, rtab.tensor, self._ids_dev, count), constexprs, warps, stream
-        )
+        self._launch(indirect, grid, (ltab.tensor, rtab.tensor, ids_dev, count), constexprs, warps, stream)
         done = torch.cuda.Event()
         done.record(stream)
-        self._uploaded = self._upload_event
         self._timing = None
         self.launches += 1
         self.aligned_launches += 1
