@@ -268,21 +268,25 @@ def _decode_coordinates(
     body: Mapping[str, Any], what: str, *, request_id: str, match_key: str, block_ids: Any = ()
 ) -> PushRegistration:
     """D's coordinates carried by a registration, heartbeat, hello or cancel."""
-    size = _int_field(body, "decode_tp_size", what, low=1, high=MAX_PARALLEL)
     return PushRegistration(
-        request_id=request_id,
-        match_key=match_key,
-        decode_engine_id=_str_field(body, "decode_engine_id", what),
-        decode_host=_str_field(body, "decode_host", what),
-        decode_port=_int_field(body, "decode_port", what, low=1, high=65535),
-        decode_tp_size=size,
-        block_ids=block_ids,
-        remote_engine_id=_str_field(body, "remote_engine_id", what),
-        decode_tp_rank=_int_field(body, "tp", what, high=size - 1),
-        decode_incarnation=_str_field(body, "inc", what, optional=True),
-        grant=_float_field(body, "grant", what),
-        fresh_s=_float_field(body, "fresh", what) or 0.0,
+        request_id=request_id, match_key=match_key, block_ids=block_ids, **_coordinate_fields(body, what)
     )
+
+
+def _coordinate_fields(body: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """The checked coordinate fields of a :class:`PushRegistration` (checked in this order)."""
+    size = _int_field(body, "decode_tp_size", what, low=1, high=MAX_PARALLEL)
+    return {
+        "decode_engine_id": _str_field(body, "decode_engine_id", what),
+        "decode_host": _str_field(body, "decode_host", what),
+        "decode_port": _int_field(body, "decode_port", what, low=1, high=65535),
+        "decode_tp_size": size,
+        "remote_engine_id": _str_field(body, "remote_engine_id", what),
+        "decode_tp_rank": _int_field(body, "tp", what, high=size - 1),
+        "decode_incarnation": _str_field(body, "inc", what, optional=True),
+        "grant": _float_field(body, "grant", what),
+        "fresh_s": _float_field(body, "fresh", what) or 0.0,
+    }
 
 
 def _manifest(body: Mapping[str, Any], what: str) -> PackManifest | None:
@@ -373,13 +377,9 @@ def decode_notification(message: bytes) -> Notification | None:
         )
     if kind is NotificationKind.PUSH_REG:
         rid = _str_field(body, "request_id", what)
-        reg = _decode_coordinates(
-            body,
-            what,
-            request_id=rid,
-            match_key=_str_field(body, "match_key", what),
-            block_ids=_block_ids(body.get("local_block_ids"), what),
-        )
+        match_key = _str_field(body, "match_key", what)
+        block_ids = _block_ids(body.get("local_block_ids"), what)
+        coordinates = _coordinate_fields(body, what)
         staging = body.get("staging", -1)
         if (
             not isinstance(staging, int)
@@ -387,7 +387,9 @@ def decode_notification(message: bytes) -> Notification | None:
             or not -1 <= staging < MAX_STAGING_OFFSET
         ):
             raise WireError(f"{what} field 'staging' must be -1 or an offset in [0, 2**48), got {staging!r}")
-        reg = PushRegistration(**{**_fields(reg), "staging_offset": staging})
+        reg = PushRegistration(
+            request_id=rid, match_key=match_key, block_ids=block_ids, staging_offset=staging, **coordinates
+        )
         return Notification(kind=kind, request_id=rid, registration=reg)
     if kind is NotificationKind.HEARTBEAT:
         ids = _str_list(body, "request_ids", what)
@@ -487,9 +489,3 @@ def _direct_done(message: bytes) -> Notification | None:
         producer = _new_rank(RankKey, (pp, tp))
         return Notification(kind=_DONE, request_id=rid, producer=producer, producer_tp_size=ptp)
     return None
-
-
-def _fields(reg: PushRegistration) -> dict[str, Any]:
-    import attrs
-
-    return attrs.asdict(reg, recurse=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpush.core import wire
+from kvpush.core import notifications
 from kvpush.core.markers import hookimpl
 from kvpush.core.producers import expected_producers
 from kvpush.core.types import (
@@ -56,4 +56,4 @@ def kvpush_expected_producers(prefill: ParallelConfig, decode_tp_rank: int, deco
 
 @hookimpl(trylast=True)
 def kvpush_decode_notification(message: bytes) -> Notification | None:
-    return wire.decode_notification(message)
+    return notifications.decode_notification(message)  # not via wire's module __getattr__
