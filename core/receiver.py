@@ -41,18 +41,18 @@ from kvpush.core.worker import WRITE_DEADLINE_KEY, RankWorker, lease_clock
 
 logger = logging.getLogger(__name__)
 
-FENCE_RETRY_S = 1.0
-"""A fence the transport has not confirmed by then is applied again (and logged)."""
+FENCE_WARN_S = 1.0
+"""A fence the transport has not confirmed is logged this often (its blocks stay held)."""
 
 
 @attrs.define(eq=False)
 class _PendingFence:
     action: Fence
     started_at: float
-    retried_at: float = attrs.field()
+    warned_at: float = attrs.field()
 
-    @retried_at.default
-    def _retried_at(self) -> float:
+    @warned_at.default
+    def _warned_at(self) -> float:
         return self.started_at
 
 
@@ -395,18 +395,15 @@ class PushReceiver(RankWorker):
         for fence_id, pending in list(self._fences.items()):
             agents = pending.action.agents
             if fenced is not None and not all(fenced(agent) for agent in agents):
-                if now - pending.retried_at >= FENCE_RETRY_S:
-                    # Still not confirmed: shut down again what is still open, and say so.
-                    pending.retried_at = now
+                if now - pending.warned_at >= FENCE_WARN_S:
+                    pending.warned_at = now
                     logger.warning(
                         "fence of P engine %s (agents %s) not confirmed after %.1fs; the blocks "
-                        "waiting on it stay held; retrying",
+                        "waiting on it stay held",
                         pending.action.engine_id,
                         list(agents),
                         now - pending.started_at,
                     )
-                    for agent in agents:
-                        self.transport.fence_peer(agent)  # type: ignore[attr-defined]
                 continue
             del self._fences[fence_id]
             self._execute(self.core.fenced(fence_id, lease_clock()))

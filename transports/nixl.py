@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -58,9 +59,11 @@ logger = logging.getLogger(__name__)
 LOCAL_AGENT = "NIXL_INIT_AGENT"
 MAGIC = b"KVPNIXL1\0"
 PEER_LISTENERS_KEPT = 4096
+"""Removed peers whose listeners are remembered, so a fence can still find their sockets."""
 MAX_LISTENERS_PER_PEER = 64
 """Listeners remembered per peer name across restarts (oldest dropped first)."""
-"""Removed peers whose listeners are remembered, so a fence can still find their sockets."""
+REFENCE_S = 1.0
+"""A fenced socket still open after this long is shut down again (and logged)."""
 
 
 def _merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -221,8 +224,8 @@ class NixlTransport:
         )
         """UCX's TCP listeners of this agent (published, so a peer can fence its connections)."""
         self._peer_listeners: dict[str, list[tuple[str, int]] | None] = {}
-        self._fences: dict[str, tuple[list[int], int]] = {}
-        """Peer -> (inodes shut down, drain count when it was fenced)."""
+        self._fences: dict[str, tuple[list[int], int, float]] = {}
+        """Peer -> its latest fence: (inodes shut down, drain count then, when)."""
         self._drains = 0
         self._blob = self._agent.get_agent_metadata()
         self._registrations: list[Any] = []
@@ -326,19 +329,30 @@ class NixlTransport:
                     len(inodes),
                     [f"{s.local[1]}->{s.remote[0]}:{s.remote[1]}" for s in found],
                 )
-        self._fences[peer] = (inodes, self._drains)
+        self._fences[peer] = (inodes, self._drains, time.monotonic())
 
     def fenced(self, peer: str) -> bool:
-        """True once nothing ``peer`` sent before :meth:`fence_peer` can still be read: every
-        fenced socket is closed or drained, and UCX progressed at least once since."""
+        """True once nothing ``peer`` sent before its latest :meth:`fence_peer` can still be
+        read: every socket that fence shut is closed or drained, and UCX progressed since.
+        (Connections made after the fence are not its business: they carry nothing old.)"""
         entry = self._fences.get(peer)
         if entry is None:
             return peer not in self._peers
-        inodes, drains = entry
-        if self._drains <= drains or not tcp_fence.fence_complete(inodes):
+        inodes, drains, when = entry
+        if self._drains <= drains:
             return False
-        del self._fences[peer]
-        return True
+        if tcp_fence.fence_complete(inodes):
+            return True
+        if time.monotonic() - when >= REFENCE_S:  # the same sockets again, never new ones
+            logger.warning(
+                "fence of %s: %d socket(s) still open after %.1fs; shutting them again",
+                peer,
+                len(inodes),
+                time.monotonic() - when,
+            )
+            tcp_fence.shut_down(inodes)
+            self._fences[peer] = (inodes, drains, time.monotonic())
+        return False
 
     def prepare_remote(self, peer: str, descriptors: np.ndarray, mem_type: MemType) -> int:
         try:
