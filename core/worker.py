@@ -156,7 +156,10 @@ class RankWorker:
         self.pm = pm or get_plugin_manager()
         self._kv_caches = kv_caches
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._wake = threading.Lock()
+        """Held while no wake-up is pending: :meth:`_signal` releases it, the writer's wait
+        takes it back (one C call each way, where an ``Event`` runs a Python condition)."""
+        self._wake.acquire()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._local_lists: dict[tuple[int, int], int] = {}
@@ -325,7 +328,14 @@ class RankWorker:
     def run_on_writer(self, command: Callable[[], None]) -> None:
         """Queue ``command`` for the writer thread and wake it."""
         self._commands.put(command)
-        self._wake.set()
+        self._signal()
+
+    def _signal(self) -> None:
+        """Wake the writer (at most one wake-up is pending; a second one is the same)."""
+        try:  # noqa: SIM105 (contextlib.suppress costs a context manager on every request)
+            self._wake.release()
+        except RuntimeError:  # already released: a wake-up is pending
+            pass
 
     def call_on_writer(self, command: Callable[[], Any], timeout_s: float = 10.0) -> Any:
         """Run ``command`` on the writer thread and wait (bounded) for its result."""
@@ -365,8 +375,7 @@ class RankWorker:
             deadline = self._next_deadline()
             if deadline is not None:
                 timeout = max(0.0, min(timeout, deadline - lease_clock()))
-            if self._wake.wait(timeout):
-                self._wake.clear()
+            self._wake.acquire(timeout=timeout)  # a pending wake-up returns at once (consumed)
 
     def _step(self) -> None:
         """One round: notifications first (so a CANCEL is seen before a queued post), then
@@ -497,7 +506,7 @@ class RankWorker:
         was_running = self._running
         self._running = False
         self._stop.set()
-        self._wake.set()
+        self._signal()
         if self._thread is not None:
             self._thread.join(timeout=10.0)
             if self._thread.is_alive():
