@@ -31,6 +31,12 @@ KiB scattered, ``cuda_ipc``) with ``--device cuda``. Run::
     .venv/bin/python benchmarks/profile_host_path.py --device cuda      # direct32m and ipc256m
     .venv/bin/python benchmarks/profile_host_path.py --cprofile         # + cProfile tops
 
+``--ab`` alternates requests with and without round 2's fast paths in one run (both columns
+and their ratio; same processes and load, so it sees changes of a few µs on a busy box).
+Every run ends with the writers' CPU (% of a core, ``time.thread_time_ns`` on the writer
+thread) idle and with one request pending on D, and D's polls per second;
+``--d-busy-poll-us`` sets D's ``busy_poll_s`` to weigh D's poll interval against that CPU.
+
 ``--cprofile`` also runs cProfile in P's writer thread (and D's, via ``KVPUSH_PROFILE_D``) and
 prints the top functions by own time (on a loaded box, time a thread waits for a core lands on
 whatever function it was in).
