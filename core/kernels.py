@@ -248,8 +248,12 @@ def copy_spans_cpu(src: Any, dst: Any, lengths: Any) -> int:
     return int(n.sum())
 
 
-UPLOAD_SLOTS = 8
+UPLOAD_SLOTS = 4
 """Pinned upload buffers per copier, used round robin (a launch never waits for the copy before)."""
+UPLOAD_WORDS = 1 << 18
+"""First size of each slot (words): a Llama-70B TP8 request of 8k tokens needs ~164 k, so slots
+normally never grow (growing pins host memory, which takes milliseconds, and waits for the
+stream)."""
 
 
 class _UploadRing:
@@ -267,6 +271,8 @@ class _UploadRing:
         self.host = [torch.empty(0, dtype=dtype).pin_memory() for _ in range(slots)]
         self.dev = [torch.empty(0, dtype=dtype, device=device) for _ in range(slots)]
         self.events: list[Any] = [None] * slots
+        self.capacity = UPLOAD_WORDS
+        """Every slot is (re)allocated at this size; it doubles past the largest request seen."""
         self.next = 0
         self.waits = 0
         """Launches that had to wait for an earlier upload (the ring was too short)."""
@@ -280,11 +286,13 @@ class _UploadRing:
         if event is not None and not event.query():
             self.waits += 1
             event.synchronize()
-        if self.host[slot].numel() < words:
-            size = max(words, 2 * self.host[slot].numel(), 8192)
-            stream.synchronize()  # the old device twin may still be read by a queued kernel
-            self.host[slot] = torch.empty(size, dtype=self.dtype).pin_memory()
-            self.dev[slot] = torch.empty(size, dtype=self.dtype, device=self.device)
+        if words > self.capacity:
+            self.capacity = max(words, 2 * self.capacity)
+        if self.host[slot].numel() < max(words, 1):
+            if self.host[slot].numel():
+                stream.synchronize()  # the old device twin may still be read by a queued kernel
+            self.host[slot] = torch.empty(self.capacity, dtype=self.dtype).pin_memory()
+            self.dev[slot] = torch.empty(self.capacity, dtype=self.dtype, device=self.device)
         return self.host[slot], self.dev[slot], slot
 
     def uploaded(self, slot: int, stream: Any) -> None:
