@@ -272,7 +272,7 @@ class _UploadRing:
         self.dev = [torch.empty(0, dtype=dtype, device=device) for _ in range(slots)]
         self.events: list[Any] = [None] * slots
         self.capacity = UPLOAD_WORDS
-        """Every slot is (re)allocated at this size; it doubles past the largest request seen."""
+        """Every slot is (re)allocated at this size; it grows past the largest request seen."""
         self.next = 0
         self.waits = 0
         """Launches that had to wait for an earlier upload (the ring was too short)."""
@@ -286,13 +286,16 @@ class _UploadRing:
         if event is not None and not event.query():
             self.waits += 1
             event.synchronize()
-        if words > self.capacity:
-            self.capacity = max(words, 2 * self.capacity)
         if self.host[slot].numel() < max(words, 1):
-            if self.host[slot].numel():
-                stream.synchronize()  # the old device twin may still be read by a queued kernel
-            self.host[slot] = torch.empty(self.capacity, dtype=self.dtype).pin_memory()
-            self.dev[slot] = torch.empty(self.capacity, dtype=self.dtype, device=self.device)
+            # Grow every slot at once (pinning host memory takes milliseconds: pay it once,
+            # not on each of the next launches), after the queued kernels that read them.
+            self.capacity = max(self.capacity, words, 2 * self.host[slot].numel())
+            stream.synchronize()
+            for i in range(len(self.host)):
+                if self.host[i].numel() < self.capacity:
+                    self.host[i] = torch.empty(self.capacity, dtype=self.dtype).pin_memory()
+                    self.dev[i] = torch.empty(self.capacity, dtype=self.dtype, device=self.device)
+                    self.events[i] = None
         return self.host[slot], self.dev[slot], slot
 
     def uploaded(self, slot: int, stream: Any) -> None:
