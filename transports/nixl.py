@@ -30,8 +30,8 @@ Fencing (:meth:`NixlTransport.fence_peer`): removing a NIXL agent does not close
 connection to it, and UCX over TCP copies a WRITE's bytes into memory as it reads them. So the
 metadata carries this agent's UCX TCP listeners, and a fence shuts down every connection to the
 peer's listeners and from its addresses into ours (:mod:`kvpush.transports.tcp_fence`); bytes
-the peer queued before are then refused by the kernel. Over RDMA, destroying the endpoint is
-the fence (there are no sockets to shut).
+the peer queued before are then refused by the kernel. Over RDMA (untested here), destroying
+the endpoint is the fence (there are no sockets to shut).
 
 NIXL is imported only when a transport is created, never at plugin import.
 """
