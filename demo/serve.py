@@ -427,6 +427,20 @@ class Outcome:
     """P-side stamps of kvpush requests: first post starts, posts returned, WRITE settled."""
 
 
+def schedule(
+    w: Workload, rate: float, lengths: Sequence[int], prefix: str, start: float
+) -> tuple[np.ndarray, list[Outcome]]:
+    """One run's open-loop arrivals (Poisson at ``rate``, seeded by the workload and the rate, so
+    every method replays the same ones; the first at ``start``) and a fresh outcome per request."""
+    rng = np.random.default_rng(w.seed + int(rate * 1000))
+    gaps = rng.exponential(1.0 / rate, len(lengths))
+    arrivals = start + np.cumsum(gaps) - gaps[0]
+    outcomes = [
+        Outcome(number=i, rid=f"{prefix}-{rate:g}-{i}", tokens=t, nbytes=0) for i, t in enumerate(lengths)
+    ]
+    return arrivals, outcomes
+
+
 class ServePair:
     """P (this process) and D (a child process) for one workload. ``modes`` (of
     :data:`kvpush.demo.serve_ranks.MODES`) names what :meth:`run` will replay; ``kernel`` sets up
@@ -568,14 +582,8 @@ class ServePair:
         w = self.w
         self.runs += 1
         prefill_s = (w.prefill_ms if prefill_ms is None else prefill_ms) / 1e3
-        rng = np.random.default_rng(w.seed + int(rate * 1000))
-        gaps = rng.exponential(1.0 / rate, len(lengths))
-        start = time.monotonic() + 0.05
-        arrivals = start + np.cumsum(gaps) - gaps[0]
-        outcomes = [
-            Outcome(number=i, rid=f"{'raw' if ideal else 'kv'}{self.runs}-{rate:g}-{i}", tokens=t, nbytes=0)
-            for i, t in enumerate(lengths)
-        ]
+        prefix = f"{'raw' if ideal else 'kv'}{self.runs}"
+        arrivals, outcomes = schedule(w, rate, lengths, prefix, time.monotonic() + 0.05)
         by_rid = {o.rid: o for o in outcomes}
         self._live = sorted(by_rid, key=len, reverse=True)  # longest first: no prefix matches
         self.trace.clear()
@@ -680,14 +688,7 @@ class ServePair:
         w = self.w
         self.runs += 1
         prefill_s = (w.prefill_ms if prefill_ms is None else prefill_ms) / 1e3
-        rng = np.random.default_rng(w.seed + int(rate * 1000))
-        gaps = rng.exponential(1.0 / rate, len(lengths))
-        start = time.monotonic() + 0.05
-        arrivals = start + np.cumsum(gaps) - gaps[0]
-        outcomes = [
-            Outcome(number=i, rid=f"kn{self.runs}-{rate:g}-{i}", tokens=t, nbytes=0)
-            for i, t in enumerate(lengths)
-        ]
+        arrivals, outcomes = schedule(w, rate, lengths, f"kn{self.runs}", time.monotonic() + 0.05)
         live: dict[int, tuple[list[list[int]], list[list[int]], Any, bool]] = {}
         finishes: list[tuple[float, int]] = []
         events: dict[int, Any] = {}

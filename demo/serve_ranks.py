@@ -46,7 +46,6 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import attrs
-import numpy as np
 
 MODES = ("kvpush", "nixl", "kernel")
 
@@ -541,7 +540,7 @@ class ServeCluster:
     ) -> list[Any]:
         """One open-loop run at ``rate`` requests/s (``ideal``: False for kvpush, True or
         ``"nixl"``/``"kernel"`` for an ideal); returns every request's :class:`Outcome`."""
-        from kvpush.demo.serve import Outcome
+        from kvpush.demo.serve import schedule
 
         mode = "kvpush" if ideal is False else ("nixl" if ideal is True else str(ideal))
         if mode not in self.modes:
@@ -549,14 +548,7 @@ class ServeCluster:
         w = self.w
         self.runs += 1
         prefill_s = (w.prefill_ms if prefill_ms is None else prefill_ms) / 1e3
-        rng = np.random.default_rng(w.seed + int(rate * 1000))
-        gaps = rng.exponential(1.0 / rate, len(lengths))
-        start = time.perf_counter() + 0.05
-        arrivals = start + np.cumsum(gaps) - gaps[0]
-        outcomes = [
-            Outcome(number=i, rid=f"{mode[:2]}{self.runs}-{rate:g}-{i}", tokens=t, nbytes=0)
-            for i, t in enumerate(lengths)
-        ]
+        arrivals, outcomes = schedule(w, rate, lengths, f"{mode[:2]}{self.runs}", time.perf_counter() + 0.05)
         by_rid = {o.rid: o for o in outcomes}
         self._tallies = {o.rid: _Tally() for o in outcomes}
         blocks: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
