@@ -642,7 +642,8 @@ class DecodeCore:
         current = (
             frozenset(engine.info.agents.values()) if engine is not None and engine.info else frozenset()
         )
-        if agents & current:
+        whole = bool(agents & current)
+        if whole:
             agents |= current  # one connection per engine: fence it whole
         fence = _Fence(receive.engine_id, now, agents, {rid}, why)
         self._fences[self._fence_seq] = fence
@@ -650,9 +651,10 @@ class DecodeCore:
         action = Fence(self._fence_seq, receive.engine_id, tuple(sorted(agents)), why)
         if engine is not None and engine.state is _EngineState.CONNECTING:
             engine.fenced_while_connecting = True
-        if engine is not None and agents & current:
+        if engine is not None and whole:
             if engine.state is _EngineState.FAILED:
-                return [action, *self._forget_agents(engine)]
+                self._forget_agents(engine)
+                return [action]
             # The engine's other requests carry on over a fresh connection.
             return self._reconnect(engine, why, action)
         return [action]
@@ -672,8 +674,8 @@ class DecodeCore:
             )
         return out
 
-    def _forget_agents(self, engine: _Producer) -> list[Any]:
-        """The engine's agents were fenced (removed): forget them (its state is FAILED)."""
+    def _forget_agents(self, engine: _Producer) -> None:
+        """Forget the engine's agents (dropped or fenced): what was heard from them goes too."""
         assert engine.info is not None
         for agent in engine.info.agents.values():
             self._agent_engine.pop(agent, None)
@@ -681,20 +683,14 @@ class DecodeCore:
         engine.stamps.clear()
         engine.heard.clear()
         engine.hello_pending.clear()
-        return []
 
     def _reconnect(self, engine: _Producer, reason: str, fence: Fence | None = None) -> list[Any]:
         """Drop the engine's agents (its connection; ``fence`` when a fence does it) and
         handshake afresh; registered requests keep waiting (their producers' names are
         unchanged unless P restarted)."""
-        assert engine.info is not None
-        for agent in engine.info.agents.values():
-            self._agent_engine.pop(agent, None)
-        engine.previous, engine.info = engine.info, None
+        engine.previous = engine.info
+        self._forget_agents(engine)
         engine.state = _EngineState.CONNECTING
-        engine.hello_pending.clear()
-        engine.stamps.clear()
-        engine.heard.clear()
         self._timers.disarm(("hello", engine.engine_id))
         self._timers.disarm(("hello_resend", engine.engine_id))
         drop = fence if fence is not None else DropPeer(engine.engine_id, reason)
@@ -858,7 +854,8 @@ class DecodeCore:
         """Drop a failed engine's agents (its requests keep their producers' identities)."""
         if engine.state is not _EngineState.FAILED or engine.info is None:
             return []
-        return [*self._forget_agents(engine), DropPeer(engine.engine_id, engine.error)]
+        self._forget_agents(engine)
+        return [DropPeer(engine.engine_id, engine.error)]
 
     def _retry_at(self, engine: _Producer) -> float:
         backoff = min(self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2 ** max(0, engine.failures - 1))
