@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.core.cuda_driver import DriverEvent, driver
 from kvpush.core.errors import ConfigError
 
 PIECE_BYTES = 1 << 20
@@ -262,22 +263,24 @@ class _UploadRing:
     launches later, it normally has: a launch does not wait for the previous request's copy, as
     one shared buffer made it (the upload queues behind the copy before it on the stream).
     A device twin is overwritten by a later upload on the same stream, so after every kernel
-    that read it."""
+    that read it. Each slot keeps a numpy view of its host buffer (filled in place)."""
 
-    def __init__(self, device: Any, dtype: Any, slots: int = UPLOAD_SLOTS) -> None:
+    def __init__(self, device: Any, dtype: Any, context: int, slots: int = UPLOAD_SLOTS) -> None:
         import torch
 
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.context = device, dtype, context
         self.host = [torch.empty(0, dtype=dtype).pin_memory() for _ in range(slots)]
+        self.views = [h.numpy() for h in self.host]
         self.dev = [torch.empty(0, dtype=dtype, device=device) for _ in range(slots)]
-        self.events: list[Any] = [None] * slots
+        self.events: list[DriverEvent | None] = [None] * slots
         self.capacity = UPLOAD_WORDS
         """Every slot is (re)allocated at this size; it grows past the largest request seen."""
         self.next = 0
         self.waits = 0
         """Launches that had to wait for an earlier upload (the ring was too short)."""
 
-    def take(self, words: int, stream: Any) -> tuple[Any, Any, int]:
+    def take(self, words: int, stream: Any) -> tuple[np.ndarray, int]:
+        """A free slot with room for ``words``: its host view and its index."""
         import torch
 
         slot = self.next
@@ -286,31 +289,35 @@ class _UploadRing:
         if event is not None and not event.query():
             self.waits += 1
             event.synchronize()
-        if self.host[slot].numel() < max(words, 1):
+        if len(self.views[slot]) < max(words, 1):
             # Grow every slot at once (pinning host memory takes milliseconds: pay it once,
             # not on each of the next launches), after the queued kernels that read them.
-            self.capacity = max(self.capacity, words, 2 * self.host[slot].numel())
+            self.capacity = max(self.capacity, words, 2 * len(self.views[slot]))
             stream.synchronize()
             for i in range(len(self.host)):
-                if self.host[i].numel() < self.capacity:
+                if len(self.views[i]) < self.capacity:
                     self.host[i] = torch.empty(self.capacity, dtype=self.dtype).pin_memory()
+                    self.views[i] = self.host[i].numpy()
                     self.dev[i] = torch.empty(self.capacity, dtype=self.dtype, device=self.device)
-                    self.events[i] = None
-        return self.host[slot], self.dev[slot], slot
+        return self.views[slot], slot
 
-    def uploaded(self, slot: int, stream: Any) -> None:
-        import torch
-
+    def upload(self, slot: int, words: int, stream: int) -> Any:
+        """Queue the upload of the slot's first ``words`` on ``stream`` (raw handle) and mark
+        the slot busy until it finished; returns the device twin."""
+        host, dev = self.host[slot], self.dev[slot]
+        driver().upload(dev.data_ptr(), host.data_ptr(), words * host.element_size(), stream)
         event = self.events[slot]
         if event is None:
-            event = self.events[slot] = torch.cuda.Event()
+            event = self.events[slot] = DriverEvent(self.context)
         event.record(stream)
+        return dev
 
 
 class SpanCopier:
     """Copies span lists on one CUDA device with one kernel launch each, on its own stream.
 
-    Not thread-safe: one per writer thread (a ``Packer`` or a transport owns one).
+    Not thread-safe: one per writer thread (a ``Packer`` or a transport owns one). Events,
+    stream waits and uploads go through the driver (:mod:`kvpush.core.cuda_driver`).
     """
 
     def __init__(self, device: Any) -> None:
@@ -319,16 +326,20 @@ class SpanCopier:
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ConfigError(f"SpanCopier needs a CUDA device, got {self.device}")
+        self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.stream = torch.cuda.Stream(self.device)
-        self._tables = _UploadRing(self.device, torch.int64)
+        self._handle = int(self.stream.cuda_stream)
+        self._driver = driver()
+        self.context = self._driver.primary_context(self.index)
+        self._tables = _UploadRing(self.device, torch.int64, self.context)
         self._timing: tuple[Any, Any] | None = None
         self.launches = 0
         self.aligned_launches = 0
         self.host_seconds = [0.0, 0.0]
         """Host time of launches: preparing the table, enqueueing upload and kernel (totals)."""
-        self._ids = _UploadRing(self.device, torch.int32)
+        self._ids = _UploadRing(self.device, torch.int32, self.context)
         self._launch = _Launcher(self.device)
-        self._after = torch.cuda.Event()
+        self._after = DriverEvent(self.context)
         """Re-recorded per launch on the stream waited for (a wait takes the record of its call)."""
 
     @property
@@ -342,21 +353,39 @@ class SpanCopier:
         return self._launch.replays
 
     def _wait_for(self, after: Any) -> None:
-        """Make the copier's stream wait for ``after`` (default: the engine's current stream)."""
-        import torch
+        """Make the copier's stream wait for ``after`` (default: this thread's current stream
+        on the device, where the engine wrote the KV) by an event."""
+        handle = int(after.cuda_stream) if after is not None else _current_stream(self.index)
+        if handle != self._handle:
+            self._after.record(handle)
+            self._driver.wait_event(self._handle, self._after.handle)
 
-        if after is not None:
-            self.stream.wait_stream(after)  # any stream (its own fresh event)
-            return
-        self._after.record(torch.cuda.current_stream(self.device))
-        self.stream.wait_event(self._after)
+    def _done(self, timed: bool) -> Any:
+        """The event a launch returns, recorded after its kernel."""
+        if timed:
+            import torch
+
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(self.stream)
+            return done
+        done = DriverEvent(self.context)
+        done.record(self._handle)
+        return done
 
     def launch(self, src: Any, dst: Any, lengths: Any, *, after: Any = None, timed: bool = False) -> Any:
-        """Enqueue the copy; returns a ``torch.cuda.Event`` recorded after it (None if empty).
+        """Enqueue the copy; returns an event recorded after it (``query``, ``synchronize``;
+        None if there is nothing to copy).
 
         The copier's stream first waits for ``after`` (a stream; default: the device's current
         stream, where the engine wrote the KV) by an event, so the copy reads finished data.
         """
+        previous = self._driver.switch(self.context)
+        try:
+            return self._launch_spans(src, dst, lengths, after, timed)
+        finally:
+            self._driver.restore(previous)
+
+    def _launch_spans(self, src: Any, dst: Any, lengths: Any, after: Any, timed: bool) -> Any:
         import torch
 
         began = time.perf_counter()
@@ -371,41 +400,36 @@ class SpanCopier:
         first = int(n[0])
         aligned = first % 16 == 0 and not ((s | d) & 15).any()
         aligned = aligned and bool((n == first).all()) and first // 8 <= 65535 * ALIGNED_BLOCK
-        host, table, slot = self._tables.take(3 * count, self.stream)
-        view = host[: 3 * count].numpy()
+        view, slot = self._tables.take(3 * count, self.stream)
+        table_addr = self._tables.dev[slot].data_ptr()
         if aligned:  # one length, 16-byte aligned: starts in 16-byte units from the table's address
-            base = table.data_ptr()  # any 16-byte aligned address; a tensor keeps Triton's fast path
             words = 2 * count
-            view[:count], view[count:words] = (s - base) >> 4, (d - base) >> 4
+            view[:count], view[count:words] = (s - table_addr) >> 4, (d - table_addr) >> 4
             elems = first // 8
             block = min(ALIGNED_BLOCK, 1 << max(0, (elems - 1).bit_length()))
             grid: tuple[int, int] = (count, -(-elems // block))
         else:
             width = widest(s, d, n)
             words = 3 * count
-            view[:count], view[count : 2 * count], view[2 * count :] = s, d, n // width
+            view[:count], view[count : 2 * count], view[2 * count : words] = s, d, n // width
             longest = int(n.max()) // width
             block = min(MAX_BLOCK, 1 << max(0, (longest - 1).bit_length()))
             grid = (count, -(-longest // block))
-        stream = self.stream
         self._wait_for(after)
         plain, fast, _ = _kernel()
         prepared = time.perf_counter()
-        with torch.cuda.stream(stream):
-            start = None
-            if timed:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-            table[:words].copy_(host[:words], non_blocking=True)
-        self._tables.uploaded(slot, stream)
+        start = None
+        if timed:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+        table = self._tables.upload(slot, words, self._handle)
         warps = max(1, min(8, block // 256))
         if aligned:
             constexprs = {"LEN": elems, "BLOCK": block, "MASK": elems % block != 0}
-            self._launch(fast, grid, (table, table, count), constexprs, warps, stream)
+            self._launch(fast, grid, (table, table, count), constexprs, warps, self.stream)
         else:
-            self._launch(plain, grid, (table, count), {"WIDTH": width, "BLOCK": block}, warps, stream)
-        done = torch.cuda.Event(enable_timing=timed)
-        done.record(stream)
+            self._launch(plain, grid, (table, count), {"WIDTH": width, "BLOCK": block}, warps, self.stream)
+        done = self._done(timed)
         self._timing = (start, done) if timed else None
         self.host_seconds[0] += prepared - began
         self.host_seconds[1] += time.perf_counter() - prepared
@@ -419,32 +443,32 @@ class SpanCopier:
         """Copy descriptor ``lids[k]`` of ``ltab``'s list to descriptor ``rids[k]`` of ``rtab``'s,
         resolving addresses on the GPU (host work: the id upload). Both lists must be
         ``DeviceTable.usable`` with the same span length. Returns the done event."""
-        import torch
+        previous = self._driver.switch(self.context)
+        try:
+            return self._launch_ids(ltab, rtab, lids, rids, after)
+        finally:
+            self._driver.restore(previous)
 
+    def _launch_ids(self, ltab: DeviceTable, rtab: DeviceTable, lids: Any, rids: Any, after: Any) -> Any:
         began = time.perf_counter()
         count = len(lids)
         if count != len(rids) or ltab.length != rtab.length or not (ltab.usable and rtab.usable):
             raise ConfigError("launch_indirect: lists differ in span length or descriptor count")
         if not count:
             return None
-        ids_host, ids_dev, slot = self._ids.take(2 * count, self.stream)
-        view = ids_host[: 2 * count].numpy()
-        view[:count], view[count:] = lids, rids
+        view, slot = self._ids.take(2 * count, self.stream)
+        view[:count], view[count : 2 * count] = lids, rids
         elems = ltab.length // 8
         block = min(ALIGNED_BLOCK, 1 << max(0, (elems - 1).bit_length()))
         grid = (count, -(-elems // block))
-        stream = self.stream
         self._wait_for(after)
         indirect = _kernel()[2]
         prepared = time.perf_counter()
-        with torch.cuda.stream(stream):
-            ids_dev[: 2 * count].copy_(ids_host[: 2 * count], non_blocking=True)
-        self._ids.uploaded(slot, stream)
+        ids = self._ids.upload(slot, 2 * count, self._handle)
         warps = max(1, min(8, block // 256))
         constexprs = {"LEN": elems, "BLOCK": block, "MASK": elems % block != 0}
-        self._launch(indirect, grid, (ltab.tensor, rtab.tensor, ids_dev, count), constexprs, warps, stream)
-        done = torch.cuda.Event()
-        done.record(stream)
+        self._launch(indirect, grid, (ltab.tensor, rtab.tensor, ids, count), constexprs, warps, self.stream)
+        done = self._done(False)
         self._timing = None
         self.launches += 1
         self.aligned_launches += 1
@@ -488,6 +512,20 @@ class DeviceTable:
         if self.usable:
             base = self.tensor.data_ptr()
             self.tensor[: len(a)].copy_(torch.from_numpy((a - base) >> 4))
+
+
+_RAW_STREAM: list[Any] = []
+
+
+def _current_stream(index: int) -> int:
+    """Raw handle of this thread's current stream on device ``index`` (torch's fast accessor,
+    the one Triton uses, when this torch has it)."""
+    if not _RAW_STREAM:
+        import torch
+
+        get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _RAW_STREAM.append(get or (lambda i: torch.cuda.current_stream(i).cuda_stream))
+    return int(_RAW_STREAM[0](index))
 
 
 _COPIERS: dict[tuple[int, int], SpanCopier] = {}
