@@ -51,6 +51,22 @@ class PushResults:
     """Request id -> why it failed (read-only)."""
 
 
+@attrs.frozen
+class _Finished:
+    """A ``request_finished`` call, as the writer thread receives it."""
+
+    key: str
+    request_id: str
+    blocks: BlockIds
+    decode_engine_id: str
+    ready: Any
+    """None, or what says the KV is written (``query()``)."""
+
+    def to_core(self, core: Any) -> Any:
+        """The core event telling ``core`` that this prefill finished."""
+        return lambda now: core.finished(self.key, self.request_id, self.blocks, self.decode_engine_id, now)
+
+
 class PushSender(RankWorker):
     """One P rank (one PP stage × TP rank)."""
 
@@ -62,6 +78,9 @@ class PushSender(RankWorker):
         self._packed: dict[Any, Any] = {}
         """Packed WRITEs in flight by transfer handle (:class:`kvpush.core.packing.PackedWrite`)."""
         self._deferred: list[Any] = []
+        self._unready: dict[str, tuple[_Finished, float]] = {}
+        """Match key -> finished prefills whose ``ready`` has not turned True yet, and since when
+        (writer thread; the core does not know them yet)."""
         self._results_lock = threading.Lock()
         self._sent: list[str] = []
         self._failed: dict[str, str] = {}
@@ -104,6 +123,7 @@ class PushSender(RankWorker):
         block_ids: BlockIdsLike,
         match_key: str | None = None,
         decode_engine_id: str | None = None,
+        ready: Any = None,
     ) -> None:
         """Prefill of ``request_id`` finished; its KV sits in ``block_ids`` (per group).
 
@@ -111,9 +131,15 @@ class PushSender(RankWorker):
         which D knows as ``remote_request_id``). ``decode_engine_id``, when the router knows it,
         binds the push to that D engine: registrations from any other engine are refused. The
         blocks stay reserved until the request is reported sent or failed by :meth:`get_finished`;
-        a request with no blocks is reported sent at once. Raises ``ConfigError`` naming the
-        argument for an empty or non-string id, negative, repeated or out-of-range block ids, a
-        match key already in progress, or a worker that is not running.
+        a request with no blocks is reported sent at once.
+
+        The KV must be complete when this is called, or ``ready`` must say when it is: an object
+        whose ``query()`` turns True once the KV is written (a ``torch.cuda.Event`` recorded on
+        the stream that wrote it, after the prefill's last write). Nothing of the request is
+        posted before; if it is not ready within ``lease_s`` (or ``query()`` raises), the
+        request fails and D is told. Raises ``ConfigError`` naming the argument for an empty or
+        non-string id, negative, repeated or out-of-range block ids, a match key already in
+        progress, a ``ready`` without ``query()``, or a worker that is not running.
         """
         self._check_running("request_finished")
         blocks = self._check_blocks(request_id, block_ids, "block_ids")
@@ -124,15 +150,17 @@ class PushSender(RankWorker):
             raise ConfigError(
                 f"decode_engine_id must be a non-empty string (or None), got {decode_engine_id!r}"
             )
+        if ready is not None and not callable(getattr(ready, "query", None)):
+            raise ConfigError(
+                f"ready must have a query() method that turns True once the KV is written (e.g. a "
+                f"torch.cuda.Event recorded after the prefill's last KV write), got {ready!r}"
+            )
         with self._results_lock:
             if key in self._keys:
                 raise ConfigError(f"match_key {key!r} is already being pushed by this rank; finish it once")
             self._keys[key] = request_id
-        self.run_on_writer(
-            lambda: self._guarded(
-                key, lambda now: self.core.finished(key, request_id, blocks, decode_engine_id or "", now)
-            )
-        )
+        finished = _Finished(key, request_id, blocks, decode_engine_id or "", ready)
+        self.run_on_writer(lambda: self._finished(finished))
 
     def abort(self, request_id: str, match_key: str | None = None) -> None:
         """Abort a finished prefill (the engine wants its blocks back): nothing more is posted,
@@ -140,7 +168,7 @@ class PushSender(RankWorker):
         ``get_finished().failed`` once no WRITE of it is in flight. Unknown ids are ignored."""
         self._check_running("abort")
         key = request_id if match_key is None else match_key
-        self.run_on_writer(lambda: self._guarded(key, lambda now: self.core.abort(key, now)))
+        self.run_on_writer(lambda: self._abort(key))
 
     def get_finished(self) -> PushResults:
         """Requests pushed (every WRITE done) or failed (with the reason) since the last call."""
@@ -150,6 +178,49 @@ class PushSender(RankWorker):
         return PushResults(sent=sent, failed=failed)
 
     # ------------------------------------------------------------------ feeding the core
+
+    def _finished(self, finished: _Finished) -> None:
+        """A prefill finished: to the core now, or once its ``ready`` says the KV is written."""
+        if finished.ready is None:
+            self._guarded(finished.key, finished.to_core(self.core))
+            return
+        self._unready[finished.key] = (finished, lease_clock())
+        self._check_ready(lease_clock())
+
+    def _check_ready(self, now: float) -> None:
+        """Hand each prefill whose KV became ready to the core; fail those whose ``ready`` raised
+        or did not turn True within ``lease_s`` (D is told, nothing is posted)."""
+        for key, (finished, since) in list(self._unready.items()):
+            failure = ""
+            try:
+                if not finished.ready.query():
+                    if now - since <= self.config.lease_s:
+                        continue
+                    failure = (
+                        f"its KV was not ready within lease_s={self.config.lease_s}s (the `ready` "
+                        f"passed to request_finished never turned True; is the engine's stream stuck?)"
+                    )
+            except Exception as err:
+                failure = f"the `ready` passed to request_finished raised {type(err).__name__}: {err}"
+            del self._unready[key]
+            if failure:
+                self._end_unready(finished, lambda now, k=key, why=failure: self.core.fail(k, why, now))
+            else:
+                self._guarded(key, finished.to_core(self.core))
+
+    def _end_unready(self, finished: _Finished, ending: Any) -> None:
+        """Give the core a prefill that must not be posted, ended at once by ``ending`` (fail or
+        abort), so D is told as for any other failure. Any post the core asks for meanwhile is
+        refused by ``confirm_post`` (the request has failed by then)."""
+        start = finished.to_core(self.core)
+        self._guarded(finished.key, lambda now: start(now) + ending(now))
+
+    def _abort(self, key: str) -> None:
+        unready = self._unready.pop(key, None)
+        if unready is not None:
+            self._end_unready(unready[0], lambda now: self.core.abort(key, now))
+            return
+        self._guarded(key, lambda now: self.core.abort(key, now))
 
     def _guarded(self, key: str, event: Any) -> None:
         """Run one core event and its actions; any exception fails ``key``'s request only."""
@@ -401,6 +472,8 @@ class PushSender(RankWorker):
 
     def _poll(self, now: float) -> None:
         assert self.core is not None and self.transport is not None
+        if self._unready:
+            self._check_ready(now)
         for handle, (key, dst) in list(self.core.inflight_handles().items()):
             error = ""
             try:
@@ -440,7 +513,7 @@ class PushSender(RankWorker):
 
     def _busy(self) -> bool:
         # A WRITE in flight belongs to a finished prefill, so busy() covers it too.
-        return self.core is not None and self.core.busy()
+        return bool(self._unready) or (self.core is not None and self.core.busy())
 
     def _closed(self) -> None:
         """Report every prefill still held as failed: the engine may free its blocks."""

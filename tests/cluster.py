@@ -49,6 +49,7 @@ class Cluster:
         decode_tp: int = 1,
         num_blocks: int = 64,
         transport: str = "loopback",
+        device: str = "cpu",
         **config: Any,
     ) -> None:
         self.model = model
@@ -75,7 +76,7 @@ class Cluster:
                     tp_size=prefill_tp,
                     tp_rank=tp,
                 )
-                caches = allocate_kv_caches(model, parallel, num_blocks)
+                caches = allocate_kv_caches(model, parallel, num_blocks, device=device)
                 for tensor in caches.values():
                     tensor.view(torch.int16).copy_(
                         torch.randint(-30_000, 30_000, tensor.shape, dtype=torch.int16)
@@ -90,7 +91,7 @@ class Cluster:
                 self.p_results[parallel.rank] = {}
         for tp in range(decode_tp):
             parallel = ParallelConfig(tp_size=decode_tp, tp_rank=tp, num_layers=model.num_layers)
-            caches = allocate_kv_caches(model, parallel, num_blocks)
+            caches = allocate_kv_caches(model, parallel, num_blocks, device=device)
             receiver = PushReceiver(
                 self._config("D", parallel, transport, self.d_server.port, config), caches, pm=self.pm
             )
