@@ -52,7 +52,7 @@ BENCH_FILES ?= benchmarks/bench_planning.py benchmarks/bench_completion.py \
 	benchmarks/bench_core_tick.py benchmarks/bench_handshake.py benchmarks/bench_push.py \
 	benchmarks/bench_serve.py
 BENCH_STORAGE ?= benchmarks/baseline
-BENCH_BASELINE ?= 0002
+BENCH_BASELINE ?= 0003
 BENCH_FAIL ?= median:150%
 BENCH_PYTEST = $(VENV)/bin/python -m pytest $(BENCH_FILES) --benchmark-enable -p no:cacheprovider \
 	-W ignore::pytest_benchmark.logger.PytestBenchmarkWarning --benchmark-storage=file://$(BENCH_STORAGE)
