@@ -6,7 +6,9 @@ one length for all). On CUDA it is one Triton kernel launch: program ``(i, c)`` 
 ``c`` of span ``i``, in the widest element (8, 4, 2 or 1 bytes) that every address and length
 allows; spans longer than ``PIECE_BYTES`` are cut on the host so the grid stays small. The
 descriptor table goes to the GPU with one pinned host-to-device copy on the copier's own
-stream, which first waits (by event) for the stream the engine writes KV on; the caller waits
+stream, which first waits (by event) for the calling thread's current stream (a writer thread's
+is the device's default stream: it orders the copy after work the engine queued there, not on
+its own streams, which is what ``request_finished(..., ready=event)`` is for); the caller waits
 on the event the copy records, never on the device. On the CPU the same call is a loop of
 ``memmove`` (tests and reference only; CPU packing uses torch index ops, see ``packing``).
 
@@ -354,7 +356,7 @@ class SpanCopier:
 
     def _wait_for(self, after: Any) -> None:
         """Make the copier's stream wait for ``after`` (default: this thread's current stream
-        on the device, where the engine wrote the KV) by an event."""
+        on the device) by an event."""
         handle = int(after.cuda_stream) if after is not None else _current_stream(self.index)
         if handle != self._handle:
             self._after.record(handle)
@@ -377,7 +379,7 @@ class SpanCopier:
         None if there is nothing to copy).
 
         The copier's stream first waits for ``after`` (a stream; default: the device's current
-        stream, where the engine wrote the KV) by an event, so the copy reads finished data.
+        stream on this thread) by an event, so the copy reads what was queued there before.
         """
         previous = self._driver.switch(self.context)
         try:

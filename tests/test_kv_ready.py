@@ -121,11 +121,15 @@ def test_ready_without_query_is_refused() -> None:
 @pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("transport", ["nixl", "cuda_ipc"])
 def test_a_prefill_still_running_on_the_gpu_is_pushed_once_its_event_fired(transport: str) -> None:
-    """The engine's stream is still writing the KV (behind a 0.2 s spin) when it calls
-    ``request_finished``; D's registration is already at P. With the stream's event as
-    ``ready``, D receives the final bytes."""
+    """The engine's stream is still writing the KV (behind a 1 s spin) when it calls
+    ``request_finished``; D's registration is already at P and the path is warm (a first push
+    compiled the kernel and mapped the peer, which would otherwise outlast the spin). With the
+    stream's event as ``ready``, D receives the final bytes (without it: the stale ones)."""
     with Cluster(transport=transport, device="cuda:0", request_timeout_s=60) as cluster:
         sender = cluster.senders[RankKey(0, 0)]
+        cluster.add("d-warm", [[2]], "x-warm")
+        cluster.finish("p-warm", [[1]], "x-warm")
+        assert cluster.wait_decode("d-warm", timeout_s=60) == {0: None}
         cluster.add("d-1", [[5]], "x-1")
         _wait_for(lambda: sender.core.state_sizes()["stashed"] >= 1, 10, "D's registration at P")
         caches = cluster.p_caches[RankKey(0, 0)]
@@ -133,7 +137,7 @@ def test_a_prefill_still_running_on_the_gpu_is_pushed_once_its_event_fired(trans
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU clock: the prefill is still running
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock: the prefill is still running
             for name, tensor in caches.items():
                 kv_bytes(tensor)[:, 3].copy_(final[name])
             event = torch.cuda.Event()
