@@ -553,11 +553,12 @@ class _WorkerSide:
     def start(self, meta: KvpushConnectorMetadata) -> None:
         engine = self._started()
         if self.owner.is_producer:
+            ready = self._kv_written() if meta.send else None
             for rid, item in meta.send.items():
                 bind = {"decode_engine_id": item.decode_engine_id} if item.decode_engine_id else {}
                 try:
                     engine.request_finished(
-                        rid, self.kernel_ids(item.block_ids), match_key=item.match_key, **bind
+                        rid, self.kernel_ids(item.block_ids), match_key=item.match_key, ready=ready, **bind
                     )
                 except Exception as err:  # e.g. a transfer_id already in use: release, go on
                     logger.error("kvpush cannot push request %s (its blocks are released): %s", rid, err)
@@ -573,6 +574,20 @@ class _WorkerSide:
         for rid in meta.cancel:
             if rid in self._inflight and rid not in self._failed_now:
                 engine.cancel(rid)
+
+    def _kv_written(self) -> Any:
+        """An event after everything this worker queued on its CUDA stream (the finished
+        prefills' KV writes included), so nothing is posted before the KV is there; None for
+        CPU caches. vLLM reads a step's sampled tokens on the host before its scheduler sees a
+        request finish, which already orders the KV; the event also covers an engine stream
+        that did not synchronise."""
+        if self.engine is None or self.engine.config.cuda_device is None:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.engine.config.cuda_device))
+        return event
 
     def results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
