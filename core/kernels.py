@@ -6,10 +6,14 @@ one length for all). On CUDA it is one Triton kernel launch: program ``(i, c)`` 
 ``c`` of span ``i``, in the widest element (8, 4, 2 or 1 bytes) that every address and length
 allows; spans longer than ``PIECE_BYTES`` are cut on the host so the grid stays small. The
 descriptor table goes to the GPU with one pinned host-to-device copy on the copier's own
-stream, which first waits (by event) for the calling thread's current stream (a writer thread's
-is the device's default stream: it orders the copy after work the engine queued there, not on
-its own streams, which is what ``request_finished(..., ready=event)`` is for); the caller waits
-on the event the copy records, never on the device. On the CPU the same call is a loop of
+stream; the caller waits on the event the copy records, never on the device.
+
+A copy waits for no engine stream unless given one (``after``): the KV it reads is complete
+when the engine says so (``request_finished(..., ready=event)`` gates the post on the host).
+Waiting on the device's default stream by default, as this did before, ordered the copy after
+the engine's work queued there only, and tied it to that stream: a stalled engine stream (say a
+hung collective) kept a ``cuda_ipc`` copy queued past P's WRITE deadline, after which D may
+have fenced P and released the blocks the copy then writes. On the CPU the same call is a loop of
 ``memmove`` (tests and reference only; CPU packing uses torch index ops, see ``packing``).
 
 Triton is imported on the first CUDA copy, never at module import.
@@ -355,9 +359,10 @@ class SpanCopier:
         return self._launch.replays
 
     def _wait_for(self, after: Any) -> None:
-        """Make the copier's stream wait for ``after`` (default: this thread's current stream
-        on the device) by an event."""
-        handle = int(after.cuda_stream) if after is not None else _current_stream(self.index)
+        """Make the copier's stream wait for stream ``after`` by an event (None: no wait)."""
+        if after is None:
+            return
+        handle = int(after.cuda_stream)
         if handle != self._handle:
             self._after.record(handle)
             self._driver.wait_event(self._handle, self._after.handle)
@@ -378,8 +383,8 @@ class SpanCopier:
         """Enqueue the copy; returns an event recorded after it (``query``, ``synchronize``;
         None if there is nothing to copy).
 
-        The copier's stream first waits for ``after`` (a stream; default: the device's current
-        stream on this thread) by an event, so the copy reads what was queued there before.
+        With ``after`` (a stream), the copier's stream first waits for the work queued there
+        (by event); without it the copy waits for nothing (see the module docstring).
         """
         previous = self._driver.switch(self.context)
         try:
@@ -514,20 +519,6 @@ class DeviceTable:
         if self.usable:
             base = self.tensor.data_ptr()
             self.tensor[: len(a)].copy_(torch.from_numpy((a - base) >> 4))
-
-
-_RAW_STREAM: list[Any] = []
-
-
-def _current_stream(index: int) -> int:
-    """Raw handle of this thread's current stream on device ``index`` (torch's fast accessor,
-    the one Triton uses, when this torch has it)."""
-    if not _RAW_STREAM:
-        import torch
-
-        get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        _RAW_STREAM.append(get or (lambda i: torch.cuda.current_stream(i).cuda_stream))
-    return int(_RAW_STREAM[0](index))
 
 
 _COPIERS: dict[tuple[int, int], SpanCopier] = {}

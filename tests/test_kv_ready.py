@@ -146,3 +146,27 @@ def test_a_prefill_still_running_on_the_gpu_is_pushed_once_its_event_fired(trans
         assert cluster.wait_decode("d-1", timeout_s=20) == {0: None}
         for name, tensor in cluster.d_caches[0].items():
             assert torch.equal(kv_bytes(tensor)[:, 5], final[name]), name
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
+def test_a_cuda_ipc_copy_is_not_held_behind_a_stalled_engine_stream() -> None:
+    """The KV is complete (synchronised) but the device's default stream is busy for ~1 s (a
+    stalled engine stream, e.g. a hung collective). The copy must not queue behind it: a copy
+    held there past P's WRITE deadline would land after D fenced P and released the blocks."""
+    with Cluster(transport="cuda_ipc", device="cuda:0", request_timeout_s=60) as cluster:
+        cluster.add("d-warm", [[2]], "x-warm")
+        cluster.finish("p-warm", [[1]], "x-warm")
+        assert cluster.wait_decode("d-warm", timeout_s=60) == {0: None}
+        cluster.add("d-1", [[5]], "x-1")
+        torch.cuda.synchronize()
+        default = torch.cuda.default_stream()
+        with torch.cuda.stream(default):
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock on the default stream
+            stalled = torch.cuda.Event()
+            stalled.record(default)
+        cluster.finish("p-1", [[3]], "x-1")
+        assert cluster.wait_decode("d-1", timeout_s=20) == {0: None}
+        assert not stalled.query(), "the push waited for the stalled default stream"
+        stalled.synchronize()
+        for name, tensor in cluster.d_caches[0].items():
+            assert torch.equal(kv_bytes(tensor)[:, 5], kv_bytes(cluster.p_caches[RankKey(0, 0)][name])[:, 3])
