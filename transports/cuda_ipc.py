@@ -396,6 +396,9 @@ class CudaIpcTransport:
         return _Peer(pid=int(info["pid"]), bases=bases, sizes=sizes, mapped=mapped, opened=opened)
 
     def _close_peer(self, name: str) -> None:
+        for write in list(self._writes):  # a kernel still using the mapping would fault on close
+            if write.peer == name and write.event is not None and not write.failed:
+                write.event.synchronize()
         peer = self._peers.pop(name, None)
         self._blobs.pop(name, None)
         self.fallbacks.pop(name, None)
