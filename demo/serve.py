@@ -810,7 +810,36 @@ def summarize(rate: float, outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "verify_failed": sum(1 for o in sampled if not o.verified),
         "sample_rate": len(sampled) / len(done) if done else None,
         "trace_ms": _trace(done),
+        "slowest": _slowest(done),
     }
+
+
+def _slowest(done: Sequence[Outcome], count: int = 5) -> list[dict[str, Any]]:
+    """The ``count`` slowest requests: id, number, arrival (s into the run), bytes, added ms,
+    and P's stage split (ms) where it was stamped; what a tail percentile hides."""
+    if not done:
+        return []
+    start = min(o.arrival for o in done)
+    out = []
+    for o in sorted(done, key=lambda o: o.done - o.finish, reverse=True)[:count]:
+        steps, last = {}, o.finish
+        for name in ("post", "posted", "settled"):
+            t = o.marks.get(name)
+            if t is not None:
+                steps[f"to_{name}"] = round(1e3 * (t - last), 3)
+                last = t
+        steps["to_done"] = round(1e3 * (o.done - last), 3)
+        out.append(
+            {
+                "rid": o.rid,
+                "number": o.number,
+                "arrival_s": round(o.arrival - start, 4),
+                "bytes": o.nbytes,
+                "added_ms": round(1e3 * (o.done - o.finish), 3),
+                "steps_ms": steps,
+            }
+        )
+    return out
 
 
 def _trace(done: Sequence[Outcome]) -> dict[str, float] | None:
