@@ -136,6 +136,8 @@ class _Decode:
     hellos: dict[int, str] = attrs.field(factory=dict)
     """D ranks whose HELLO awaits the handshake, by the agent the HELLO came from."""
     last_want: dict[str, float] = attrs.field(factory=dict)
+    want_pending: dict[str, set[str]] = attrs.field(factory=dict)
+    """Keys per D agent whose fresh grant is to be asked once the rate limit allows."""
     deferred: list[tuple[str, Notification]] = attrs.field(factory=list)
     """Messages of a newer incarnation, handled once the stale agents are dropped."""
 
@@ -702,7 +704,31 @@ class PrefillCore:
         return [Post(request.key, rank, request.engine_id, dest.spec, entry.reg)]
 
     def _want(self, engine: _Decode, agent: str, keys: list[str], now: float) -> list[Any]:
-        if now - engine.last_want.get(agent, -1e18) < self.s.want_interval_s:
+        """Ask D's ``agent`` for a fresh grant of ``keys``: at once, or, within the rate limit
+        of the last ask, in one message when the limit allows (a key is never left to wait for
+        D's next heartbeat)."""
+        engine.want_pending.setdefault(agent, set()).update(keys)
+        due = engine.last_want.get(agent, -1e18) + self.s.want_interval_s
+        if now < due:
+            self._timers.arm(("want", engine.engine_id, agent), due)
+            return []
+        return self._send_want(engine, agent, now)
+
+    def _send_want(self, engine: _Decode, agent: str, now: float) -> list[Any]:
+        """One want for every pending key still waiting for a grant from ``agent``."""
+        keys = []
+        for key in sorted(engine.want_pending.pop(agent, ())):
+            request = self._requests.get(key)
+            entry_waits = request is not None and any(
+                entry.agent == agent
+                and request.dests is not None
+                and request.dests.get(rank) is not None
+                and request.dests[rank].state is _Dest.WAIT_FRESH
+                for rank, entry in request.regs.items()
+            )
+            if entry_waits:
+                keys.append(key)
+        if not keys:
             return []
         engine.last_want[agent] = now
         return [Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, keys))]
@@ -880,6 +906,8 @@ class PrefillCore:
                 out += self._fail_request(request, f"lease of {self.s.lease_s:g}s expired: {why}", now)
             elif kind == "write" and request is not None:
                 out += self._write_deadline(request, timer[2], now)
+            elif kind == "want" and key in self._engines:
+                out += self._send_want(self._engines[key], timer[2], now)
         return out
 
     def _write_deadline(self, request: _Request, rank: int, now: float) -> list[Any]:
