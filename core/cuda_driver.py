@@ -23,13 +23,6 @@ from kvpush.core.errors import ConfigError, TransferError
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600
 CU_EVENT_DISABLE_TIMING = 0x2
-CU_EVENT_INTERPROCESS = 0x4
-IPC_HANDLE_BYTES = 64
-
-
-class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]
-
 
 _void_p = ctypes.c_void_p
 _SIGNATURES: dict[str, tuple[Any, ...]] = {
@@ -45,8 +38,6 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "cuEventDestroy_v2": (_void_p,),
     "cuStreamWaitEvent": (_void_p, _void_p, ctypes.c_uint),
     "cuMemcpyHtoDAsync_v2": (ctypes.c_uint64, _void_p, ctypes.c_size_t, _void_p),
-    "cuIpcGetEventHandle": (ctypes.POINTER(_IpcHandle), _void_p),
-    "cuIpcOpenEventHandle": (ctypes.POINTER(_void_p), _IpcHandle),
 }
 
 
@@ -126,42 +117,21 @@ def driver() -> CudaDriver:
 
 class DriverEvent:
     """A CUDA event without timing, in ``context``: ``record``, ``query``, ``synchronize``
-    (what a copy's caller uses of ``torch.cuda.Event``). Destroyed with the object.
-
-    ``interprocess=True`` makes one another process on this host can open (:meth:`ipc_handle`,
-    :meth:`open`); ``opened=`` wraps such a handle opened here."""
+    (what a copy's caller uses of ``torch.cuda.Event``). Destroyed with the object."""
 
     __slots__ = ("_driver", "context", "handle")
 
-    def __init__(self, context: int, *, interprocess: bool = False, opened: bytes | None = None) -> None:
+    def __init__(self, context: int) -> None:
         self._driver = d = driver()
         self.context = context
         self.handle = 0
         previous = d.switch(context)
         try:
             handle = _void_p()
-            if opened is not None:
-                if len(opened) != IPC_HANDLE_BYTES:
-                    raise TransferError(
-                        f"an IPC event handle has {len(opened)} bytes, not {IPC_HANDLE_BYTES}"
-                    )
-                raw = _IpcHandle()
-                ctypes.memmove(ctypes.addressof(raw), opened, IPC_HANDLE_BYTES)
-                d._check(d.lib.cuIpcOpenEventHandle(ctypes.byref(handle), raw), "cuIpcOpenEventHandle")
-            else:
-                flags = CU_EVENT_DISABLE_TIMING | (CU_EVENT_INTERPROCESS if interprocess else 0)
-                d._check(d.lib.cuEventCreate(ctypes.byref(handle), flags), "cuEventCreate")
+            d._check(d.lib.cuEventCreate(ctypes.byref(handle), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
             self.handle = int(handle.value or 0)
         finally:
             d.restore(previous)
-
-    def ipc_handle(self) -> bytes:
-        """The 64 bytes another process passes to ``DriverEvent(ctx, opened=...)``."""
-        raw = _IpcHandle()
-        self._driver._check(
-            self._driver.lib.cuIpcGetEventHandle(ctypes.byref(raw), self.handle), "cuIpcGetEventHandle"
-        )
-        return bytes(raw.reserved)
 
     def record(self, stream: int) -> None:
         """Record on ``stream``, a raw stream handle of this event's context (the caller has

@@ -349,20 +349,6 @@ class SpanCopier:
         """Re-recorded per launch on the stream waited for (a wait takes the record of its call)."""
 
     @property
-    def stream_handle(self) -> int:
-        """The raw handle of the copier's stream."""
-        return self._handle
-
-    def record(self, event: DriverEvent) -> None:
-        """Record ``event`` (of this device's context) on the copier's stream, after every copy
-        queued so far."""
-        previous = self._driver.switch(self.context)
-        try:
-            event.record(self._handle)
-        finally:
-            self._driver.restore(previous)
-
-    @property
     def upload_waits(self) -> int:
         """Launches that waited for an earlier upload to finish (0 when the ring is long enough)."""
         return self._tables.waits + self._ids.waits

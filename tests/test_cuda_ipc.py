@@ -16,14 +16,7 @@ from kvpush.core.manager import get_plugin_manager
 from kvpush.core.transport import TransferState, TransportConfig
 from kvpush.core.types import KVRegion, PushJob, ReadSpec
 from kvpush.transports import cuda_ipc
-from kvpush.transports.cuda_ipc import (
-    CONFIRMED,
-    CudaIpcTransport,
-    decode_blob,
-    encode_blob,
-    split_trailer,
-    with_trailer,
-)
+from kvpush.transports.cuda_ipc import CudaIpcTransport, decode_blob, encode_blob
 
 _NAMES = itertools.count()
 
@@ -226,81 +219,3 @@ def test_host_memory_pair_over_real_nixl_falls_back_and_verifies() -> None:
     summary = result["runs"][0]["kvpush"]
     assert summary["completed"] == 6 and summary["verified"] == 6 and summary["verify_failed"] == 0
     assert result["strategy_mix"]["ipc_writes"] == 0
-
-
-# ------------------------------------------------------------------------------ early DONE (D's side)
-
-
-class FakeEvent:
-    """An opened peer event: ``query()`` is True once the peer's copy ended."""
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-
-def _holding(monkeypatch, events: list, batches: list) -> CudaIpcTransport:
-    """A D-side transport that loaded peer ``P`` (early DONEs, ``events`` opened) and whose
-    inner transport drains ``batches`` one per call."""
-    d = make()
-    empty = np.zeros(0, dtype=np.int64)
-    d._peers["P"] = cuda_ipc._Peer(
-        pid=1, bases=empty, sizes=empty, mapped=empty, opened=[], events=events, early_done=True
-    )
-    monkeypatch.setattr(d.inner, "drain_notifs", lambda: batches.pop(0) if batches else [])
-    return d
-
-
-def test_trailers_round_trip_and_plain_messages_have_none() -> None:
-    assert split_trailer(with_trailer(b"DONE:a", 7)) == (b"DONE:a", 7)
-    assert split_trailer(with_trailer(b"", CONFIRMED)) == (b"", CONFIRMED)
-    assert split_trailer(b"DONE:a") == (b"DONE:a", None)
-    assert split_trailer(b"\0KVPDONE") == (b"\0KVPDONE", None)  # too short to hold a slot too
-
-
-def test_an_early_done_is_held_until_its_copy_ended_and_later_messages_wait_behind_it(monkeypatch) -> None:
-    event = FakeEvent()
-    batches = [
-        [("P", with_trailer(b"DONE:a", 0)), ("P", b"FAIL:b"), ("Q", b"HB:q")],
-        [],
-        [("P", with_trailer(b"DONE:a", CONFIRMED))],
-    ]
-    d = _holding(monkeypatch, [event], batches)
-    try:
-        assert d.drain_notifs() == [("Q", b"HB:q")]  # P's copy is running: P's messages wait
-        event.done = True
-        assert d.drain_notifs() == [("P", b"DONE:a"), ("P", b"FAIL:b")]  # in P's order
-        assert d.drain_notifs() == []  # the confirmation of a DONE already passed: dropped
-        assert d._held == {} and d._passed == {"P": {}}
-    finally:
-        d.close()
-
-
-def test_an_early_done_that_cannot_be_checked_waits_for_its_confirmation(monkeypatch) -> None:
-    """D could not open P's events (or the slot is unknown): it cannot tell when the copy
-    ended, so it drops the early DONE and passes the confirmation P sends after the copy."""
-    batches = [
-        [("P", with_trailer(b"DONE:a", 0)), ("P", with_trailer(b"DONE:b", 5))],
-        [("P", with_trailer(b"DONE:a", CONFIRMED)), ("P", with_trailer(b"DONE:b", CONFIRMED))],
-    ]
-    d = _holding(monkeypatch, [FakeEvent()], batches)  # slot 5 is not opened here
-    try:
-        assert d.drain_notifs() == []
-        assert d.drain_notifs() == []  # DONE:a still held (its copy runs), DONE:b's confirmation behind it
-        d._peers["P"].events[0].done = True
-        assert d.drain_notifs() == [("P", b"DONE:a"), ("P", b"DONE:b")]
-    finally:
-        d.close()
-
-
-def test_removing_a_peer_drops_what_it_held(monkeypatch) -> None:
-    batches = [[("P", with_trailer(b"DONE:a", 0))]]
-    d = _holding(monkeypatch, [FakeEvent()], batches)
-    try:
-        assert d.drain_notifs() == []
-        d._close_peer("P")
-        assert d._held == {} and d.drain_notifs() == []
-    finally:
-        d.close()

@@ -18,14 +18,7 @@ launches one kernel (:class:`kvpush.core.kernels.SpanCopier`, on the writer's ow
 the engine's stream) that copies scattered blocks into scattered blocks: no staging, no
 per-block descriptors. ``poll`` reports DONE once the kernel's event has completed and the
 notification went out over the inner transport, so D sees the same completion message as with
-a NIXL WRITE. To a peer that says it can (``early_done`` in its metadata), the DONE goes out
-right after the launch instead, naming one of this rank's interprocess events (exported in the
-metadata, recorded after the copy on the copier's stream); the peer's transport holds it, and
-every later notification of this rank, until that event completed, so D's handling of the DONE
-overlaps the copy. A dead P's event never completes (measured on the H200), so D never passes
-a DONE whose copy may have been cut short. A second DONE, marked confirmed, follows once P saw
-the copy end: D drops it after a passed early DONE and passes it when it could not check the
-early one. ``remove_peer`` (and a reload of a restarted peer under the same name, a new
+a NIXL WRITE. ``remove_peer`` (and a reload of a restarted peer under the same name, a new
 incarnation) closes the handles.
 
 While every loaded peer is reached by IPC, the built-in strategy answer for a VRAM push is
@@ -34,7 +27,6 @@ While every loaded peer is reached by IPC, the built-in strategy answer for a VR
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import json
 import logging
@@ -57,12 +49,6 @@ from kvpush.core.types import KVRegion, MemType, PushJob, ReadSpec, TransportPro
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVPIPC1\0"
-DONE_TRAILER = b"\0KVPDONE"
-"""Ends a DONE sent to a peer that holds early DONEs, followed by a u16: the event slot of an
-early DONE (sent at the post), or ``CONFIRMED`` (sent once P saw the copy end)."""
-CONFIRMED = 0xFFFF
-EVENT_SLOTS = 32
-"""Interprocess events per rank, recorded round robin after each IPC copy."""
 MODES = ("auto", "ipc", "nixl")
 KNOWN_OPTIONS = ("inner", "inner_options", "mode")
 CUDA_ERROR_ALREADY_MAPPED = 208
@@ -104,20 +90,6 @@ def decode_blob(blob: bytes) -> tuple[bytes, dict[str, Any] | None]:
     except ValueError as err:
         raise TransferError(f"cuda_ipc peer metadata header is not JSON: {err}") from err
     return blob[start + size :], info
-
-
-def split_trailer(message: bytes) -> tuple[bytes, int | None]:
-    """``(body, event slot)`` of a notification; the slot is None without an early-DONE trailer."""
-    end = len(message) - 2
-    if end >= len(DONE_TRAILER) and message.endswith(DONE_TRAILER, 0, end):
-        (slot,) = struct.unpack_from("<H", message, end)
-        return message[: end - len(DONE_TRAILER)], slot
-    return message, None
-
-
-def with_trailer(message: bytes, slot: int) -> bytes:
-    """``message`` marked as sent before the copy recorded on event ``slot`` finished."""
-    return message + DONE_TRAILER + struct.pack("<H", slot)
 
 
 # ------------------------------------------------------------------------------ CUDA driver
@@ -230,12 +202,7 @@ class _IpcWrite:
     peer: str
     notif: bytes
     descriptors: int
-    early: bool = False
-    """D was sent an early DONE at the post (naming the event recorded after the copy)."""
     sent: bool = False
-    """D was sent the DONE (the confirmation, after an early one) once the copy finished."""
-    landed: bool = False
-    """The copy's event completed (P's blocks are no longer read)."""
     failed: bool = False
 
 
@@ -249,10 +216,6 @@ class _Peer:
     mapped: np.ndarray
     opened: list[int]
     """Pointers this process opened (closed on removal); empty for a peer in this process."""
-    events: list[Any] = attrs.field(factory=list)
-    """The peer's interprocess events, opened here (an early DONE names one by slot)."""
-    early_done: bool = False
-    """The peer holds an early DONE until the named event completed (it says so)."""
 
     def translate(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Peer addresses -> addresses mapped in this process (``TransferError`` if outside)."""
@@ -298,17 +261,6 @@ class CudaIpcTransport:
         self._peers: dict[str, _Peer] = {}
         self._blobs: dict[str, bytes] = {}
         self._writes: set[_IpcWrite] = set()
-        self._events: list[Any] = []
-        """This rank's interprocess events (exported in its metadata)."""
-        self._event_stream: int | None = None
-        """The one copier stream the events are recorded on (stream order makes a slot's
-        completion imply every copy recorded before it on that stream)."""
-        self._next_slot = 0
-        self._held: dict[str, collections.deque[tuple[bytes, int | None]]] = {}
-        """Per peer, notifications held behind an early DONE whose copy has not finished."""
-        self._passed: dict[str, collections.Counter[bytes]] = {}
-        """Per peer, early DONEs passed on whose confirmation is still to come (and dropped)."""
-        self.early_dones = 0
         self.ipc_writes = 0
         self.post_seconds = [0.0, 0.0]
         """Time in IPC posts: building the address lists, launching the copy (totals)."""
@@ -330,61 +282,7 @@ class CudaIpcTransport:
         self.inner.send_notif(peer, message)
 
     def drain_notifs(self) -> list[tuple[str, bytes]]:
-        """The inner transport's notifications, less those held behind an early DONE whose
-        copy has not finished (per peer, in arrival order)."""
-        batch = self.inner.drain_notifs()
-        if not self._held and not any(m.endswith(DONE_TRAILER, 0, len(m) - 2) for _, m in batch):
-            return batch
-        out: list[tuple[str, bytes]] = []
-        for peer, message in batch:
-            body, slot = split_trailer(message)
-            held = self._held.get(peer)
-            if slot is None and not held:  # the common case: no trailer, nothing held
-                out.append((peer, body))
-            else:
-                self._held.setdefault(peer, collections.deque()).append((body, slot))
-        for peer in list(self._held):
-            out += self._release_held(peer)
-        return out
-
-    def _release_held(self, peer: str) -> list[tuple[str, bytes]]:
-        """Pass the peer's held notifications on, in order, up to an early DONE whose copy has
-        not finished. Each DONE reaches the core once: an early DONE is passed when its event
-        completed (its confirmation is then dropped); one that cannot be checked here (the
-        peer's events are not open, a bad slot, a failing query) is dropped, and its
-        confirmation, sent once P saw the copy end, is passed instead."""
-        held = self._held[peer]
-        passed = self._passed.setdefault(peer, collections.Counter())
-        target = self._peers.get(peer)
-        out = []
-        while held:
-            body, slot = held[0]
-            if slot == CONFIRMED:
-                held.popleft()
-                if passed[body] > 0:
-                    passed[body] -= 1
-                    if not passed[body]:
-                        del passed[body]
-                else:
-                    out.append((peer, body))
-                continue
-            if slot is not None:
-                events = target.events if target is not None else []
-                try:
-                    if not 0 <= slot < len(events):
-                        raise TransferError(f"event slot {slot} of {len(events)} opened here")
-                    if not events[slot].query():
-                        break
-                except Exception as err:
-                    held.popleft()
-                    logger.info("cuda_ipc: an early DONE from %s waits for its confirmation: %s", peer, err)
-                    continue
-                passed[body] += 1
-            held.popleft()
-            out.append((peer, body))
-        if not held:
-            del self._held[peer]
-        return out
+        return self.inner.drain_notifs()
 
     # ------------------------------------------------------------------ memory
 
@@ -429,27 +327,8 @@ class CudaIpcTransport:
             self._exports = sorted(exports.values(), key=lambda e: e["base"])
         return self._exports
 
-    def _export_events(self) -> dict[str, Any] | None:
-        """This rank's interprocess events (made once): the device and each one's IPC handle."""
-        if not self._spans or self.mode == "nixl":
-            return None
-        from kvpush.core.cuda_driver import DriverEvent, driver
-
-        device = self._spans[0][2]
-        if not self._events:
-            context = driver().primary_context(device)
-            self._events = [DriverEvent(context, interprocess=True) for _ in range(EVENT_SLOTS)]
-        return {"device": device_uuids()[device], "handles": [e.ipc_handle().hex() for e in self._events]}
-
     def metadata(self) -> bytes:
-        info = {
-            "host": host_identity(),
-            "pid": os.getpid(),
-            "allocations": self._export(),
-            "events": self._export_events(),
-            "early_done": self.mode != "nixl",
-            "agent": self.agent_name,
-        }
+        info = {"host": host_identity(), "pid": os.getpid(), "allocations": self._export()}
         return encode_blob(self.inner.metadata(), info)
 
     # ------------------------------------------------------------------ peers
@@ -501,19 +380,8 @@ class CudaIpcTransport:
         allocations = sorted(info["allocations"], key=lambda a: a["base"])
         bases = np.array([a["base"] for a in allocations], dtype=np.int64)
         sizes = np.array([a["size"] for a in allocations], dtype=np.int64)
-        early = bool(info.get("early_done"))
         if int(info.get("pid", -1)) == os.getpid():  # same process: the addresses are ours
-            twin = _LIVE.get(str(info.get("agent", "")))
-            events = list(twin._events) if twin is not None else []
-            return _Peer(
-                pid=os.getpid(),
-                bases=bases,
-                sizes=sizes,
-                mapped=bases.copy(),
-                opened=[],
-                events=events,
-                early_done=early,
-            )
+            return _Peer(pid=os.getpid(), bases=bases, sizes=sizes, mapped=bases.copy(), opened=[])
         driver = self._cuda()
         driver.bind(self._spans[0][2])
         opened: list[int] = []
@@ -525,34 +393,12 @@ class CudaIpcTransport:
                 driver.close(ptr)
             raise
         mapped = np.array(opened, dtype=np.int64)
-        peer = _Peer(pid=int(info["pid"]), bases=bases, sizes=sizes, mapped=mapped, opened=opened)
-        peer.early_done = early
-        try:
-            peer.events = self._open_events(info.get("events"))
-        except TransferError as err:  # early DONEs of this peer are dropped (never trusted blind)
-            logger.warning("cuda_ipc: cannot open the events of peer pid %s: %s", peer.pid, err)
-        return peer
-
-    def _open_events(self, events: dict[str, Any] | None) -> list[Any]:
-        """A peer's interprocess events, opened in the context of the peer's GPU when this
-        process sees it, else of this rank's."""
-        if not events or not events.get("handles"):
-            return []
-        from kvpush.core.cuda_driver import DriverEvent, driver
-
-        uuids = device_uuids()
-        device = uuids.index(events["device"]) if events.get("device") in uuids else self._spans[0][2]
-        context = driver().primary_context(device)
-        return [DriverEvent(context, opened=bytes.fromhex(h)) for h in events["handles"]]
+        return _Peer(pid=int(info["pid"]), bases=bases, sizes=sizes, mapped=mapped, opened=opened)
 
     def _close_peer(self, name: str) -> None:
         for write in list(self._writes):  # a kernel still using the mapping would fault on close
             if write.peer == name and write.event is not None and not write.failed:
                 write.event.synchronize()
-        self._passed.pop(name, None)
-        dropped = self._held.pop(name, None)
-        if dropped:
-            logger.warning("cuda_ipc: dropped %d notification(s) of %s held for copies", len(dropped), name)
         peer = self._peers.pop(name, None)
         self._blobs.pop(name, None)
         self.fallbacks.pop(name, None)
@@ -658,14 +504,14 @@ class CudaIpcTransport:
         try:
             src, dst = local.addrs[lids], remote.addrs[rids]
             indexed = time.perf_counter()
-            copier = copier_for(device)
-            event = copier.launch(src, dst, lens)
+            event = copier_for(device).launch(src, dst, lens)
         except Exception as err:
             self.counters.writes_failed += 1
             raise TransferError(
                 f"cuda_ipc: launching the copy of {len(lids)} descriptors failed: {err}"
             ) from err
-        write = self._launched(event, remote.peer, notif, len(lids), copier)
+        write = _IpcWrite(event=event, peer=remote.peer, notif=notif, descriptors=len(lids))
+        self._writes.add(write)
         self.counters.writes_posted += 1
         self.ipc_writes += 1
         self.post_seconds[0] += indexed - started
@@ -697,46 +543,19 @@ class CudaIpcTransport:
             raise TransferError("cuda_ipc: a descriptor id is outside its prepared list")
         checked = time.perf_counter()
         try:
-            copier = copier_for(device)
-            event = copier.launch_indirect(local.table, remote.table, lids, rids)
+            event = copier_for(device).launch_indirect(local.table, remote.table, lids, rids)
         except Exception as err:
             self.counters.writes_failed += 1
             raise TransferError(
                 f"cuda_ipc: launching a copy of {len(lids)} descriptors failed: {err}"
             ) from err
         assert remote.peer is not None
-        write = self._launched(event, remote.peer, notif, len(lids), copier)
+        write = _IpcWrite(event=event, peer=remote.peer, notif=notif, descriptors=len(lids))
+        self._writes.add(write)
         self.counters.writes_posted += 1
         self.ipc_writes += 1
         self.post_seconds[0] += checked - started
         self.post_seconds[1] += time.perf_counter() - checked
-        return write
-
-    def _launched(self, event: Any, peer: str, notif: bytes, descriptors: int, copier: Any) -> _IpcWrite:
-        """Track a launched copy. To a peer that holds early DONEs, an early DONE goes now,
-        with the slot of an interprocess event recorded after the copy: D passes it on once
-        the event completed (which it never does if this process dies first), so D's side of
-        the DONE overlaps the copy. Stream order makes the slot's completion imply this copy's.
-        The DONE is confirmed once ``poll`` sees the copy end (D's fallback)."""
-        write = _IpcWrite(event=event, peer=peer, notif=notif, descriptors=descriptors)
-        target = self._peers.get(peer)
-        early = event is not None and target is not None and target.early_done and bool(self._events)
-        early = early and self._events[0].context == copier.context
-        early = early and self._event_stream in (None, copier.stream_handle)
-        if early:
-            slot = self._next_slot
-            self._next_slot = (slot + 1) % len(self._events)
-            copier.record(self._events[slot])
-            self._event_stream = copier.stream_handle
-            try:
-                self.inner.send_notif(peer, with_trailer(notif, slot))
-            except Exception as err:
-                event.synchronize()  # the copy reads this rank's blocks: let it end first
-                self.counters.writes_failed += 1
-                raise TransferError(f"cuda_ipc: notifying {peer} of a copy failed: {err}") from err
-            write.early = True
-            self.early_dones += 1
-        self._writes.add(write)
         return write
 
     def poll(self, handle: Any) -> TransferState:
@@ -744,25 +563,17 @@ class CudaIpcTransport:
             return self.inner.poll(handle)
         if handle.failed:
             return TransferState.FAILED
-        try:
-            if not handle.landed:  # P's blocks are read until then, even when D was told early
+        if not handle.sent:
+            try:
                 if handle.event is not None and not handle.event.query():
                     return TransferState.PENDING
-                handle.landed = True
-            if not handle.sent and handle.early:
-                handle.sent = True
-                try:
-                    self.inner.send_notif(handle.peer, with_trailer(handle.notif, CONFIRMED))
-                except Exception as err:  # the copy landed and D had the early DONE: not a failure
-                    logger.warning("cuda_ipc: confirming a DONE to %s failed: %s", handle.peer, err)
-            if not handle.sent:
                 self.inner.send_notif(handle.peer, handle.notif)
-                handle.sent = True
-        except Exception as err:
-            logger.warning("cuda_ipc: completing a copy to %s failed: %s", handle.peer, err)
-            handle.failed = True
-            self.counters.writes_failed += 1
-            return TransferState.FAILED
+            except Exception as err:
+                logger.warning("cuda_ipc: completing a copy to %s failed: %s", handle.peer, err)
+                handle.failed = True
+                self.counters.writes_failed += 1
+                return TransferState.FAILED
+            handle.sent = True
         return TransferState.DONE
 
     def release(self, handle: Any) -> None:
