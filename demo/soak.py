@@ -131,6 +131,7 @@ def _reason_kind(reason: str) -> str:
     for pattern, kind in (
         (r"injected post failure", "injected post failure"),
         (r"injected non-kvpush error", "injected non-kvpush error (contained)"),
+        (r"cancelled by D rank", "cancelled by D rank (another D rank failed first)"),
         (r"ended in error", "WRITE ended in error"),
         (r"no completion within", "watchdog (notification lost)"),
         (r"unreachable", "P unreachable"),
