@@ -64,6 +64,8 @@ class DecodeSettings:
     fresh_s: float = 10.0
     """Freshness window granted to P with each PUSH_REG/HB (shorter than ``peer_silence_s``)."""
     hello_timeout_s: float = 5.0
+    keepalive_s: float = 600.0
+    """How long after its last request a P engine's grants are kept fresh while idle."""
     early_ttl_s: float = 30.0
     early_cap_per_peer: int = 1024
     quarantine_margin_s: float = 1.0
@@ -108,6 +110,10 @@ class _Producer:
     hello_pending: set[str] = attrs.field(factory=set)
     stamps: dict[str, float] = attrs.field(factory=dict)
     """Newest stamp per P agent (P's clock, opaque here): echoed back as the grant."""
+    stamped: dict[str, float] = attrs.field(factory=dict)
+    """When each agent's newest stamp arrived (D's clock): an idle agent's is renewed."""
+    last_request: float = float("-inf")
+    """When a request last registered with this engine (D's clock)."""
     heard: dict[str, float] = attrs.field(factory=dict)
     """When each agent was last heard from (D's clock)."""
     requests: set[str] = attrs.field(factory=set)
@@ -201,6 +207,7 @@ class DecodeCore:
             "cancel_acks": 0,
             "quarantine_expiries": 0,
             "heartbeats_sent": 0,
+            "keepalives_sent": 0,
             "dead_peers": 0,
             "quarantined": 0,
             "fences": 0,
@@ -459,6 +466,7 @@ class DecodeCore:
         receive.agents, receive.prefill_tp = info.agents, info.prefill_tp
         receive.write_deadline_s = info.write_deadline_s
         receive.phase = _Phase.REGISTERED
+        engine.last_request = now
         if self._reserve_staging is not None:
             receive.staging_offset = self._reserve_staging(receive.meta)
         out: list[Any] = []
@@ -764,6 +772,7 @@ class DecodeCore:
             )
         assert note.stamp is not None
         engine.stamps[agent] = max(note.stamp, engine.stamps.get(agent, note.stamp))
+        engine.stamped[agent] = now
         out: list[Any] = []
         if agent in engine.hello_pending:
             engine.hello_pending.discard(agent)
@@ -810,7 +819,7 @@ class DecodeCore:
         engine.failures = 0
         self._timers.disarm(("hello", engine.engine_id))
         self._timers.disarm(("hello_resend", engine.engine_id))
-        out: list[Any] = []
+        out: list[Any] = self._arm_heartbeat(now)  # also renews idle agents' grants
         waiting, engine.waiting = engine.waiting, []
         for rid in waiting:
             if rid in self._requests:
@@ -878,6 +887,7 @@ class DecodeCore:
             for agent in sorted(set(engine.info.agents.values())):
                 keys = self._keys_for(engine, agent)
                 if not keys:
+                    out += self._keepalive(engine, agent, now)
                     continue
                 heard = engine.heard.get(agent, now)
                 if now - heard > self.s.peer_silence_s:
@@ -888,9 +898,30 @@ class DecodeCore:
                     break
                 engine.heard.setdefault(agent, now)
                 out += self._send_renewal(engine, agent, keys, now)
-        if any(r.phase is not _Phase.CLOSING for r in self._requests.values()):
+        if any(r.phase is not _Phase.CLOSING for r in self._requests.values()) or any(
+            self._kept_alive(e, now) for e in self._engines.values()
+        ):
             out += self._arm_heartbeat(now)
         return out
+
+    def _kept_alive(self, engine: _Producer, now: float) -> bool:
+        """A ready engine used within ``keepalive_s``: its idle agents' grants are renewed."""
+        return engine.state is _EngineState.READY and now - engine.last_request <= self.s.keepalive_s
+
+    def _keepalive(self, engine: _Producer, agent: str, now: float) -> list[Any]:
+        """An idle P agent's stamp, once half the freshness window old, is renewed by a
+        heartbeat without keys (P answers every heartbeat with a stamp): the next PUSH_REG then
+        carries a fresh grant, and P need not ask for one first (a round trip). Only for
+        ``keepalive_s`` after the engine's last request; not a liveness check: an idle agent's
+        silence fails nothing."""
+        if (
+            not self._kept_alive(engine, now)
+            or now - engine.stamped.get(agent, float("-inf")) < self.s.fresh_s / 2
+        ):
+            return []
+        self.stats["keepalives_sent"] += 1
+        reg = self._coordinates("(keepalive)", None, grant=engine.stamps.get(agent))
+        return [Send(agent, wire.encode_heartbeat([], reg, self.s.tp_rank))]
 
     def _keys_for(self, engine: _Producer, agent: str) -> dict[str, str]:
         """Match key -> request id of the registered requests this agent writes into."""

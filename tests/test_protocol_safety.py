@@ -202,3 +202,23 @@ def test_stale_registrations_arriving_together_each_get_a_fresh_grant_asked() ->
     later = core.handle_timer(200.001 + core.s.want_interval_s)
     assert "x-2" in _wants(second) | _wants(later), "x-2 waits for D's next heartbeat"
     assert core.next_deadline() is not None
+
+
+def test_an_idle_decode_keeps_its_grant_fresh_so_the_next_request_is_not_stale() -> None:
+    """After D was idle longer than the freshness window, its next registration used to carry a
+    stale grant: P had to ask for a fresh one first (a round trip, 12 ms for the first request
+    of a CPU serve run). D now renews its grant while idle (every heartbeat, once it is half
+    the window old), so the registration is fresh on arrival."""
+    import time
+
+    with Cluster(heartbeat_interval_s=0.2, fresh_s=0.4) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[3]], "x-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        assert cluster.wait_decode("d-1") == {0: None}
+        time.sleep(1.2)  # three freshness windows without a request
+        cluster.add("d-2", [[4]], "x-2")
+        cluster.finish("p-2", [[6]], "x-2")
+        assert cluster.wait_decode("d-2") == {0: None}
+        assert sender.stats["stale_registrations"] == 0
+        assert receiver.stats["keepalives_sent"] >= 2
