@@ -206,9 +206,9 @@ def test_stale_registrations_arriving_together_each_get_a_fresh_grant_asked() ->
 
 def test_an_idle_decode_keeps_its_grant_fresh_so_the_next_request_is_not_stale() -> None:
     """After D was idle longer than the freshness window, its next registration used to carry a
-    stale grant: P had to ask for a fresh one first (a round trip, 12 ms for the first request
-    of a CPU serve run). D now renews its grant while idle (every heartbeat, once it is half
-    the window old), so the registration is fresh on arrival."""
+    stale grant: P had to ask for a fresh one first (a round trip between idle writers, a few
+    ms). D now renews its grant while idle (every heartbeat, once it is half the window old),
+    so the registration is fresh on arrival."""
     import time
 
     with Cluster(heartbeat_interval_s=0.2, fresh_s=0.4) as cluster:
