@@ -135,12 +135,13 @@ class PushSender(RankWorker):
 
         The KV must be complete when this is called, or ``ready`` must say when it is: an object
         whose ``query()`` turns True once the KV is written (a ``torch.cuda.Event`` recorded on
-        the stream that wrote it, after the prefill's last write); the writer thread polls it,
-        so ``query()`` must not block. Nothing of the request is
-        posted before; if it is not ready within ``lease_s`` (or ``query()`` raises), the
-        request fails and D is told. Raises ``ConfigError`` naming the argument for an empty or
-        non-string id, negative, repeated or out-of-range block ids, a match key already in
-        progress, a ``ready`` without ``query()``, or a worker that is not running.
+        the stream that wrote it, after the prefill's last write). The writer thread polls it
+        (so ``query()`` must not block) and posts nothing of the request before; if it is not
+        ready within ``lease_s``, or ``query()`` raises, the request fails and D is told.
+
+        Raises ``ConfigError`` naming the argument for an empty or non-string id, negative,
+        repeated or out-of-range block ids, a match key already in progress, a ``ready``
+        without ``query()``, or a worker that is not running.
         """
         self._check_running("request_finished")
         blocks = self._check_blocks(request_id, block_ids, "block_ids")
