@@ -117,6 +117,7 @@ class PushReceiver(RankWorker):
                 fresh_s=cfg.freshness_s,
                 hello_timeout_s=cfg.handshake_timeout_s,
                 early_ttl_s=cfg.early_notification_ttl_s,
+                keepalive_s=cfg.keepalive_s,
             ),
             reserve_staging=self._reserve_staging if self.staging is not None else None,
         )

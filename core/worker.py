@@ -92,6 +92,10 @@ class WorkerConfig:
     greater one is a new peer, a message with a smaller one is a late one and is dropped."""
     engine_ttl_s: float = 3600.0
     """Remote engines idle this long (and with no request in progress) are evicted; <= 0 never."""
+    keepalive_s: float = 600.0
+    """D: for this long after its last request to a P engine, an idle D keeps that engine's
+    grants fresh (a keyless heartbeat once a stamp is half ``fresh_s`` old), so the next
+    request's PUSH_REG is not stale on arrival; 0 turns it off."""
     busy_poll_s: float = 0.0002
     idle_poll_s: float = 0.002
     cuda_device: int | None = None
@@ -122,6 +126,10 @@ class WorkerConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"WorkerConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if not self.keepalive_s >= 0:
+            raise ConfigError(
+                f"WorkerConfig.keepalive_s must be >= 0 (0 turns it off), got {self.keepalive_s!r}"
+            )
         if self.freshness_s >= self.silence_s:
             raise ConfigError(
                 f"WorkerConfig.fresh_s ({self.freshness_s:g}s) must be shorter than peer_silence_s "

@@ -222,3 +222,30 @@ def test_an_idle_decode_keeps_its_grant_fresh_so_the_next_request_is_not_stale()
         assert cluster.wait_decode("d-2") == {0: None}
         assert sender.stats["stale_registrations"] == 0
         assert receiver.stats["keepalives_sent"] >= 2
+
+
+def test_keepalive_off_leaves_an_idle_decodes_grant_to_go_stale() -> None:
+    """``keepalive_s=0``: no keyless heartbeats, so the registration after the pause is stale
+    and P asks for a fresh grant first (still pushed); a negative value is refused."""
+    import time
+
+    import pytest
+
+    from kvpush.core.errors import ConfigError
+    from kvpush.core.types import ParallelConfig
+    from kvpush.core.worker import WorkerConfig
+
+    with Cluster(heartbeat_interval_s=0.2, fresh_s=0.4, keepalive_s=0) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[3]], "x-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        assert cluster.wait_decode("d-1") == {0: None}
+        time.sleep(1.2)
+        cluster.add("d-2", [[4]], "x-2")
+        cluster.finish("p-2", [[6]], "x-2")
+        assert cluster.wait_decode("d-2") == {0: None}
+        assert sender.stats["stale_registrations"] >= 1 and receiver.stats["keepalives_sent"] == 0
+    with pytest.raises(ConfigError, match="keepalive_s must be >= 0"):
+        WorkerConfig(
+            engine_id="D", parallel=ParallelConfig(tp_size=1, num_layers=1), model=None, keepalive_s=-1
+        )
