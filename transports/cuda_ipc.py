@@ -100,32 +100,20 @@ class _Handle(ctypes.Structure):
 
 
 class Driver:
-    """The few CUDA driver calls IPC needs (ctypes over ``libcuda.so.1``)."""
+    """The CUDA driver calls IPC needs, beside :mod:`kvpush.core.cuda_driver` (whose library,
+    error check and primary contexts it uses)."""
 
     def __init__(self) -> None:
-        try:
-            self.lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as err:
-            raise ConfigError(f"cuda_ipc needs the CUDA driver (libcuda.so.1): {err}") from err
-        self._contexts: dict[int, ctypes.c_void_p] = {}
+        from kvpush.core.cuda_driver import driver
 
-    def _check(self, status: int, what: str) -> None:
-        if status != 0:
-            name = ctypes.c_char_p()
-            self.lib.cuGetErrorName(status, ctypes.byref(name))
-            raise TransferError(f"CUDA {what} failed: {(name.value or b'?').decode()} ({status})")
+        self._core = driver()
+        self.lib = self._core.lib
+        self._check = self._core._check
 
     def bind(self, device: int) -> None:
         """Make ``device``'s primary context current on this thread."""
-        ctx = self._contexts.get(device)
-        if ctx is None:
-            self._check(self.lib.cuInit(0), "cuInit")
-            ctx = ctypes.c_void_p()
-            self._check(
-                self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain"
-            )
-            self._contexts[device] = ctx
-        self._check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        context = self._core.primary_context(device)
+        self._check(self.lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
     def allocation(self, addr: int) -> tuple[int, int]:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
