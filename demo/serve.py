@@ -289,6 +289,33 @@ class Content:
         return bool(torch.equal(self.buffer[: 2 * expected.numel()].view(expected.dtype), expected))
 
 
+class DeferredChecks:
+    """Sampled requests to verify later, when nothing is in flight: a check (a gather and a
+    compare, host-synchronous) run the moment a request ends would hold up the loop that stamps
+    the next requests' ends, and the samples' neighbours would carry its time as added latency
+    (the slowest requests of a run were the ones right after a sample). The checked request's
+    blocks stay allocated until its check, so nothing can overwrite them first."""
+
+    def __init__(self, check: Callable[[int, list[list[int]]], bool]) -> None:
+        self.check = check
+        self.queue: list[tuple[str, int, list[list[int]]]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.queue)
+
+    def add(self, rid: str, number: int, blocks: list[list[int]]) -> None:
+        self.queue.append((rid, number, blocks))
+
+    def run_one(self, report: Callable[[str, bool, list[list[int]]], None]) -> None:
+        """Check the oldest held sample and ``report(rid, ok, blocks)``."""
+        rid, number, blocks = self.queue.pop(0)
+        report(rid, self.check(number, blocks), blocks)
+
+    def run_all(self, report: Callable[[str, bool, list[list[int]]], None]) -> None:
+        while self.queue:
+            self.run_one(report)
+
+
 # ------------------------------------------------------------------------------ D
 
 
@@ -353,6 +380,13 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
         return
     live: dict[str, tuple[int, list[list[int]], bool]] = {}
     raw_tags: dict[bytes, str] = {}
+    checks = DeferredChecks(lambda number, blocks: content.check(number, blocks))
+
+    def checked(rid: str, ok: bool, blocks: list[list[int]]) -> None:
+        for pool, ids_ in zip(pools, blocks):
+            pool.release(ids_)
+        conn.send(("verified", rid, ok))
+
     try:
         while True:
             while conn.poll(0):
@@ -365,6 +399,12 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
                 elif kind == "add":  # (add, rid, number, blocks per group, params, verify, raw)
                     _, rid, number, counts, params, verify, is_raw = message
                     ids = [pool.alloc(n) for pool, n in zip(pools, counts)]
+                    if any(i is None for i in ids) and checks:
+                        for pool, got in zip(pools, ids):  # the held samples first, then again
+                            if got is not None:
+                                pool.release(got)
+                        checks.run_all(checked)
+                        ids = [pool.alloc(n) for pool, n in zip(pools, counts)]
                     if any(i is None for i in ids):
                         for pool, got in zip(pools, ids):
                             if got is not None:
@@ -394,14 +434,17 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
             now = time.monotonic()  # every request of this batch finished by now
             for rid, reason in finished:
                 number, blocks, verify = live.pop(rid, (0, [], False))
-                ok = None
-                if reason is None and verify:
-                    ok = content.check(number, blocks)
-                for pool, ids_ in zip(pools, blocks):
-                    pool.release(ids_)
-                conn.send(("done", rid, now, reason, ok))
+                if reason is None and verify:  # checked once D is idle; its blocks held till then
+                    checks.add(rid, number, blocks)
+                else:
+                    for pool, ids_ in zip(pools, blocks):
+                        pool.release(ids_)
+                conn.send(("done", rid, now, reason, "deferred" if reason is None and verify else None))
             if not finished:
-                conn.poll(w.poll_s)  # wakes at once for a new message
+                if not live and checks:
+                    checks.run_one(checked)  # nothing in flight: no request's clock is running
+                else:
+                    conn.poll(w.poll_s)  # wakes at once for a new message
     except Exception:
         with contextlib.suppress(Exception):
             conn.send(("error", traceback.format_exc()))
@@ -422,7 +465,8 @@ class Outcome:
     finish: float = 0.0
     done: float = 0.0
     failure: str | None = None
-    verified: bool | None = None
+    verified: bool | str | None = None
+    """True/False once checked; None if not sampled; "deferred" while D has yet to check it."""
     marks: dict[str, float] = attrs.Factory(dict)
     """P-side stamps of kvpush requests: first post starts, posts returned, WRITE settled."""
 
@@ -592,6 +636,7 @@ class ServePair:
         finishes: list[tuple[float, str]] = []
         raw_handles: dict[str, Any] = {}
         pending = len(outcomes)
+        unchecked = 0  # samples D reported done and will verify once idle
         next_arrival = 0
         deadline = arrivals[-1] + w.timeout_s + 5
 
@@ -610,12 +655,14 @@ class ServePair:
             else:
                 self.sender.request_finished(rid, p_blocks[rid], match_key=rid)
 
-        while pending:
+        while pending or unchecked:
             now = time.monotonic()
             if now > deadline:
                 for o in outcomes:
                     if not o.done and o.failure is None:
                         o.failure = "timed out"
+                    elif o.verified == "deferred":
+                        o.verified = None  # D never got to check it (the sample rate says so)
                 break
             while next_arrival < len(outcomes) and arrivals[next_arrival] <= now:
                 o = outcomes[next_arrival]
@@ -665,12 +712,18 @@ class ServePair:
                         self._release_p(o.rid, p_blocks)
                     else:
                         o.done, o.failure, o.verified = message[2], message[3], message[4]
+                        unchecked += o.verified == "deferred"
                     pending -= 1
+                elif message[0] == "verified":
+                    by_rid[message[1]].verified = message[2]
+                    unchecked -= 1
                 elif message[0] == "error":
                     raise RuntimeError(f"serve D failed:\n{message[1]}")
             waits = [arrivals[next_arrival] if next_arrival < len(outcomes) else now + 0.01]
-            if finishes:
+            if finishes and finishes[0][1] in d_blocks:
                 waits.append(finishes[0][0])
+            elif finishes:  # due or not, it waits for D's block ids, which wake the poll below
+                waits.append(time.monotonic() + 0.001)
             sleep = min(waits) - time.monotonic()
             if sleep > 0 and not raw_handles:
                 self.conn.poll(min(sleep, 0.001))
@@ -693,6 +746,20 @@ class ServePair:
         finishes: list[tuple[float, int]] = []
         events: dict[int, Any] = {}
         pending, next_arrival = len(outcomes), 0
+        held: dict[int, tuple[list[list[int]], list[list[int]]]] = {}
+        checks = DeferredChecks(lambda number, _blocks: self.kernel.check(live.pop(number)[2]))
+
+        def release(number: int) -> None:
+            p_blocks, d_blocks = held.pop(number)
+            for pools, ids_ in ((self.pools, p_blocks), (self.kernel_pools, d_blocks)):
+                for pool, ids in zip(pools, ids_):
+                    pool.release(ids)
+
+        def checked(rid: str, ok: bool, _blocks: list[list[int]]) -> None:
+            number = int(rid)
+            outcomes[number].verified = ok
+            release(number)
+
         deadline = arrivals[-1] + w.timeout_s + 5
         while pending:
             now = time.monotonic()
@@ -709,6 +776,14 @@ class ServePair:
                 o.nbytes = self.nbytes(counts)
                 p_ids = [pool.alloc(n) for pool, n in zip(self.pools, counts)]
                 d_ids = [pool.alloc(n) for pool, n in zip(self.kernel_pools, counts)]
+                if any(i is None for i in (*p_ids, *d_ids)) and checks:
+                    for pools, got in ((self.pools, p_ids), (self.kernel_pools, d_ids)):
+                        for pool, ids in zip(pools, got):
+                            if ids is not None:
+                                pool.release(ids)
+                    checks.run_all(checked)  # the held samples first, then again
+                    p_ids = [pool.alloc(n) for pool, n in zip(self.pools, counts)]
+                    d_ids = [pool.alloc(n) for pool, n in zip(self.kernel_pools, counts)]
                 if any(i is None for i in (*p_ids, *d_ids)):
                     for pools, got in ((self.pools, p_ids), (self.kernel_pools, d_ids)):
                         for pool, ids in zip(pools, got):
@@ -735,20 +810,26 @@ class ServePair:
                 o = outcomes[number]
                 o.done = time.monotonic()
                 del events[number]
-                p_blocks, d_blocks, spans, verify = live.pop(number)
-                if verify:
-                    o.verified = self.kernel.check(spans)
-                for pools, ids_ in ((self.pools, p_blocks), (self.kernel_pools, d_blocks)):
-                    for pool, ids in zip(pools, ids_):
-                        pool.release(ids)
+                p_blocks, d_blocks, _spans, verify = live[number]
+                held[number] = (p_blocks, d_blocks)
+                if verify:  # checked once nothing is in flight (as D does for kvpush)
+                    checks.add(str(number), number, d_blocks)
+                else:
+                    del live[number]
+                    release(number)
                 pending -= 1
             if not events:
                 waits = [arrivals[next_arrival] if next_arrival < len(outcomes) else now + 0.01]
                 if finishes:
                     waits.append(finishes[0][0])
                 sleep = min(waits) - time.monotonic()
-                if sleep > 0:
+                if sleep > 0 and checks:
+                    checks.run_one(checked)
+                elif sleep > 0:
                     time.sleep(min(sleep, 0.001))
+        checks.run_all(checked)
+        for number in list(held):
+            release(number)
         for p_blocks, d_blocks, _, _ in live.values():
             for pools, ids_ in ((self.pools, p_blocks), (self.kernel_pools, d_blocks)):
                 for pool, ids in zip(pools, ids_):

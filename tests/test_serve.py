@@ -90,6 +90,31 @@ def test_short_open_loop_run_completes_and_verifies_over_nixl() -> None:
     assert result["prompt_tokens"]["max"] <= 128 and result["knee_rps"] in (None, 40.0)
 
 
+def test_deferred_checks_hold_samples_until_checked_in_arrival_order() -> None:
+    seen: list[int] = []
+    checks = serve.DeferredChecks(lambda number, blocks: seen.append(number) or number % 2 == 0)
+    assert not checks
+    checks.add("a", 1, [[5]])
+    checks.add("b", 2, [[6]])
+    reports: list[tuple[str, bool, list[list[int]]]] = []
+    checks.run_one(lambda *r: reports.append(r))
+    assert reports == [("a", False, [[5]])] and checks
+    checks.run_all(lambda *r: reports.append(r))
+    assert seen == [1, 2] and reports[1] == ("b", True, [[6]]) and not checks
+
+
+def test_every_request_sampled_from_a_tight_pool_is_verified() -> None:
+    """verify_every=1 with room for three prompts: D holds each sample's blocks until it checks
+    it (idle, or when an allocation needs them), and every request still lands and verifies."""
+    w = serve.Workload(preset="llama3-8b", layers=2, tokens=(64,), requests=8, verify_every=1, pool_blocks=12)
+    result = serve.run(w, [100.0], sweep=False, p99_factor=2.0, ideal=True, say=lambda _m: None)
+    (entry,) = result["runs"]
+    for method in ("kvpush", "ideal"):
+        s = entry[method]
+        assert s["completed"] + s["failed"] == 8, s
+        assert s["verified"] == s["completed"] and s["verify_failed"] == 0 and s["completed"] >= 6, s
+
+
 # ---------------------------------------------------------------------------- multi-rank
 
 
