@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -289,6 +290,11 @@ class Content:
         return bool(torch.equal(self.buffer[: 2 * expected.numel()].view(expected.dtype), expected))
 
 
+WAKE_S = 1e-3
+"""Longest D's loop sleeps on its receiver while requests are in flight (a new registration
+waits at most this; requests' ends wake it at once)."""
+
+
 class DeferredChecks:
     """Sampled requests to verify later, when nothing is in flight: a check (a gather and a
     compare, host-synchronous) run the moment a request ends would hold up the loop that stamps
@@ -356,6 +362,7 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
     try:
         import torch
 
+        from kvpush.core.errors import WaitTimeout
         from kvpush.core.receiver import PushReceiver
         from kvpush.core.types import RequestMetadata, TransferParams
         from kvpush.demo.bench import RawAgent
@@ -380,6 +387,7 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
         return
     live: dict[str, tuple[int, list[list[int]], bool]] = {}
     raw_tags: dict[bytes, str] = {}
+    got: Any = None  # results wait_finished already took from the receiver
     checks = DeferredChecks(lambda number, blocks: content.check(number, blocks))
 
     def checked(rid: str, ok: bool, blocks: list[list[int]]) -> None:
@@ -428,10 +436,12 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
                         rid = raw_tags.pop(bytes(tag), None)
                         if rid is not None:
                             finished.append((rid, None))
-            got = receiver.get_finished()
+            if got is None:
+                got = receiver.get_finished()
             finished += [(rid, None) for rid in got.done]
             finished += [(rid, str(reason)) for rid, reason in got.failed.items()]
             now = time.monotonic()  # every request of this batch finished by now
+            got = None
             for rid, reason in finished:
                 number, blocks, verify = live.pop(rid, (0, [], False))
                 if reason is None and verify:  # checked once D is idle; its blocks held till then
@@ -443,6 +453,13 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
             if not finished:
                 if not live and checks:
                     checks.run_one(checked)  # nothing in flight: no request's clock is running
+                elif live and not raw_tags and not conn.poll(0):
+                    # Sleep until the receiver reports an end (its condition wakes this at once)
+                    # rather than asking every poll_s: a loop asking 20 k times a second takes the
+                    # GIL from D's writer thread, and its end stamp lags by up to poll_s.
+                    # A new registration waits at most WAKE_S (before its request's finish).
+                    with contextlib.suppress(WaitTimeout):
+                        got = receiver.wait_finished(WAKE_S)
                 else:
                     conn.poll(w.poll_s)  # wakes at once for a new message
     except Exception:
@@ -802,13 +819,15 @@ class ServePair:
             finishes.sort()
             while finishes and finishes[0][0] <= time.monotonic():
                 number = finishes.pop(0)[1]
-                outcomes[number].finish = time.monotonic()
+                o = outcomes[number]
+                o.finish = time.monotonic()
                 events[number] = self.kernel.launch(live[number][2])
+                o.marks = {"post": o.finish, "posted": time.monotonic()}
             for number, event in list(events.items()):
                 if event is not None and not event.query():
                     continue
                 o = outcomes[number]
-                o.done = time.monotonic()
+                o.done = o.marks["settled"] = time.monotonic()
                 del events[number]
                 p_blocks, d_blocks, _spans, verify = live[number]
                 held[number] = (p_blocks, d_blocks)
@@ -955,6 +974,31 @@ HEADER = (
 )
 
 
+class GcPauses:
+    """Python's garbage collections in this process while a run lasts (they stop every thread,
+    the writer's too): how many, the longest and the total, in ms (``gc_here`` in ``--json``;
+    this process is P in the one-pair harness, the driver in the multi-rank one)."""
+
+    def __enter__(self) -> GcPauses:
+        self.pauses: list[float] = []
+        self._began = 0.0
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, _info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._began)
+
+    def summary(self) -> dict[str, float]:
+        ms = [1e3 * p for p in self.pauses]
+        return {"count": len(ms), "max_ms": round(max(ms, default=0.0), 3), "total_ms": round(sum(ms), 3)}
+
+
 def run(
     w: Workload,
     rates: Sequence[float],
@@ -993,12 +1037,16 @@ def run(
         knee = None
         while queue:
             rate = queue.pop(0)
-            kv = summarize(rate, pair.run(rate, lengths, ideal=False, say=say))
+            with GcPauses() as pauses:
+                kv = summarize(rate, pair.run(rate, lengths, ideal=False, say=say))
+            kv["gc_here"] = pauses.summary()
             say(_line("kvpush", kv))
             entry: dict[str, Any] = {"rate": rate, "kvpush": kv}
             for name in ideals:
                 key = IDEAL_KEYS[name]
-                entry[key] = summarize(rate, pair.run(rate, lengths, ideal=name, say=say))
+                with GcPauses() as pauses:
+                    entry[key] = summarize(rate, pair.run(rate, lengths, ideal=name, say=say))
+                entry[key]["gc_here"] = pauses.summary()
                 say(_line(key[:7], entry[key]))
             results.append(entry)
             if bound is None and kv["p50_ms"] is not None:

@@ -103,16 +103,17 @@ def enable_peer_access(a: str, b: str) -> None:
         torch.zeros(1, device=a).copy_(torch.zeros(1, device=b))
 
 
-@attrs.frozen
+@attrs.define
 class Spans:
     """A request's rows in the kernel ideal: ids into the concatenated P-side and copy-side
-    descriptor tables, and the same rows as addresses (``src``, ``dst``, ``lengths``)."""
+    descriptor tables. Their addresses (``src``, ``dst``, ``lengths``) are looked up only when
+    needed (:meth:`KernelIdeal.addresses`: a check, or a launch without the id tables): for a
+    Llama-70B TP8 request that is ~1-2 ms of random gathers, which the ideal must not pay at
+    each arrival in the loop that stamps other requests' ends."""
 
     lids: np.ndarray
     rids: np.ndarray
-    src: np.ndarray
-    dst: np.ndarray
-    lengths: np.ndarray
+    addrs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 class KernelIdeal:
@@ -147,42 +148,47 @@ class KernelIdeal:
         self._check: Any = None
 
     def spans(self, p_ids: Sequence[Sequence[int]], d_ids: Sequence[Sequence[int]]) -> Spans:
-        """The whole request's rows (computed before its finish)."""
+        """The whole request's row ids (computed before its finish)."""
         lids, rids = [], []
         for (local, copy), lo, ro in zip(self.pairs, self.local_offsets, self.remote_offsets):
             lids.append(local.ids(p_ids).astype(np.int64) + lo)
             rids.append(copy.ids(d_ids).astype(np.int64) + ro)
         li, ri = np.concatenate(lids), np.concatenate(rids)
-        lengths = self.local[li, 1]
-        if len(li) != len(ri) or not np.array_equal(lengths, self.remote[ri, 1]):
-            raise ConfigError("kernel ideal: P's and D's rows differ in length (slices do not pair)")
-        return Spans(
-            lids=li.astype(np.int32),
-            rids=ri.astype(np.int32),
-            src=self.local[li, 0],
-            dst=self.remote[ri, 0],
-            lengths=lengths,
-        )
+        if len(li) != len(ri):
+            raise ConfigError("kernel ideal: P's and D's row counts differ (slices do not pair)")
+        return Spans(lids=li.astype(np.int32), rids=ri.astype(np.int32))
+
+    def addresses(self, spans: Spans) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(src, dst, lengths)`` of the request's rows (looked up once, then kept)."""
+        if spans.addrs is None:
+            li, ri = spans.lids.astype(np.int64), spans.rids.astype(np.int64)
+            lengths = self.local[li, 1]
+            if not np.array_equal(lengths, self.remote[ri, 1]):
+                raise ConfigError("kernel ideal: P's and D's rows differ in length (slices do not pair)")
+            spans.addrs = (self.local[li, 0], self.remote[ri, 0], lengths)
+        return spans.addrs
 
     def launch(self, spans: Spans) -> Any:
-        """Enqueue the copy; returns the CUDA event recorded after it (``.query()`` to poll)."""
+        """Enqueue the copy; returns the CUDA event recorded after it (``.query()`` to poll).
+        With the id tables (equal, aligned rows: their lengths were checked when the tables
+        were built) only the ids go up; otherwise the rows' addresses."""
         if self.indirect:
             return self.copier.launch_indirect(self.ltab, self.rtab, spans.lids, spans.rids)
-        return self.copier.launch(spans.src, spans.dst, spans.lengths)
+        return self.copier.launch(*self.addresses(spans))
 
     def check(self, spans: Spans) -> bool:
         """True when every destination row holds its source row's bytes (both gathered into
         contiguous buffers by the same copier, then compared)."""
         import torch
 
-        lengths = spans.lengths
+        src, dst, lengths = self.addresses(spans)
         total = int(lengths.sum())
         if self._check is None or self._check.numel() < 2 * total:
             self._check = torch.empty(2 * total, dtype=torch.uint8, device=self.device)
         buffer = self._check
         offsets = buffer.data_ptr() + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-        self.copier.copy(spans.src, offsets, lengths)
-        self.copier.copy(spans.dst, offsets + total, lengths)
+        self.copier.copy(src, offsets, lengths)
+        self.copier.copy(dst, offsets + total, lengths)
         return bool(torch.equal(buffer[:total], buffer[total : 2 * total]))
 
 

@@ -344,7 +344,8 @@ def test_kernel_ideal_lands_every_head_where_d_expects_it(
         ideal = KernelIdeal("cpu", pairs)
         assert ideal.indirect  # uniform rows: the id-only launch is taken
         spans = ideal.spans(p_ids, d_ids)
-        assert ideal.launch(spans).query() and ideal.check(spans)
+        assert ideal.launch(spans).query() and spans.addrs is None  # ids only, no address lookup
+        assert ideal.check(spans)
         ideals.append((ideal, spans, caches))
     for par, caches, regions in d_side:
         assert verify_request(regions, region_views(caches, regions), par, seed, d_ids) is None
