@@ -25,7 +25,8 @@ plus the time inside each plugin hook, planning and descriptor-id building per r
 CUDA P's kernel launches (how many skipped Triton's JIT entry). Shapes: ``small`` (8 regions x
 16 x 4 KiB contiguous, direct) and ``large`` (32 x 512 x 4 KiB scattered, direct) on the CPU;
 ``direct32m`` (64 x 16 x 32 KiB contiguous, direct over NIXL) and ``ipc256m`` (64 x 128 x 32
-KiB scattered, ``cuda_ipc``) with ``--device cuda``. Run::
+KiB scattered, ``cuda_ipc``) and ``ipc70b`` (160 x 256 x 4 KiB scattered, ``cuda_ipc``) with
+``--device cuda``. Run::
 
     .venv/bin/python benchmarks/profile_host_path.py                    # small and large
     .venv/bin/python benchmarks/profile_host_path.py --device cuda      # direct32m and ipc256m
@@ -483,6 +484,14 @@ SHAPES = {
         "layers": 32,
         "block_bytes": 32768,
         "blocks": 128,
+        "pattern": "scattered",
+        "method": "cuda_ipc",
+    },
+    # Llama-70B TP8 (80 layers x K/V, 256 blocks of 4 KiB: a 4k-token prompt), issue 17's preset
+    "ipc70b": {
+        "layers": 80,
+        "block_bytes": 4096,
+        "blocks": 256,
         "pattern": "scattered",
         "method": "cuda_ipc",
     },

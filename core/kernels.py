@@ -30,6 +30,7 @@ import numpy as np
 
 from kvpush.core.cuda_driver import DriverEvent, driver
 from kvpush.core.errors import ConfigError
+from kvpush.core.planning import IdGrid
 
 PIECE_BYTES = 1 << 20
 """Spans longer than this are cut into pieces of this size (grid axis 1 stays <= 16 K)."""
@@ -112,7 +113,30 @@ def _kernel() -> Any:
                 else:
                     tl.store(dst + offs, tl.load(src + offs))
 
-            _KERNEL = (copy_spans_kernel, copy_aligned_kernel, copy_indirect_kernel)
+            @triton.jit
+            def copy_grid_kernel(
+                ltab, rtab, vals, k, LEN: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr
+            ):
+                # As copy_indirect_kernel, with the ids in factored form (IdGrid): program i is
+                # region r = i // k, block b = i % k; vals (int32): n local then n remote region
+                # starts, k local then k remote block ids (n = grid size // k).
+                i = tl.program_id(0)
+                c = tl.program_id(1)
+                n = tl.num_programs(0) // k
+                r = i // k
+                b = i - r * k
+                lid = (tl.load(vals + r) + tl.load(vals + 2 * n + b)).to(tl.int64)
+                rid = (tl.load(vals + n + r) + tl.load(vals + 2 * n + k + b)).to(tl.int64)
+                src = ltab + tl.load(ltab + lid) * 2
+                dst = rtab + tl.load(rtab + rid) * 2
+                offs = c * BLOCK + tl.arange(0, BLOCK)
+                if MASK:
+                    mask = offs < LEN
+                    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+                else:
+                    tl.store(dst + offs, tl.load(src + offs))
+
+            _KERNEL = (copy_spans_kernel, copy_aligned_kernel, copy_indirect_kernel, copy_grid_kernel)
     return _KERNEL
 
 
@@ -423,7 +447,7 @@ class SpanCopier:
             block = min(MAX_BLOCK, 1 << max(0, (longest - 1).bit_length()))
             grid = (count, -(-longest // block))
         self._wait_for(after)
-        plain, fast, _ = _kernel()
+        plain, fast = _kernel()[:2]
         prepared = time.perf_counter()
         start = None
         if timed:
@@ -475,6 +499,49 @@ class SpanCopier:
         warps = max(1, min(8, block // 256))
         constexprs = {"LEN": elems, "BLOCK": block, "MASK": elems % block != 0}
         self._launch(indirect, grid, (ltab.tensor, rtab.tensor, ids, count), constexprs, warps, self.stream)
+        done = self._done(False)
+        self._timing = None
+        self.launches += 1
+        self.aligned_launches += 1
+        self.host_seconds[0] += prepared - began
+        self.host_seconds[1] += time.perf_counter() - prepared
+        return done
+
+    def launch_grid(
+        self, ltab: DeviceTable, rtab: DeviceTable, local: IdGrid, remote: IdGrid, *, after: Any = None
+    ) -> Any:
+        """:meth:`launch_indirect` with the ids in factored form (both grids of one shape):
+        only ``2 x (regions + blocks)`` ids go up, and the host builds no id lists."""
+        previous = self._driver.switch(self.context)
+        try:
+            return self._launch_grid(ltab, rtab, local, remote, after)
+        finally:
+            self._driver.restore(previous)
+
+    def _launch_grid(
+        self, ltab: DeviceTable, rtab: DeviceTable, local: IdGrid, remote: IdGrid, after: Any
+    ) -> Any:
+        began = time.perf_counter()
+        n, k = len(local.starts), len(local.blocks)
+        if (n, k) != (len(remote.starts), len(remote.blocks)):
+            raise ConfigError("launch_grid: the two id grids differ in shape")
+        if ltab.length != rtab.length or not (ltab.usable and rtab.usable):
+            raise ConfigError("launch_grid: lists differ in span length or are not usable")
+        if not n * k:
+            return None
+        view, slot = self._ids.take(2 * (n + k), self.stream)
+        view[:n], view[n : 2 * n] = local.starts.reshape(-1), remote.starts.reshape(-1)
+        view[2 * n : 2 * n + k], view[2 * n + k : 2 * (n + k)] = local.blocks, remote.blocks
+        elems = ltab.length // 8
+        block = min(ALIGNED_BLOCK, 1 << max(0, (elems - 1).bit_length()))
+        grid = (n * k, -(-elems // block))
+        self._wait_for(after)
+        kernel = _kernel()[3]
+        prepared = time.perf_counter()
+        vals = self._ids.upload(slot, 2 * (n + k), self._handle)
+        warps = max(1, min(8, block // 256))
+        constexprs = {"LEN": elems, "BLOCK": block, "MASK": elems % block != 0}
+        self._launch(kernel, grid, (ltab.tensor, rtab.tensor, vals, k), constexprs, warps, self.stream)
         done = self._done(False)
         self._timing = None
         self.launches += 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import attrs
 import numpy as np
 
 from kvpush.core.block_order import slice_rows, token_rows
@@ -71,23 +72,10 @@ def descriptor_ids(
 
     Raises ``ConfigError`` for a block id beyond a region's capacity.
     """
+    grid = descriptor_id_grid(regions, groups, block_ids, per_token=per_token)
+    if grid is not None:  # common case: one broadcast, int32
+        return grid.ids()
     table = _region_table(regions, per_token)
-    top = max(groups, default=-1)
-    if top >= len(block_ids):
-        raise ConfigError(
-            f"regions use KV-cache group {top} but block ids were given for {len(block_ids)} group(s)"
-        )
-    if table.one_row and groups and min(groups) == top:  # common case: one broadcast, int32
-        seq = block_ids[top]
-        if len(seq) <= 256 and type(seq) is tuple:  # builtins beat numpy's reductions here
-            if seq and (max(seq) >= table.min_capacity or min(seq) < 0):
-                _check_capacity(np.asarray(seq, dtype=np.int64), table.min_capacity, top)
-            ids = np.array(seq, dtype=np.int32)  # in range: below a capacity that fits int32
-        else:
-            wide = np.asarray(seq, dtype=np.int64)
-            _check_capacity(wide, table.min_capacity, top)
-            ids = wide.astype(np.int32)
-        return np.add(table.column32, ids).reshape(-1)  # region-major: one row per region
     # region order is kept: ids are emitted region by region (then block, then token row)
     offsets, capacities, rows = table.offsets, table.capacities, table.rows
     parts = []
@@ -98,6 +86,52 @@ def descriptor_ids(
         parts.append((offsets[i] + ids[:, None] * n + np.arange(n, dtype=np.int64)[None, :]).ravel())
     out = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
     return out.astype(np.int32)
+
+
+@attrs.frozen(eq=False)
+class IdGrid:
+    """Descriptor ids in factored form: id ``r x len(blocks) + b`` is ``starts[r] + blocks[b]``
+    (region-major, as :func:`descriptor_ids` emits them). Every region has one row per block
+    and one KV group, the common layout; a transport that resolves ids on the device takes
+    this instead of the ``regions x blocks`` expanded ids (``post_write_grid``, optional)."""
+
+    starts: np.ndarray
+    """int32 ``(regions, 1)``: the descriptor id of each region's block 0."""
+    blocks: np.ndarray
+    """int32 ``(blocks,)``: the block ids, checked against every region's capacity."""
+
+    def __len__(self) -> int:
+        return len(self.starts) * len(self.blocks)
+
+    def ids(self) -> np.ndarray:
+        """The expanded int32 ids (what :func:`descriptor_ids` returns)."""
+        return np.add(self.starts, self.blocks).reshape(-1)
+
+
+def descriptor_id_grid(
+    regions: Sequence[KVRegion], groups: Sequence[int], block_ids: BlockIds, *, per_token: bool = True
+) -> IdGrid | None:
+    """:func:`descriptor_ids` as an :class:`IdGrid` when every region has one row per block
+    and all are in one KV group; None otherwise (use :func:`descriptor_ids`). Raises
+    ``ConfigError`` for a block id beyond a region's capacity, as it does."""
+    table = _region_table(regions, per_token)
+    top = max(groups, default=-1)
+    if top >= len(block_ids):
+        raise ConfigError(
+            f"regions use KV-cache group {top} but block ids were given for {len(block_ids)} group(s)"
+        )
+    if not (table.one_row and groups and min(groups) == top):
+        return None
+    seq = block_ids[top]
+    if len(seq) <= 256 and type(seq) is tuple:  # builtins beat numpy's reductions here
+        if seq and (max(seq) >= table.min_capacity or min(seq) < 0):
+            _check_capacity(np.asarray(seq, dtype=np.int64), table.min_capacity, top)
+        ids = np.array(seq, dtype=np.int32)  # in range: below a capacity that fits int32
+    else:
+        wide = np.asarray(seq, dtype=np.int64)
+        _check_capacity(wide, table.min_capacity, top)
+        ids = wide.astype(np.int32)
+    return IdGrid(table.column32, ids)
 
 
 class _Table(NamedTuple):

@@ -22,7 +22,7 @@ from kvpush.core import notifications as wire
 from kvpush.core.actions import Abort, Connect, DropPeer, Post, Report, Send
 from kvpush.core.errors import ConfigError, KvpushError, TransferError
 from kvpush.core.peers import PeerEngine
-from kvpush.core.planning import descriptor_ids, trim_for_prefix_hit
+from kvpush.core.planning import descriptor_id_grid, descriptor_ids, trim_for_prefix_hit
 from kvpush.core.prefill_core import PrefillCore, PrefillSettings
 from kvpush.core.transport import TransferState
 from kvpush.core.types import (
@@ -372,8 +372,20 @@ class PushSender(RankWorker):
             )
         regions = self.metadata.regions
         groups = self._groups(regions)
-        local_ids = descriptor_ids(regions, groups, spec.local_block_ids)
-        remote_ids = descriptor_ids(self._aligned(engine.ranks[rank]), groups, spec.remote_block_ids)
+        aligned = self._aligned(engine.ranks[rank])
+        post_grid = getattr(self.transport, "post_write_grid", None)  # optional: ids factored
+        local_ids: Any = None
+        if post_grid is not None:
+            local_ids = descriptor_id_grid(regions, groups, spec.local_block_ids)
+            remote_ids: Any = None
+            if local_ids is not None:
+                remote_ids = descriptor_id_grid(aligned, groups, spec.remote_block_ids)
+            if remote_ids is None:
+                local_ids = None
+        if local_ids is None:
+            post_grid = None
+            local_ids = descriptor_ids(regions, groups, spec.local_block_ids)
+            remote_ids = descriptor_ids(aligned, groups, spec.remote_block_ids)
         if len(local_ids) != len(remote_ids):
             raise TransferError(
                 f"{len(local_ids)} local descriptors vs {len(remote_ids)} remote ones", maybe_sent=False
@@ -392,8 +404,9 @@ class PushSender(RankWorker):
                 engine.ranks[rank].agent,
                 wire.encode_done(reg.request_id, self.metadata.rank, self.config.parallel.tp_size),
             )
+            post = post_grid or self.transport.post_write
             handles = [
-                self.transport.post_write(
+                post(
                     self.local_list(spec.local_part),
                     local_ids,
                     self.peers.remote_list(engine, rank, spec.remote_part),

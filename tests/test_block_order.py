@@ -19,7 +19,7 @@ from kvpush.core.block_order import RULE, check_peer_order, slice_rows
 from kvpush.core.errors import ConfigError
 from kvpush.core.markers import hookimpl
 from kvpush.core.packing import Packer, StagingPool
-from kvpush.core.planning import descriptor_ids, region_descriptors
+from kvpush.core.planning import descriptor_id_grid, descriptor_ids, region_descriptors
 from kvpush.core.types import KVRegion, LayoutProvider, ModelSpec, ParallelConfig
 from kvpush.layouts.token_major import allocate_token_major_caches, describe_token_major
 from kvpush.testing import make_agent_metadata
@@ -118,6 +118,26 @@ def test_descriptor_ids_are_region_block_token_major() -> None:
     assert ids.tolist()[: 2 * t] == [2 * t + i for i in range(t)] + [5 * t + i for i in range(t)]
     assert ids.tolist()[2 * t] == 8 * t + 2 * t  # region 1 starts after region 0's 8 x t rows
     assert len(region_descriptors(regions, (1, 2))) == len(regions) * 8 * t
+
+
+def test_id_grid_expands_to_descriptor_ids_or_is_none() -> None:
+    """The factored ids (``IdGrid``) are the common layout's ids exactly; token-major rows and
+    several KV groups have no grid; a block id past the capacity is refused as ids are."""
+    _, regions = nhd(1, num_blocks=8)
+    groups = [0] * len(regions)
+    assert descriptor_id_grid(regions, groups, ((2, 5),)) is None  # a row per token: no grid
+    grid = descriptor_id_grid(regions, groups, ((2, 5),), per_token=False)
+    assert grid is not None and len(grid) == 2 * len(regions)
+    assert np.array_equal(grid.ids(), descriptor_ids(regions, groups, ((2, 5),), per_token=False))
+    assert descriptor_id_grid(regions, [0, 1] * (len(regions) // 2), ((2,), (5,)), per_token=False) is None
+    long = tuple(range(7, -1, -1)) * 40  # > 256 ids: the numpy check
+    assert np.array_equal(
+        descriptor_id_grid(regions, groups, (long,), per_token=False).ids(),
+        descriptor_ids(regions, groups, (long,), per_token=False),
+    )
+    for bad in ((8,), (-1,), (*long, 8)):
+        with pytest.raises(ConfigError, match="outside the region"):
+            descriptor_id_grid(regions, groups, (bad,), per_token=False)
 
 
 def test_whole_block_lists_for_equal_tp() -> None:

@@ -13,6 +13,7 @@ import torch
 from kvpush.core import kernels
 from kvpush.core.errors import ConfigError, TransferError
 from kvpush.core.manager import get_plugin_manager
+from kvpush.core.planning import IdGrid
 from kvpush.core.transport import TransferState, TransportConfig
 from kvpush.core.types import KVRegion, PushJob, ReadSpec
 from kvpush.transports import cuda_ipc
@@ -195,6 +196,44 @@ def test_same_process_ipc_copies_scattered_blocks_with_one_kernel() -> None:
         for li, ri in zip(lids, rids):
             assert torch.equal(dst[ri * 4096 : (ri + 1) * 4096], src[li * 4096 : (li + 1) * 4096])
         assert d.drain_notifs() == [(p.agent_name, b"DONE:y")]
+        assert p.ipc_writes == 1 and p.outstanding_handles == 0
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
+def test_factored_ids_copy_every_region_with_one_kernel_and_are_range_checked() -> None:
+    """``post_write_grid``: region starts and block ids (an ``IdGrid``) instead of their
+    product; the kernel lands block b of every region, and an id past a list is refused."""
+    p, d = make("ipc"), make("ipc")
+    srcs = [torch.randint(0, 255, (64 * 4096,), dtype=torch.uint8, device="cuda") for _ in range(2)]
+    dsts = [torch.zeros_like(t) for t in srcs]
+    rs = [region(t, 64, "VRAM") for t in srcs]
+    rd = [region(t, 64, "VRAM") for t in dsts]
+    try:
+        p.register_regions(rs)
+        d.register_regions(rd)
+        name = p.load_peer(d.metadata())
+        local = p.prepare_local(np.concatenate([descs(r) for r in rs]), "VRAM")
+        remote = p.prepare_remote(name, np.concatenate([descs(r) for r in rd]), "VRAM")
+        starts = np.array([[0], [64]], dtype=np.int32)
+        lblocks, rblocks = np.array([5, 60, 2, 33], np.int32), np.array([0, 7, 63, 20], np.int32)
+        handle = p.post_write_grid(local, IdGrid(starts, lblocks), remote, IdGrid(starts, rblocks), b"DONE:g")
+        for _ in range(10_000):
+            if p.poll(handle) is TransferState.DONE:
+                break
+        assert p.poll(handle) is TransferState.DONE
+        p.release(handle)
+        for src, dst in zip(srcs, dsts):
+            for li, ri in zip(lblocks.tolist(), rblocks.tolist()):
+                assert torch.equal(dst[ri * 4096 : (ri + 1) * 4096], src[li * 4096 : (li + 1) * 4096])
+        assert d.drain_notifs() == [(p.agent_name, b"DONE:g")] and p.ipc_writes == 1
+        past = IdGrid(starts, np.array([5, 64], np.int32))  # region 1's block 64 is past the list
+        with pytest.raises(TransferError, match="outside its prepared list"):
+            p.post_write_grid(local, IdGrid(starts, lblocks[:2]), remote, past, b"x")
+        with pytest.raises(TransferError):  # shapes differ: expanded, and the counts differ
+            p.post_write_grid(local, IdGrid(starts, lblocks), remote, IdGrid(starts, rblocks[:3]), b"x")
         assert p.ipc_writes == 1 and p.outstanding_handles == 0
     finally:
         p.close()

@@ -169,3 +169,35 @@ def test_repeated_launches_skip_tritons_jit_entry_and_stay_byte_exact() -> None:
             assert torch.equal(target[s + 4096 : s + 8192], source[s : s + 4096]), count
     if kernels._REPLAY[0]:
         assert copier.replays > before
+
+
+@GPU
+def test_grid_launch_equals_the_indirect_launch_of_the_expanded_ids() -> None:
+    """``launch_grid`` (region starts + block ids) copies exactly what ``launch_indirect``
+    copies for the same ids expanded (region-major), into scattered blocks."""
+    from kvpush.core.planning import IdGrid
+
+    regions, blocks, size = 3, 32, 4096
+    source = torch.randint(0, 255, (regions * blocks * size,), dtype=torch.uint8, device="cuda")
+    addrs = source.data_ptr() + np.arange(regions * blocks) * size
+    ltab = kernels.DeviceTable(addrs, np.full(len(addrs), size), "cuda")
+    starts = (np.arange(regions, dtype=np.int32) * blocks)[:, None]
+    lblocks, rblocks = np.array([3, 31, 0, 7], np.int32), np.array([30, 1, 12, 5], np.int32)
+    copier = kernels.copier_for("cuda")
+    outputs = []
+    for grid in (True, False):
+        target = torch.zeros_like(source)
+        taddrs = target.data_ptr() + np.arange(regions * blocks) * size
+        rtab = kernels.DeviceTable(taddrs, np.full(len(taddrs), size), "cuda")
+        local, remote = IdGrid(starts, lblocks), IdGrid(starts, rblocks)
+        if grid:
+            event = copier.launch_grid(ltab, rtab, local, remote)
+        else:
+            event = copier.launch_indirect(ltab, rtab, local.ids(), remote.ids())
+        event.synchronize()
+        outputs.append(target)
+    assert torch.equal(outputs[0], outputs[1]) and outputs[0].any()
+    for r in range(regions):
+        for lb, rb in zip(lblocks.tolist(), rblocks.tolist()):
+            got = outputs[0][(r * blocks + rb) * size : (r * blocks + rb + 1) * size]
+            assert torch.equal(got, source[(r * blocks + lb) * size : (r * blocks + lb + 1) * size])

@@ -43,6 +43,7 @@ import numpy as np
 
 from kvpush.core.errors import ConfigError, TransferError
 from kvpush.core.markers import hookimpl
+from kvpush.core.planning import IdGrid
 from kvpush.core.transport import TransferState, TransportConfig, TransportCounters
 from kvpush.core.types import KVRegion, MemType, PushJob, ReadSpec, TransportProvider
 
@@ -506,6 +507,58 @@ class CudaIpcTransport:
         self.post_seconds[1] += time.perf_counter() - indexed
         return write
 
+    def post_write_grid(
+        self, local_list: int, local_ids: IdGrid, remote_list: int, remote_ids: IdGrid, notif: bytes
+    ) -> Any:
+        """:meth:`post_write` with the ids in factored form (:class:`IdGrid`, optional transport
+        method): an IPC copy uploads ``regions + blocks`` ids per side instead of their
+        product; anything else expands them and posts as :meth:`post_write`."""
+        local, remote = self._lists.get(local_list), self._lists.get(remote_list)
+        shape = (len(local_ids.starts), len(local_ids.blocks))
+        if (
+            local is None
+            or remote is None
+            or remote.peer is None
+            or not (self.ipc_peer(remote.peer) and local.mem_type == "VRAM")
+            or shape != (len(remote_ids.starts), len(remote_ids.blocks))
+        ):
+            return self.post_write(local_list, local_ids.ids(), remote_list, remote_ids.ids(), notif)
+        device = int(local.descs[0, 2]) if len(local.descs) else 0
+        ltab, rtab = local.device_table(device), remote.device_table(device)
+        if not (ltab.usable and rtab.usable and ltab.length == rtab.length):
+            return self.post_write(local_list, local_ids.ids(), remote_list, remote_ids.ids(), notif)
+        started = time.perf_counter()
+        for grid, table in ((local_ids, ltab), (remote_ids, rtab)):
+            if len(grid) and (
+                int(grid.starts.min()) < 0
+                or int(grid.blocks.min()) < 0
+                or int(grid.starts.max()) + int(grid.blocks.max()) >= table.count
+            ):
+                self.counters.writes_failed += 1
+                raise TransferError("cuda_ipc: a descriptor id is outside its prepared list")
+        checked = time.perf_counter()
+        from kvpush.core.kernels import copier_for
+
+        try:
+            event = copier_for(device).launch_grid(ltab, rtab, local_ids, remote_ids)
+        except Exception as err:
+            self.counters.writes_failed += 1
+            raise TransferError(
+                f"cuda_ipc: launching a copy of {len(local_ids)} descriptors failed: {err}"
+            ) from err
+        return self._posted(remote.peer, event, notif, len(local_ids), started, checked)
+
+    def _posted(
+        self, peer: str, event: Any, notif: bytes, descriptors: int, started: float, checked: float
+    ) -> _IpcWrite:
+        write = _IpcWrite(event=event, peer=peer, notif=notif, descriptors=descriptors)
+        self._writes.add(write)
+        self.counters.writes_posted += 1
+        self.ipc_writes += 1
+        self.post_seconds[0] += checked - started
+        self.post_seconds[1] += time.perf_counter() - checked
+        return write
+
     def _post_indirect(
         self,
         local: _List,
@@ -538,13 +591,7 @@ class CudaIpcTransport:
                 f"cuda_ipc: launching a copy of {len(lids)} descriptors failed: {err}"
             ) from err
         assert remote.peer is not None
-        write = _IpcWrite(event=event, peer=remote.peer, notif=notif, descriptors=len(lids))
-        self._writes.add(write)
-        self.counters.writes_posted += 1
-        self.ipc_writes += 1
-        self.post_seconds[0] += checked - started
-        self.post_seconds[1] += time.perf_counter() - checked
-        return write
+        return self._posted(remote.peer, event, notif, len(lids), started, checked)
 
     def poll(self, handle: Any) -> TransferState:
         if not isinstance(handle, _IpcWrite):
