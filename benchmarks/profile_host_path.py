@@ -217,10 +217,13 @@ def instrument_prefill(pair: Any) -> Recorder:
     rec.wrap(sender, "_post", "P.post")
     rec.wrap(sender, "_report", "P.report")
     rec.wrap(sender_module, "descriptor_ids", "P.descriptor_ids")
+    rec.wrap(sender_module, "descriptor_id_grid", "P.descriptor_ids")  # cuda_ipc: ids factored
     for hook in ("build_read_specs", "transfer_strategy", "expected_producers"):
         rec.wrap(sender.pm, hook, f"P.hook.{hook}")
     transport = sender.transport
     rec.wrap(transport, "post_write", "P.transport.post")
+    if hasattr(transport, "post_write_grid"):  # optional; falls back to post_write (first stamp wins)
+        rec.wrap(transport, "post_write_grid", "P.transport.post")
     poll = transport.poll
 
     def timed_poll(handle: Any) -> Any:

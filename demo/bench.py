@@ -425,14 +425,17 @@ class BenchPair:
 
     def _instrument(self, transport: Any) -> None:
         """Time P's posts: finish -> post starts -> post returns -> WRITE settled -> D's ack."""
-        post, poll = transport.post_write, transport.poll
+        poll = transport.poll
         trace = self.trace
 
-        def timed_post(*args: Any) -> Any:
-            trace.setdefault("post", time.perf_counter())
-            handle = post(*args)
-            trace["posted"] = time.perf_counter()
-            return handle
+        def timed(post: Callable[..., Any]) -> Callable[..., Any]:
+            def timed_post(*args: Any) -> Any:
+                trace.setdefault("post", time.perf_counter())
+                handle = post(*args)
+                trace["posted"] = time.perf_counter()
+                return handle
+
+            return timed_post
 
         def timed_poll(handle: Any) -> Any:
             state = poll(handle)
@@ -440,7 +443,10 @@ class BenchPair:
                 trace.setdefault("done", time.perf_counter())
             return state
 
-        transport.post_write, transport.poll = timed_post, timed_poll
+        for name in ("post_write", "post_write_grid"):  # the second is optional (ids factored)
+            if hasattr(transport, name):
+                setattr(transport, name, timed(getattr(transport, name)))
+        transport.poll = timed_poll
 
     def _start_ceiling(self, config: Any) -> None:
         """A second KV allocation on D's device, written by one kernel from P's blocks."""

@@ -594,19 +594,22 @@ class ServePair:
 
     def _instrument(self, transport: Any) -> None:
         """Stamp, per request, P's first post, its return, and the WRITE settling (monotonic)."""
-        post, poll = transport.post_write, transport.poll
+        poll = transport.poll
         owners: dict[Any, str] = {}
 
-        def timed_post(*args: Any) -> Any:
-            start = time.monotonic()
-            handle = post(*args)
-            rid = next((r for r in self._live if r.encode() in args[-1]), None)
-            if rid is not None:
-                marks = self.trace.setdefault(rid, {})
-                marks.setdefault("post", start)
-                marks["posted"] = time.monotonic()
-                owners[handle] = rid
-            return handle
+        def timed(post: Callable[..., Any]) -> Callable[..., Any]:
+            def timed_post(*args: Any) -> Any:
+                start = time.monotonic()
+                handle = post(*args)
+                rid = next((r for r in self._live if r.encode() in args[-1]), None)
+                if rid is not None:
+                    marks = self.trace.setdefault(rid, {})
+                    marks.setdefault("post", start)
+                    marks["posted"] = time.monotonic()
+                    owners[handle] = rid
+                return handle
+
+            return timed_post
 
         def timed_poll(handle: Any) -> Any:
             state = poll(handle)
@@ -614,7 +617,10 @@ class ServePair:
                 self.trace.setdefault(owners.pop(handle), {})["settled"] = time.monotonic()
             return state
 
-        transport.post_write, transport.poll = timed_post, timed_poll
+        for name in ("post_write", "post_write_grid"):  # the second is optional (ids factored)
+            if hasattr(transport, name):
+                setattr(transport, name, timed(getattr(transport, name)))
+        transport.poll = timed_poll
 
     def _recv(self, timeout_s: float) -> tuple[Any, ...]:
         if not self.conn.poll(timeout_s):
