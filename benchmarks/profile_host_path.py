@@ -339,7 +339,6 @@ def profile_shape(
     cprofile: bool,
     device: str = "cpu",
     ab: bool = False,
-    spin_s: float = 0.0,
 ) -> dict[str, Any]:
     from kvpush.demo.bench import BenchPair, PairSpec, block_tables
 
@@ -353,7 +352,6 @@ def profile_shape(
         decode_hook=f"{module}:instrument_decode",
         device=device,
         transport="cuda_ipc" if method == "cuda_ipc" else "nixl",
-        spin_s=spin_s,
     )
     # raw NIXL beside a cuda_ipc pair would map D's memory twice (see kvpush.demo.bench)
     raw = None if method == "cuda_ipc" else "raw_nixl"
@@ -513,9 +511,6 @@ def main(argv: list[str] | None = None) -> int:
         help="D's busy_poll_s for this run, in microseconds (the bench pair's default: 50)",
     )
     parser.add_argument(
-        "--spin-us", type=float, default=0.0, help="WorkerConfig.spin_s of P and D, in microseconds"
-    )
-    parser.add_argument(
         "--ab",
         action="store_true",
         help="alternate requests with and without round 2's fast paths (one run, both columns)",
@@ -536,12 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[D_POLL_ENV] = str(args.d_busy_poll_us)
     for name in args.shape or (["direct32m", "ipc256m"] if device != "cpu" else ["small", "large"]):
         result = profile_shape(
-            **SHAPES[name],
-            reps=args.reps,
-            cprofile=args.cprofile,
-            device=device,
-            ab=args.ab,
-            spin_s=args.spin_us * 1e-6,
+            **SHAPES[name], reps=args.reps, cprofile=args.cprofile, device=device, ab=args.ab
         )
         stages, off = result["stages_us"], result["stages_off_us"]
         print(

@@ -98,13 +98,6 @@ class WorkerConfig:
     request's PUSH_REG is not stale on arrival; 0 turns it off."""
     busy_poll_s: float = 0.0002
     idle_poll_s: float = 0.002
-    spin_s: float = 0.0
-    """After any activity (a command such as a request, a notification, a transfer in flight)
-    the writer keeps polling without sleeping for this long, yielding the CPU and the GIL
-    between rounds, before it sleeps on its wake-up again. A sleeping thread woken on an idle
-    core starts only once the core left its sleep state: tens of microseconds per hop on a
-    GPU host, paid by every request (P's hop to its writer, D's poll). Spinning takes that out
-    for up to one core per writer while it spins. 0 (default): off."""
     cuda_device: int | None = None
     """CUDA device the writer thread makes current (UCX needs it for CUDA IPC); None on CPU."""
     staging_bytes: int = 64 << 20
@@ -133,10 +126,6 @@ class WorkerConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"WorkerConfig.{name} must be positive, got {getattr(self, name)!r}")
-        if not 0 <= self.spin_s <= 60:
-            raise ConfigError(
-                f"WorkerConfig.spin_s must be in [0, 60] seconds (0 turns it off), got {self.spin_s!r}"
-            )
         if not self.keepalive_s >= 0:
             raise ConfigError(
                 f"WorkerConfig.keepalive_s must be >= 0 (0 turns it off), got {self.keepalive_s!r}"
@@ -195,10 +184,6 @@ class RankWorker:
         secret = config.secret if config.secret is not None else os.environ.get("KVPUSH_SIDE_CHANNEL_SECRET")
         self._mac_key = notif_auth.derive_key(secret.encode()) if secret else None
         self._capacity: dict[int, int] | None = None
-        self._activity = 0
-        """Commands run and notification batches drained so far (the spin window restarts on each)."""
-        self.spin_rounds = 0
-        """Rounds the writer polled without sleeping (``WorkerConfig.spin_s``)."""
         self._fresh_until = 0.0
         """``time.monotonic()`` until which the writer polls every ``FRESH_POLL_S`` (P: set by
         each post; a GPU copy is done within a few hundred microseconds, and for ``cuda_ipc``
@@ -387,23 +372,12 @@ class RankWorker:
             import torch
 
             torch.cuda.set_device(self.config.cuda_device)
-        spin, spin_until, seen = self.config.spin_s, 0.0, -1
         while not self._stop.is_set():
             try:
                 self._step()
             except Exception:
                 logger.exception("kvpush writer of %s hit an error; continuing", self.agent_name)
-            busy = self._busy()
-            if spin:  # see WorkerConfig.spin_s
-                now = time.monotonic()
-                if busy or seen != self._activity:
-                    seen, spin_until = self._activity, now + spin
-                if now < spin_until:
-                    self.spin_rounds += 1
-                    self._wake.acquire(blocking=False)  # consume a pending wake-up
-                    os.sched_yield()  # releases the GIL and the core for a moment
-                    continue
-            timeout = self.config.busy_poll_s if busy else self.config.idle_poll_s
+            timeout = self.config.busy_poll_s if self._busy() else self.config.idle_poll_s
             if self._fresh_until and time.monotonic() < self._fresh_until:
                 timeout = min(timeout, FRESH_POLL_S)  # a WRITE was just posted: see it end soon
             deadline = self._next_deadline()
@@ -431,7 +405,6 @@ class RankWorker:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            self._activity += 1
             try:
                 command()
             except Exception:
@@ -444,8 +417,6 @@ class RankWorker:
         except Exception as err:  # a transport must not stop the loop
             logger.warning("draining notifications of %s failed: %s", self.agent_name, err)
             return
-        if batch:
-            self._activity += 1
         for peer, frame in batch:
             message = self._unseal(peer, frame)
             if message is None:

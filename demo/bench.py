@@ -201,8 +201,6 @@ class PairSpec:
     barrier whenever another job holds the second core (bimodal timings on a shared box)."""
     transport: str = "nixl"
     """The kvpush transport of both engines (``cuda_ipc`` for the ``cuda_ipc`` method)."""
-    spin_s: float = 0.0
-    """``WorkerConfig.spin_s`` of both engines (0: the writers sleep between polls)."""
     decode_hook: str | None = None
     """``module:function`` D calls with its receiver after start; what the function returns (a
     callable giving a picklable value) answers D's ``stats`` under ``hook`` (profiling stamps)."""
@@ -223,7 +221,6 @@ def _worker_config(spec: PairSpec, engine: str, model: Any) -> Any:
         request_timeout_s=spec.timeout_s,
         cuda_device=cuda,
         transport=spec.transport,
-        spin_s=spec.spin_s,
     )
 
 
@@ -753,7 +750,6 @@ def sweep(
     seed: int = 0,
     shapes: Sequence[str] | None = None,
     pipeline_bytes: int = 0,
-    spin_s: float = 0.0,
     say: Callable[[str], None] = lambda _msg: None,
 ) -> list[dict[str, Any]]:
     """Measure every shape; one row per (block size, blocks, pattern), medians of ``reps``.
@@ -789,7 +785,6 @@ def sweep(
                 decode_device=decode_device,
                 staging_bytes=staging,
                 transport=transport,
-                spin_s=spin_s,
             )
             say(
                 f"block {size // 1024} KiB: starting P and D over {transport} "
@@ -936,12 +931,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument(
-        "--spin-us",
-        type=float,
-        default=0.0,
-        help="WorkerConfig.spin_s of every engine, in microseconds (0, the default: writers sleep)",
-    )
-    parser.add_argument(
         "--strategy",
         choices=STRATEGIES,
         default=None,
@@ -1008,7 +997,6 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed,
             shapes=args.shape,
             pipeline_bytes=args.pipeline_mib << 20,
-            spin_s=args.spin_us * 1e-6,
             say=lambda msg: print(msg, file=sys.stderr, flush=True),
         )
     except Exception as err:

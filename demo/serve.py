@@ -86,8 +86,6 @@ class Workload:
     poll_s: float = 50e-6
     timeout_s: float = 30.0
     switch_interval_us: float = 0.0
-    spin_s: float = 0.0
-    """``WorkerConfig.spin_s`` of every engine (0: the writers sleep between polls)."""
     """When > 0, ``sys.setswitchinterval`` of P and D (how soon a thread waiting for the GIL
     gets it from a busy one; Python's default is 5000 us)."""
     prefill_pp: int | None = None
@@ -344,7 +342,6 @@ def _worker_config(w: Workload, engine: str, port: int, device: str) -> Any:
         request_timeout_s=w.timeout_s,
         cuda_device=cuda,
         transport=w.transport,
-        spin_s=w.spin_s,
     )
 
 
@@ -1257,7 +1254,6 @@ def workload_from(args: argparse.Namespace) -> Workload:
         transport=args.transport or "nixl",
         seed=args.seed,
         switch_interval_us=args.switch_interval_us,
-        spin_s=getattr(args, "spin_us", 0.0) * 1e-6,
         prefill_pp=args.prefill_pp,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,

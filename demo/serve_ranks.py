@@ -419,7 +419,6 @@ class ServeCluster:
                 "transport": w.transport,
                 "worker_options": {
                     "busy_poll_s": w.poll_s,
-                    "spin_s": w.spin_s,
                     "staging_bytes": max(64 << 20, 4 * w.max_request_bytes()),
                 },
             }
