@@ -162,8 +162,10 @@ def _decode_tp(local: AgentMetadata, peer: AgentMetadata) -> int:
 
 def check_regions_sliceable(regions: Sequence[KVRegion], count: int, what: str) -> None:
     """Raise ``ConfigError`` when a head-split region cannot be cut ``count`` ways (planning)."""
+    if count == 1:  # whole blocks: nothing is cut (per request: skip the scan of every region)
+        return
     for region in regions:
-        if region.replicate or count == 1:
+        if region.replicate:
             continue
         if region.block_order == UNSPECIFIED:
             raise ConfigError(

@@ -115,12 +115,12 @@ def descriptor_id_grid(
     and all are in one KV group; None otherwise (use :func:`descriptor_ids`). Raises
     ``ConfigError`` for a block id beyond a region's capacity, as it does."""
     table = _region_table(regions, per_token)
-    top = max(groups, default=-1)
+    top, single = _group_span(groups)
     if top >= len(block_ids):
         raise ConfigError(
             f"regions use KV-cache group {top} but block ids were given for {len(block_ids)} group(s)"
         )
-    if not (table.one_row and groups and min(groups) == top):
+    if not (table.one_row and single):
         return None
     seq = block_ids[top]
     if len(seq) <= 256 and type(seq) is tuple:  # builtins beat numpy's reductions here
@@ -132,6 +132,25 @@ def descriptor_id_grid(
         _check_capacity(wide, table.min_capacity, top)
         ids = wide.astype(np.int32)
     return IdGrid(table.column32, ids)
+
+
+_GROUP_SPANS: dict[int, tuple[Sequence[int], int, bool]] = {}
+
+
+def _group_span(groups: Sequence[int]) -> tuple[int, bool]:
+    """``(highest group, whether there is one group)`` of a region-group list, remembered per
+    tuple object (a worker passes the same tuple on every request; a per-request ``max`` and
+    ``min`` over 160 regions costs more than the rest of the grid)."""
+    hit = _GROUP_SPANS.get(id(groups))
+    if hit is not None and hit[0] is groups:
+        return hit[1], hit[2]
+    top = max(groups, default=-1)
+    single = bool(groups) and min(groups) == top
+    if isinstance(groups, tuple):  # immutable: safe to remember (held, so its id stays its own)
+        if len(_GROUP_SPANS) >= 256:
+            _GROUP_SPANS.clear()
+        _GROUP_SPANS[id(groups)] = (groups, top, single)
+    return top, single
 
 
 class _Table(NamedTuple):

@@ -18,13 +18,27 @@ from kvpush.core.block_order import check_regions_sliceable
 from kvpush.core.errors import ConfigError
 from kvpush.core.markers import hookimpl
 from kvpush.core.producers import tp_ratio  # one rule for plans and completion counts
-from kvpush.core.types import PushJob, ReadSpec
+from kvpush.core.types import KVRegion, PushJob, ReadSpec
+
+_MIXED: dict[int, tuple[object, bool]] = {}
+"""id(regions) -> (regions, whether replicated and head-split regions are mixed): the answer
+for a worker's region tuple, which every request of that worker passes again."""
+
+
+def _mixed(regions: tuple[KVRegion, ...]) -> bool:
+    hit = _MIXED.get(id(regions))
+    if hit is None or hit[0] is not regions:
+        if len(_MIXED) >= 64:
+            _MIXED.clear()
+        replicated = [r.replicate for r in regions]
+        hit = _MIXED[id(regions)] = (regions, any(replicated) and not all(replicated))
+    return hit[1]
 
 
 @hookimpl(trylast=True)
 def kvpush_build_read_specs(job: PushJob) -> list[ReadSpec]:
     local = job.local.parallel
-    if any(r.replicate for r in job.local.regions) and not all(r.replicate for r in job.local.regions):
+    if _mixed(job.local.regions):
         raise ConfigError(
             "a layout mixing replicated (MLA) and head-split regions is not supported by the "
             "built-in TP mapping"
