@@ -115,7 +115,7 @@ class _Producer:
     last_request: float = float("-inf")
     """When a request last registered with this engine (D's clock)."""
     heard: dict[str, float] = attrs.field(factory=dict)
-    """When each agent was last heard from (D's clock)."""
+    """When each agent was last heard from (D's clock), while D asks it about requests."""
     requests: set[str] = attrs.field(factory=set)
     error: str = ""
     failures: int = 0
@@ -689,6 +689,7 @@ class DecodeCore:
             self._agent_engine.pop(agent, None)
         engine.info = None
         engine.stamps.clear()
+        engine.stamped.clear()
         engine.heard.clear()
         engine.hello_pending.clear()
 
@@ -887,6 +888,9 @@ class DecodeCore:
             for agent in sorted(set(engine.info.agents.values())):
                 keys = self._keys_for(engine, agent)
                 if not keys:
+                    # Nothing is asked of an idle agent (a keepalive is no liveness check): its
+                    # silence counts from the next heartbeat naming a key, not from before.
+                    engine.heard.pop(agent, None)
                     out += self._keepalive(engine, agent, now)
                     continue
                 heard = engine.heard.get(agent, now)
