@@ -44,6 +44,9 @@ from kvpush.core.types import (
 
 logger = logging.getLogger(__name__)
 
+WANT_KEYS_PER_MESSAGE = 256
+"""Keys per ``want`` message (as D's heartbeats; far below the wire's ``MAX_KEYS``)."""
+
 
 @attrs.frozen(kw_only=True)
 class PrefillSettings:
@@ -731,7 +734,12 @@ class PrefillCore:
         if not keys:
             return []
         engine.last_want[agent] = now
-        return [Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, keys))]
+        return [  # several messages past one's key limit (the encoder would cut the rest)
+            Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, chunk))
+            for chunk in (
+                keys[i : i + WANT_KEYS_PER_MESSAGE] for i in range(0, len(keys), WANT_KEYS_PER_MESSAGE)
+            )
+        ]
 
     def confirm_post(self, key: str, rank: int, now: float) -> bool:
         """Called by the driver immediately before it posts: still wanted, not cancelled, and
