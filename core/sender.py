@@ -195,7 +195,10 @@ class PushSender(RankWorker):
         for key, (finished, since) in list(self._unready.items()):
             failure = ""
             try:
-                if not finished.ready.query():
+                state = finished.ready.query()
+                if not isinstance(state, bool):  # e.g. a CUresult: 600 (not ready) is truthy
+                    raise TypeError(f"query() returned {state!r}, not True or False")
+                if not state:
                     if now - since <= self.config.lease_s:
                         continue
                     failure = (
