@@ -441,6 +441,9 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
             finished += [(rid, None) for rid in got.done]
             finished += [(rid, str(reason)) for rid, reason in got.failed.items()]
             now = time.monotonic()  # every request of this batch finished by now
+            # A kvpush request ended when the receiver's writer reported it (its stamp; the
+            # same CLOCK_MONOTONIC as time.monotonic here), not when this loop looked.
+            ended = dict(got.completed_at)
             got = None
             for rid, reason in finished:
                 number, blocks, verify = live.pop(rid, (0, [], False))
@@ -449,7 +452,8 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
                 else:
                     for pool, ids_ in zip(pools, blocks):
                         pool.release(ids_)
-                conn.send(("done", rid, now, reason, "deferred" if reason is None and verify else None))
+                state = "deferred" if reason is None and verify else None
+                conn.send(("done", rid, ended.get(rid, now), reason, state))
             if not finished:
                 if not live and checks:
                     checks.run_one(checked)  # nothing in flight: no request's clock is running
