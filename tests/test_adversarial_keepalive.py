@@ -286,3 +286,39 @@ def test_p_does_not_answer_a_keepalive_it_cannot_attribute() -> None:
     assert not p.notification(D_AGENT, _keepalive(grant=None, decode_incarnation="d1"), 100.0)
     assert p.stats["rejected_notifications"] == 3
     assert _sent(p.notification(D_AGENT, _keepalive(grant=None, decode_incarnation="d2"), 100.0))
+
+
+def test_a_prefill_restarted_under_its_name_while_decode_keeps_it_alive() -> None:
+    """Real processes: P's rank is killed and started again under the same agent name while D
+    idles and sends keepalives to the old one. Whatever D's keepalives reach (nothing, or a
+    send error), the requests after it are either pushed with the right KV or fail naming why,
+    and one of them is pushed once D has reloaded P."""
+    from engines import Engines
+
+    with Engines(heartbeat_interval_s=0.2, fresh_s=0.4, peer_silence_s=1.0, keepalive_s=60.0) as engines:
+        engines.plan("warm", [0], [0])
+        engines.add("warm")
+        engines.finish("warm")
+        engines.wait_decode(["warm"])
+        for rank in engines.p_ranks:
+            engines.kill(rank)
+        engines.p_ranks = engines._start(engines.p_specs, engines.p_server)
+        engines.p_results = {r.key: {} for r in engines.p_ranks}
+        time.sleep(1.0)  # keepalives go to the dead start's agent
+        outcomes: list[tuple[str, Any]] = []
+        for n in range(8):
+            rid = f"after-{n}"
+            engines.plan(rid, [10 + n], [10 + n])
+            engines.add(rid)
+            engines.finish(rid)
+            engines.wait_decode([rid], timeout_s=20)
+            kind, result = engines.decode_outcome(rid)[RankKey(0, 0)]
+            outcomes.append((kind, result))
+            if kind == "done":
+                break
+            assert kind == "failed" and isinstance(result, str) and result, result
+            time.sleep(1.0)  # past D's retry backoff
+        kind, result = outcomes[-1]
+        assert kind == "done" and result["ok"], outcomes
+        for health in engines.health(engines.d_ranks):
+            assert health["stats"]["keepalives_sent"] >= 1
