@@ -188,11 +188,13 @@ def _region_table(regions: Sequence[KVRegion], per_token: bool) -> _Table:
         raise ConfigError(f"{last} descriptors do not fit int32 ids")
     if len(_TABLES) >= _TABLES_MAX:
         _TABLES.clear()
+    column32 = offsets.astype(np.int32)[:, None]
+    column32.flags.writeable = False  # shared by every IdGrid of this table: nobody may change it
     table = _Table(
         regions=tuple(regions),
         offsets=offsets,
         capacities=capacities,
-        column32=offsets.astype(np.int32)[:, None],
+        column32=column32,
         rows=rows,
         one_row=all(n == 1 for n in rows),
         min_capacity=int(capacities.min(initial=np.iinfo(np.int64).max)),

@@ -50,7 +50,13 @@ class TransportCounters:
 
 @runtime_checkable
 class Transport(Protocol):
-    """A one-sided WRITE transport with notifications (NIXL is the first)."""
+    """A one-sided WRITE transport with notifications (NIXL is the first).
+
+    Optional, not part of the protocol check: ``post_write_grid(local_list, local_ids,
+    remote_list, remote_ids, notif)`` with :class:`kvpush.core.planning.IdGrid` ids (factored:
+    region starts and block ids), called instead of ``post_write`` where the layout allows; it
+    must act as ``post_write`` with ``ids()`` (see docs/plugins.md).
+    """
 
     name: str
     counters: TransportCounters
