@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
 from kvpush.core import notifications as wire
 from kvpush.core.actions import DropPeer, Post, Send
 from kvpush.core.prefill_core import PrefillCore, PrefillSettings
@@ -174,3 +178,114 @@ def test_wants_to_many_agents_keep_one_timer_each() -> None:
     assert sum(1 for k in core._timers._armed if k[0] == "want") == 1
     core.handle_timer(T0 + core.s.want_interval_s)
     assert sum(1 for k in core._timers._armed if k[0] == "want") == 0
+
+
+# ------------------------------------------------------------------ property: never dropped
+
+
+class WantMachine(RuleBasedStateMachine):
+    """One P rank, one D agent; registrations go stale, requests end, D renews or restarts, the
+    clock moves in steps around the rate limit. Checked after every step: a key waiting for a
+    grant longer than the rate limit was asked since it started waiting (never dropped), each
+    want message within the wire's key limit, and nothing pending for requests that ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.core = _core(max_stash_per_engine=100_000)
+        self.t = T0
+        self.inc = 1
+        _loaded(self.core, "d1", self.t)
+        self.n = 0
+        self.waiting_since: dict[str, float] = {}
+        self.asked_at: dict[str, float] = {}
+
+    def _run(self, actions: list[Any]) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                note = _note(a.message)  # D's decoder accepts it
+                for key in note.want or ():
+                    self.asked_at[key] = self.t
+            elif isinstance(a, Post):
+                # The driver posts at once; a stale one goes back to waiting (and is asked).
+                if self.core.confirm_post(a.key, a.dst, self.t):
+                    self._run(self.core.posted(a.key, a.dst, [f"h-{a.key}"], 1, self.t))
+                    self._run(self.core.write_settled(a.key, a.dst, f"h-{a.key}", True, self.t))
+                else:
+                    self._run(self.core.refresh(a.key, a.dst, self.t))
+        self._observe()
+
+    def _waiting(self) -> set[str]:
+        return {
+            key
+            for key, r in self.core._requests.items()
+            if r.dests and any(d.state.name == "WAIT_FRESH" for d in r.dests.values())
+        }
+
+    def _observe(self) -> None:
+        waiting = self._waiting()
+        for key in list(self.waiting_since):
+            if key not in waiting:
+                del self.waiting_since[key]
+        for key in waiting:
+            self.waiting_since.setdefault(key, self.t)
+
+    @rule(count=st.integers(1, 300))
+    def stale_registrations(self, count: int) -> None:
+        for _ in range(count):
+            self.n += 1
+            reg = _reg(self.n, decode_incarnation=f"d{self.inc}")
+            self.core.finished(f"x-{self.n}", f"p-{self.n}", ((1,),), "", self.t)
+            self._run(self.core.notification(D_AGENT, _note(wire.encode_push_reg(reg)), self.t))
+
+    @rule(data=st.data(), how=st.sampled_from(["abort", "fail", "cancel", "renew"]))
+    def end_or_renew(self, data: st.DataObject, how: str) -> None:
+        waiting = sorted(self._waiting())
+        if not waiting:
+            return
+        key = data.draw(st.sampled_from(waiting))
+        if how == "abort":
+            self._run(self.core.abort(key, self.t))
+        elif how == "fail":
+            self._run(self.core.fail(key, "internal error: boom", self.t))
+        else:
+            n = int(key.split("-")[1])
+            reg = _reg(n, decode_incarnation=f"d{self.inc}", grant=self.t)
+            if how == "cancel":
+                message = wire.encode_cancel(key, reg, 0)
+            else:
+                message = wire.encode_heartbeat(
+                    [key], _reg(0, decode_incarnation=f"d{self.inc}", grant=self.t), 0
+                )
+            self._run(self.core.notification(D_AGENT, _note(message), self.t))
+
+    @rule(dt=st.sampled_from([0.001, 0.01, 0.03, 0.049, 0.05, 0.07, 0.2]))
+    def clock(self, dt: float) -> None:
+        self.t += dt
+        self._run(self.core.handle_timer(self.t))
+
+    @rule()
+    def decode_restarts(self) -> None:
+        self.inc += 1
+        hello = wire.encode_hello(_reg(0, decode_incarnation=f"d{self.inc}"), 0)
+        self._run(self.core.notification(D_AGENT, _note(hello), self.t))
+        self._run(self.core.connected("D", 0, D_AGENT, f"d{self.inc}", 1, "", self.t))
+
+    @invariant()
+    def no_key_is_left_waiting_unasked(self) -> None:
+        limit = self.core.s.want_interval_s
+        for key, since in self.waiting_since.items():
+            if self.t - since >= limit + 1e-9:
+                asked = self.asked_at.get(key, float("-inf"))
+                assert asked >= since, f"{key} waits for a grant since {since}, never asked (t={self.t})"
+
+    @invariant()
+    def nothing_pending_for_ended_requests(self) -> None:
+        for engine in self.core._engines.values():
+            for keys in engine.want_pending.values():
+                assert keys <= set(self.core._requests), keys - set(self.core._requests)
+
+
+TestWantMachine = WantMachine.TestCase
+TestWantMachine.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, derandomize=True, database=None
+)
