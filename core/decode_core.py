@@ -772,8 +772,9 @@ class DecodeCore:
                 now,
             )
         assert note.stamp is not None
-        engine.stamps[agent] = max(note.stamp, engine.stamps.get(agent, note.stamp))
-        engine.stamped[agent] = now
+        if note.stamp >= engine.stamps.get(agent, note.stamp):  # not a late, older answer
+            engine.stamps[agent] = note.stamp
+            engine.stamped[agent] = now
         out: list[Any] = []
         if agent in engine.hello_pending:
             engine.hello_pending.discard(agent)

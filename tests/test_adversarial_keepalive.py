@@ -322,3 +322,15 @@ def test_a_prefill_restarted_under_its_name_while_decode_keeps_it_alive() -> Non
         assert kind == "done" and result["ok"], outcomes
         for health in engines.health(engines.d_ranks):
             assert health["stats"]["keepalives_sent"] >= 1
+
+
+def test_a_late_older_answer_does_not_pass_for_a_fresh_stamp() -> None:
+    """``stamped`` says when the newest stamp arrived: a delayed (or duplicated) older answer
+    arriving later used to move it, so D skipped the keepalives while the grant it echoes aged
+    (the next registration then stale: a want round trip)."""
+    d = _ready_decode_after_one_request()
+    d.notification(P_AGENT, _answer(1000.0), 1.0)  # P's newest stamp (P's clock)
+    d.notification(P_AGENT, _answer(990.0), 4.0)  # an older answer, delayed
+    assert d._engines["P"].stamps[P_AGENT] == 1000.0
+    keepalives = [n for n in _sent(d.handle_timer(1.0 + FRESH_S / 2 + 0.1)) if not n.request_ids]
+    assert keepalives, "the newest stamp is half a window old: a keepalive is due"
