@@ -11,8 +11,11 @@ Per request: at arrival D's ranks register it and P's ranks learn its blocks (a 
 is filled with :func:`kvpush.demo.content.fill_request`, which is head-aware, so a slice pushed
 across different TP sizes lands where D expects it); ``--prefill-ms`` later every P rank
 "finishes" it. The clock starts at the **earliest** P rank's finish stamp and stops when the
-**last** D rank reported the request done (each D rank verifies sampled requests with
-``verify_request`` first). Stamps are ``time.perf_counter`` (``CLOCK_MONOTONIC``, one host).
+**last** D rank reported the request done (its receiver's completion stamp). Each D rank
+verifies sampled requests with ``verify_request`` once nothing is in flight on it (a check run
+at once would hold up the stamps of the requests after it), and the driver keeps a sample's
+blocks until every check reported. Stamps are ``time.perf_counter`` (``CLOCK_MONOTONIC``, one
+host).
 
 Ideals for the same arrivals (``mode``):
 
@@ -29,7 +32,9 @@ Protocol (tuples): to P ``("connect", [(d_rank, payload, raw_meta)], d_specs, ke
 ``("finish", rid)`` -> ``("finished", rid, t)``, later ``("sent", rid, reason)`` and (kernel)
 ``("done", rid, t, reason, ok, miss)``. To D ``("connect", [raw_meta])`` -> ``("connected",
 None)``; ``("add", rid, d_ids, params, seed, mode)`` -> later ``("done", rid, t, reason, ok,
-miss)``. To both ``("stats",)`` -> ``("stats", dict)``; ``("stop",)`` -> ``("stopped", None)``.
+miss)``. ``ok`` is None for a request not sampled and ``"deferred"`` for a sample, whose
+``("verified", rid, ok, miss)`` follows (on P, kernel ideal: before its ``sent``). To both
+``("stats",)`` -> ``("stats", dict)``; ``("stop",)`` -> ``("stopped", None)``.
 A rank that fails sends ``("error", traceback)``.
 """
 
@@ -128,6 +133,10 @@ class _ServeRank:
         self.tag = f"{p.pp_rank}.{p.tp_rank}"
         self.raw = RawAgent(f"serve-raw-{spec.role}-{self.tag}", self.regions) if options.raw else None
         self.requests: dict[str, _Request] = {}
+        self.checks: list[tuple[str, _Request]] = []
+        """Sampled requests that ended, checked once nothing is in flight on this rank (see
+        ``kvpush.demo.serve.DeferredChecks``); reported with ``("verified", rid, ok, miss)``."""
+        self._got: Any = None  # results wait_finished already took from the receiver
         self.raw_pairs: list[tuple[Any, Any, Any, Any]] = []
         self.kernel: Any = None
         self._keep: list[Any] = []  # kernel-ideal copy allocations
@@ -153,8 +162,42 @@ class _ServeRank:
                 if not self.handle(self.conn.recv()):
                     return
             busy = self.poll_prefill() if self.prefill else self.poll_decode()
-            if not busy:
+            if busy:
+                continue
+            if self.checks and not self.requests:  # nothing in flight: no clock is running
+                self.run_check()
+            elif not self.prefill and self._pushes_in_flight() and not self.conn.poll(0):
+                # Sleep on the receiver (it wakes this at a request's end) instead of asking it
+                # every poll_s, which takes the GIL from its writer thread 20 k times a second.
+                from kvpush.core.errors import WaitTimeout
+                from kvpush.demo.serve import WAKE_S
+
+                with contextlib.suppress(WaitTimeout):
+                    self._got = self.worker.wait_finished(WAKE_S)
+            else:
                 self.conn.poll(self.options.poll_s)  # wakes at once for a new message
+
+    def _pushes_in_flight(self) -> bool:
+        """D: a kvpush request is registered and not yet done (and no raw ideal to poll)."""
+        pending = self.requests.values()
+        return bool(pending) and (self.raw is None or all(r.mode == "kvpush" for r in pending))
+
+    def run_check(self) -> None:
+        """Verify the oldest held sample and report it (P, kernel ideal: then ``sent``, which
+        frees its blocks)."""
+        rid, request = self.checks.pop(0)
+        if self.prefill:
+            ok = bool(self.kernel.check(request.spans))
+            miss = None if ok else "the kernel's copy does not hold P's bytes"
+            self.send(("verified", rid, ok, miss))
+            self.send(("sent", rid, None))
+            return
+        from kvpush.demo.content import verify_request
+
+        self.base._synchronize()
+        parallel = self.spec.parallel
+        miss = verify_request(self.regions, self.base.tensors, parallel, request.seed, request.d_ids)
+        self.send(("verified", rid, miss is None, miss))
 
     def send(self, message: tuple[Any, ...]) -> None:
         self.conn.send(message)
@@ -306,10 +349,12 @@ class _ServeRank:
                     busy = True
                     continue
                 now = time.perf_counter()
-                ok = self.kernel.check(request.spans) if request.seed is not None else None
                 del self.requests[rid]
-                miss = None if ok in (None, True) else "the kernel's copy does not hold P's bytes"
-                self.send(("done", rid, now, None, ok, miss))
+                if request.seed is not None:  # checked once idle; "sent" (blocks free) after
+                    self.checks.append((rid, request))
+                    self.send(("done", rid, now, None, "deferred", None))
+                    continue
+                self.send(("done", rid, now, None, None, None))
                 self.send(("sent", rid, None))
         return busy
 
@@ -334,7 +379,7 @@ class _ServeRank:
             self._done(rid, time.perf_counter(), None)
 
     def poll_decode(self) -> bool:
-        got = self.worker.get_finished()
+        got, self._got = self._got or self.worker.get_finished(), None
         now = time.perf_counter()
         for rid in got.done:
             self._done(rid, got.completed_at.get(rid, now), None)
@@ -354,16 +399,11 @@ class _ServeRank:
         self.notifs.pop(rid, None)
         if request is None:
             return
-        ok, miss = None, None
-        if reason is None and request.seed is not None:
-            from kvpush.demo.content import verify_request
-
-            self.base._synchronize()
-            miss = verify_request(
-                self.regions, self.base.tensors, self.spec.parallel, request.seed, request.d_ids
-            )
-            ok = miss is None
-        self.send(("done", rid, t, reason, ok, miss))
+        if reason is None and request.seed is not None:  # checked once this rank is idle
+            self.checks.append((rid, request))
+            self.send(("done", rid, t, reason, "deferred", None))
+            return
+        self.send(("done", rid, t, reason, None, None))
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -378,6 +418,8 @@ class _Tally:
     done: int = 0
     done_at: float = 0.0
     oks: list[bool] = attrs.Factory(list)
+    unchecked: int = 0
+    """Reports of ``done`` whose sample check is still to come (``verified``)."""
     failure: str | None = None
 
 
@@ -502,7 +544,7 @@ class ServeCluster:
         kind = message[0]
         if kind == "error":
             raise RuntimeError(f"serve rank {rank.key} failed:\n{message[1]}")
-        if kind not in ("finished", "sent", "done"):
+        if kind not in ("finished", "sent", "done", "verified"):
             return  # a reply nobody waits for any more
         tally = self._tallies.get(message[1])
         if tally is None:
@@ -519,10 +561,16 @@ class ServeCluster:
             tally.done_at = max(tally.done_at, t)
             if reason is not None and tally.failure is None:
                 tally.failure = f"rank {rank.key}: {reason}"
-            if ok is not None:
+            if ok == "deferred":
+                tally.unchecked += 1
+            elif ok is not None:
                 tally.oks.append(bool(ok))
-                if not ok and miss:
-                    logging.getLogger(__name__).warning("rank %s: %s", rank.key, miss)
+        elif kind == "verified":
+            _, _, ok, miss = message
+            tally.unchecked -= 1
+            tally.oks.append(bool(ok))
+            if not ok and miss:
+                logging.getLogger(__name__).warning("rank %s: %s", rank.key, miss)
 
     # ------------------------------------------------------------------ one run
 
@@ -583,7 +631,8 @@ class ServeCluster:
                     self._on_message(conns[conn], conn.recv())
             for rid in list(open_):
                 tally, o = self._tallies[rid], by_rid[rid]
-                if tally.done >= len(reporters) and len(tally.finished) >= len(self.p_ranks):
+                ended = tally.done >= len(reporters) and len(tally.finished) >= len(self.p_ranks)
+                if ended and not tally.unchecked:  # (a sample's blocks stay held until checked)
                     o.finish, o.done = min(tally.finished), tally.done_at
                     o.failure = tally.failure
                     o.verified = all(tally.oks) if tally.oks else None
