@@ -914,15 +914,15 @@ class DecodeCore:
         return engine.state is _EngineState.READY and now - engine.last_request <= self.s.keepalive_s
 
     def _keepalive(self, engine: _Producer, agent: str, now: float) -> list[Any]:
-        """An idle P agent's stamp, once half the freshness window old, is renewed by a
-        heartbeat without keys (P answers every heartbeat with a stamp): the next PUSH_REG then
-        carries a fresh grant, and P need not ask for one first (a round trip). Only for
-        ``keepalive_s`` after the engine's last request; not a liveness check: an idle agent's
-        silence fails nothing."""
-        if (
-            not self._kept_alive(engine, now)
-            or now - engine.stamped.get(agent, float("-inf")) < self.s.fresh_s / 2
-        ):
+        """An idle P agent's stamp, once it would be half the freshness window old by the next
+        heartbeat, is renewed by a heartbeat without keys (P answers every heartbeat with a
+        stamp): the next PUSH_REG then carries a grant at most about half a window old, and P
+        need not ask for one first (a round trip). (Checked against this tick alone, an answer
+        arriving just after the tick was skipped at the next one and the grant aged to a whole
+        window.) Only for ``keepalive_s`` after the engine's last request; not a liveness check:
+        an idle agent's silence fails nothing."""
+        half_old_at = engine.stamped.get(agent, float("-inf")) + self.s.fresh_s / 2
+        if not self._kept_alive(engine, now) or now + self.s.heartbeat_interval_s < half_old_at:
             return []
         self.stats["keepalives_sent"] += 1
         reg = self._coordinates("(keepalive)", None, grant=engine.stamps.get(agent))

@@ -94,8 +94,8 @@ class WorkerConfig:
     """Remote engines idle this long (and with no request in progress) are evicted; <= 0 never."""
     keepalive_s: float = 600.0
     """D: for this long after its last request to a P engine, an idle D keeps that engine's
-    grants fresh (a keyless heartbeat once a stamp is half ``fresh_s`` old), so the next
-    request's PUSH_REG is not stale on arrival; 0 turns it off."""
+    grants fresh (a keyless heartbeat once a stamp would be half ``fresh_s`` old by the next
+    heartbeat), so the next request's PUSH_REG is not stale on arrival; 0 turns it off."""
     busy_poll_s: float = 0.0002
     idle_poll_s: float = 0.002
     cuda_device: int | None = None

@@ -334,3 +334,22 @@ def test_a_late_older_answer_does_not_pass_for_a_fresh_stamp() -> None:
     assert d._engines["P"].stamps[P_AGENT] == 1000.0
     keepalives = [n for n in _sent(d.handle_timer(1.0 + FRESH_S / 2 + 0.1)) if not n.request_ids]
     assert keepalives, "the newest stamp is half a window old: a keepalive is due"
+
+
+def test_an_idle_grant_is_kept_within_half_the_window() -> None:
+    """A stamp "renewed once half a window old" was checked only at D's heartbeat ticks, with the
+    answer arriving just after the tick: at the next tick the stamp was a hair younger than half
+    the window and skipped, so the grant a PUSH_REG echoes aged to a whole window (stale on
+    arrival at the end of each cycle, nearly stale for a tenth of it with the defaults). A stamp
+    that would pass half the window before the next tick is renewed at this one."""
+    d = _ready_decode_after_one_request()
+    t, worst = 0.1, 0.0
+    while t < 200.0:
+        t = round(t + 0.25, 6)
+        for note in _sent(d.handle_timer(t)):
+            assert not note.request_ids
+            d.notification(P_AGENT, _answer(t + 0.0005), t + 0.001)  # P answers at once
+        if t > 20.0:
+            worst = max(worst, t - d._engines["P"].stamps[P_AGENT])  # the grant's age now
+    assert worst <= FRESH_S / 2 + 0.01, f"the grant D would echo reached {worst:.3f}s of {FRESH_S}s"
+    assert d.stats["keepalives_sent"] <= 200.0 / HEARTBEAT_S + 1
