@@ -205,7 +205,7 @@ class PushSender(RankWorker):
                         f"its KV was not ready within lease_s={self.config.lease_s}s (the `ready` "
                         f"passed to request_finished never turned True; is the engine's stream stuck?)"
                     )
-            except Exception as err:
+            except BaseException as err:  # SystemExit too: it would end the writer thread
                 failure = f"the `ready` passed to request_finished raised {type(err).__name__}: {err}"
             del self._unready[key]
             if failure:

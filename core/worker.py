@@ -375,7 +375,7 @@ class RankWorker:
         while not self._stop.is_set():
             try:
                 self._step()
-            except Exception:
+            except BaseException:  # a plugin's SystemExit must not end the rank's only writer
                 logger.exception("kvpush writer of %s hit an error; continuing", self.agent_name)
             timeout = self.config.busy_poll_s if self._busy() else self.config.idle_poll_s
             if self._fresh_until and time.monotonic() < self._fresh_until:

@@ -148,3 +148,29 @@ def test_ready_before_a_late_registration_is_pushed_within_the_lease() -> None:
         cluster.add("d-1", [[5]], "x-1")
         assert cluster.wait_decode("d-1") == {0: None} and _d_holds(cluster, 5, final)
         assert cluster.wait_prefill("p-1") == {P0: None}
+
+
+class _Exits:
+    """A ``ready`` whose ``query()`` raises ``SystemExit`` (a ``BaseException``, as from a
+    plugin that calls ``sys.exit``): not an ``Exception``, so a handler for those misses it."""
+
+    def query(self) -> bool:
+        raise SystemExit(3)
+
+
+def test_a_ready_raising_a_base_exception_fails_its_request_and_the_writer_lives_on() -> None:
+    """Before: the ``SystemExit`` escaped the ready check and ended P's writer thread, so this
+    request and every later one of the rank hung (nothing posted, nothing reported). Now the
+    request fails naming it, and the next request is pushed."""
+    with Cluster(transport="nixl", request_timeout_s=60) as cluster:
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[5]], "x-1")
+        sender.request_finished("p-1", [[3]], match_key="x-1", ready=_Exits())
+        reason = cluster.wait_prefill("p-1")[P0]
+        assert reason is not None and "SystemExit" in reason, reason
+        assert cluster.wait_decode("d-1")[0] is not None
+        cluster.add("d-2", [[6]], "x-2")
+        cluster.finish("p-2", [[4]], "x-2")
+        assert cluster.wait_prefill("p-2")[P0] is None and cluster.wait_decode("d-2")[0] is None
+        for name, tensor in cluster.p_caches[P0].items():
+            assert torch.equal(kv_bytes(cluster.d_caches[0][name])[:, 6], kv_bytes(tensor)[:, 4])
