@@ -67,6 +67,10 @@ class _Finished:
         return lambda now: core.finished(self.key, self.request_id, self.blocks, self.decode_engine_id, now)
 
 
+SLOW_READY_S = 2e-3
+"""A ``ready.query()`` answering slower than this is counted and logged (it blocks the writer)."""
+
+
 class PushSender(RankWorker):
     """One P rank (one PP stage × TP rank)."""
 
@@ -87,7 +91,7 @@ class PushSender(RankWorker):
         self._keys: dict[str, str] = {}
         """Match key -> request id of prefills finished and not yet reported (a second finish of
         a key is refused; close() reports what is left)."""
-        self._packing_stats = {"packed_writes": 0, "packed_fallbacks": 0}
+        self._packing_stats = {"packed_writes": 0, "packed_fallbacks": 0, "slow_ready_queries": 0}
         self._region_groups: tuple[Any, tuple[int, ...]] | None = None
         self._block_bytes: dict[int, tuple[Any, dict[int, int]]] = {}
         self._aligned_regions: dict[int, tuple[Any, Any, Any, tuple[Any, ...]]] = {}
@@ -195,7 +199,11 @@ class PushSender(RankWorker):
         for key, (finished, since) in list(self._unready.items()):
             failure = ""
             try:
+                asked = time.perf_counter()
                 state = finished.ready.query()
+                took = time.perf_counter() - asked
+                if took > SLOW_READY_S:
+                    self._slow_ready(took)
                 if not isinstance(state, bool):  # e.g. a CUresult: 600 (not ready) is truthy
                     raise TypeError(f"query() returned {state!r}, not True or False")
                 if not state:
@@ -212,6 +220,19 @@ class PushSender(RankWorker):
                 self._end_unready(finished, lambda now, k=key, why=failure: self.core.fail(k, why, now))
             else:
                 self._guarded(key, finished.to_core(self.core))
+
+    def _slow_ready(self, took: float) -> None:
+        """A ``ready.query()`` that blocked: every post and poll of this rank waited for it."""
+        self._packing_stats["slow_ready_queries"] += 1
+        if self._packing_stats["slow_ready_queries"] in (1, 10, 100, 1000):
+            logger.warning(
+                "%s: a `ready` passed to request_finished took %.1f ms to answer query(); it must "
+                "not block (the writer thread waits, and with it every push of this rank); "
+                "%d slow answers so far (stats['slow_ready_queries'])",
+                self.agent_name,
+                1e3 * took,
+                self._packing_stats["slow_ready_queries"],
+            )
 
     def _end_unready(self, finished: _Finished, ending: Any) -> None:
         """Give the core a prefill that must not be posted, ended at once by ``ending`` (fail or

@@ -174,3 +174,25 @@ def test_a_ready_raising_a_base_exception_fails_its_request_and_the_writer_lives
         assert cluster.wait_prefill("p-2")[P0] is None and cluster.wait_decode("d-2")[0] is None
         for name, tensor in cluster.p_caches[P0].items():
             assert torch.equal(kv_bytes(cluster.d_caches[0][name])[:, 6], kv_bytes(tensor)[:, 4])
+
+
+class _Slow:
+    """A ``ready`` whose ``query()`` blocks for 20 ms before answering True."""
+
+    def query(self) -> bool:
+        time.sleep(0.02)
+        return True
+
+
+def test_a_blocking_ready_is_counted_and_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A ``query()`` that blocks holds up the whole writer (every push of the rank waits), which
+    kvpush cannot interrupt; it is counted and the first one logged with the fix, and the
+    request itself is still pushed."""
+    with Cluster(transport="nixl", request_timeout_s=60) as cluster:
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[5]], "x-1")
+        with caplog.at_level("WARNING", logger="kvpush.core.sender"):
+            sender.request_finished("p-1", [[3]], match_key="x-1", ready=_Slow())
+            assert cluster.wait_prefill("p-1")[P0] is None and cluster.wait_decode("d-1")[0] is None
+        assert sender.stats["slow_ready_queries"] >= 1
+        assert any("must not block" in r.getMessage() for r in caplog.records)
