@@ -19,10 +19,10 @@ in-tree ``NixlPushConnector``):
 - D: ``update_state_after_alloc`` stages the request's uncached blocks; the worker adds the
   request to its receiver (handshake with P, ``PUSH_REG``) and reports it in
   ``finished_recving`` once the KV landed, or failed (``failed_recving`` → vLLM's
-  ``kv_load_failure_policy``). An abort while receiving returns ``(True, None)``; the worker
-  cancels and reports the request only when kvpush says no WRITE can land any more, so vLLM
-  frees the blocks only then.
-- P: ``request_finished`` stages the finished blocks and returns the ``kv_transfer_params`` D
+  ``kv_load_failure_policy``) once kvpush released the blocks (no WRITE can land any more).
+  An abort while receiving returns ``(True, None)``; the worker cancels and reports the
+  request only when kvpush says no WRITE can land any more, so vLLM frees the blocks only then.
+- P: ``request_finished`` stages the prompt's blocks and returns the ``kv_transfer_params`` D
   needs; the worker hands them to its sender and reports ``finished_sending`` when every WRITE
   settled (or failed, or the lease expired), keeping ``has_pending_push_work`` true meanwhile.
 """
@@ -75,6 +75,8 @@ class RecvItem:
 
     block_ids: BlockIds
     kv_transfer_params: dict[str, Any]
+    error: str | None = None
+    """Why the request cannot be received (malformed kv_transfer_params): the worker fails it."""
 
 
 @dataclass
@@ -333,8 +335,12 @@ class _SchedulerSide:
         block_ids = self.clip(blocks.get_unhashed_block_ids_all_groups())
         rid = request.request_id
         send_params = dict(params)
-        send_params["transfer_id"] = match_key(rid, params)
-        self._recv[rid] = RecvItem(block_ids=block_ids, kv_transfer_params=send_params)
+        error = None
+        try:
+            send_params["transfer_id"] = match_key(rid, params)
+        except ConfigError as err:  # a client's bad field fails its request, not the engine
+            error = str(err)
+        self._recv[rid] = RecvItem(block_ids=block_ids, kv_transfer_params=send_params, error=error)
         self.receiving.add(rid)
 
     # -------------------------------------------------------------- both
@@ -358,7 +364,12 @@ class _SchedulerSide:
 
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted on P: nothing to push
-        blocks = self.clip(block_ids)
+        try:
+            key = match_key(rid, params)
+        except ConfigError as err:  # a client's bad field: no push, the engine goes on
+            logger.error("request %s is not pushed: %s", rid, err)
+            return False, None
+        blocks = self.clip(self._prompt_blocks(block_ids, request.num_prompt_tokens))
         out = self._transfer_params(rid, params)
         if not any(blocks):
             return False, out
@@ -366,11 +377,21 @@ class _SchedulerSide:
         if decode is not None and (not isinstance(decode, str) or not decode):
             logger.warning("request %s: ignoring kv_transfer_params['decode_engine_id']=%r", rid, decode)
             decode = None
-        self._send[rid] = SendItem(
-            block_ids=blocks, match_key=match_key(rid, params), decode_engine_id=decode
-        )
+        self._send[rid] = SendItem(block_ids=blocks, match_key=key, decode_engine_id=decode)
         self.sending.add(rid)
         return True, out
+
+    def _prompt_blocks(self, block_ids: Any, num_prompt_tokens: int) -> list[list[int]]:
+        """Per KV-cache group, the blocks holding the prompt's KV. A P leg that decoded past the
+        prompt (max_tokens > 1) holds more; D registers the prompt's blocks only, and P's
+        end-trim would pair P's *last* blocks with them, shifted by the extra ones."""
+        specs = self.kv_cache_config.kv_cache_groups
+        out = []
+        for gid, ids in enumerate(block_ids):
+            spec = specs[gid].kv_cache_spec if gid < len(specs) else None
+            size = spec.block_size if spec is not None else self.vllm_config.cache_config.block_size
+            out.append(list(ids)[: -(-num_prompt_tokens // size)])
+        return out
 
     def _transfer_params(self, rid: str, params: dict[str, Any]) -> dict[str, Any]:
         """What a router forwards to D: P's coordinates and the pairing key."""
@@ -452,6 +473,11 @@ class _WorkerSide:
         self._failed_now: dict[str, str] = {}
         """Requests kvpush refused (D: bad kv_transfer_params; P: e.g. a transfer_id in use),
         reported failed (D) or released (P) at the next poll."""
+        self._failing: dict[str, str] = {}
+        """D: requests kvpush reported failed whose blocks it has not released yet (a WRITE may
+        still land): vLLM hears of the failure only once they are released."""
+        self._released: set[str] = set()
+        """D: requests kvpush released before this worker saw their failure."""
 
     def ranks(self) -> tuple[int, int]:
         """``(pp_rank, tp_rank)`` of this worker."""
@@ -566,6 +592,8 @@ class _WorkerSide:
             return
         for rid, item in meta.recv.items():
             try:
+                if item.error is not None:
+                    raise ConfigError(item.error)
                 engine.add_request_params(rid, self.kernel_ids(item.block_ids), item.kv_transfer_params)
             except Exception as err:  # a request kvpush cannot take fails; the engine goes on
                 logger.error("kvpush cannot receive request %s: %s", rid, err)
@@ -603,8 +631,15 @@ class _WorkerSide:
                 out.finished_sending.add(rid)
             return out
         got = self.engine.get_finished()
-        failed = dict(got.failed)
-        failed.update(self._failed_now)
+        for rid, reason in got.failed.items():
+            if rid in self._inflight:
+                logger.warning("kvpush receive of %s failed (blocks held until released): %s", rid, reason)
+                self._failing[rid] = reason
+        self._released.update(rid for rid in got.released if rid in self._inflight)
+        # A failure reaches vLLM only once kvpush released the blocks: vLLM frees them (policy
+        # `fail`) or recomputes into them (`recompute`) as soon as it hears of it.
+        failed = {rid: self._failing.pop(rid) for rid in list(self._failing) if rid in self._released}
+        failed.update(self._failed_now)  # never added to the receiver: nothing can land
         self._failed_now.clear()
         for rid in got.done:
             if self._inflight.pop(rid, None) is not None:
@@ -613,11 +648,14 @@ class _WorkerSide:
             if self._inflight.pop(rid, None) is not None:
                 logger.info("kvpush receive of %s cancelled and settled: %s", rid, reason)
                 out.finished_recving.add(rid)
+                self._failing.pop(rid, None)
+                self._released.discard(rid)
         for rid, reason in failed.items():
+            self._released.discard(rid)
             blocks = self._inflight.pop(rid, None)
             if blocks is None:
                 continue
-            logger.warning("kvpush receive of %s failed: %s", rid, reason)
+            logger.warning("kvpush receive of %s failed, its blocks released: %s", rid, reason)
             out.finished_recving.add(rid)
             out.failed_recving.add(rid)
             if len(blocks) == 1:  # vLLM maps block-level errors to requests for one group only

@@ -1,0 +1,164 @@
+"""Adversarial paths of kvpush's vLLM connector under vLLM 0.33's real schedulers (real NIXL).
+
+Each test drives a path vLLM's scheduler takes that the connector must not get wrong: D must
+never decode from wrong KV silently, and P must never write into blocks D's vLLM has freed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from harness import (
+    BLOCK_SIZE,
+    Engine,
+    PrefillModel,
+    assert_scheduler_empty,
+    make_request,
+    prompt,
+    run_until,
+    suffix,
+)
+
+FAULTY_NONE = {"transport": "faulty", "transport_options": {"inner": "nixl"}}
+SENTINEL = 0x5A5A
+
+
+def d_params(p: Engine, **extra: Any) -> dict[str, Any]:
+    """The D leg's kv_transfer_params, naming P."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": p.spec.engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": p.port,
+        "tp_size": p.spec.tp,
+        "pp_size": p.spec.pp,
+        **extra,
+    }
+
+
+def dispatch(
+    p: Engine, d: Engine, base: str, tokens: list[int], *, p_max_tokens: int = 1, **extra: Any
+) -> tuple[str, str]:
+    """Both legs at once (``extra``: fields given to both legs' kv_transfer_params)."""
+    p_id, d_id = f"{base}-{suffix()}", f"{base}-{suffix()}"
+    p.add(make_request(p_id, tokens, p_max_tokens, {"do_remote_decode": True, **extra}))
+    d.add(make_request(d_id, tokens, 3, d_params(p, **extra)))
+    return p_id, d_id
+
+
+def verify(d: Engine, d_id: str, tokens: list[int]) -> None:
+    blocks = d.block_ids(d_id)
+    for worker in d.workers:
+        problems = worker.call("verify", tokens=tokens, block_ids=blocks)
+        assert not problems, f"D rank {worker.rank}: {problems[:3]}"
+
+
+def drain(p: Engine, d: Engine, model: PrefillModel) -> None:
+    run_until([p, d], lambda: not p.busy() and not d.busy(), "both engines idle", kv_producer=model)
+    assert_scheduler_empty(p)
+    assert_scheduler_empty(d)
+
+
+def step_for(engines: list[Engine], seconds: float, model: PrefillModel) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for engine in engines:
+            engine.step(model if engine.spec.role == "kv_producer" else None)
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_failed_receive_keeps_blocks_until_no_write_can_land(
+    engines: Any, llama_dir: str, policy: str
+) -> None:
+    """D's registration times out while P's WRITE is still in flight (held 4 s): kvpush reports the
+    failure at once but quarantines the blocks; vLLM must not get the request back (and free or
+    recompute into its blocks) before kvpush released them, and nothing may land after that."""
+    slow = {
+        "transport": "faulty",
+        "transport_options": {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 4.0},
+    }
+    p = engines(llama_dir, "kv_producer", extra=slow)
+    d = engines(
+        llama_dir, "kv_consumer", extra={**FAULTY_NONE, "push_registration_timeout": 1.5}, policy=policy
+    )
+    model = PrefillModel()
+    tokens = prompt(61, 64)
+    p_id, d_id = dispatch(p, d, "cmpl-qfail-0", tokens)
+    d.step()  # D allocates and registers
+    blocks = d.block_ids(d_id)[0]
+    assert blocks, "D allocated no blocks"
+    run_until([p, d], lambda: d_id in d.finished_recving, "D to report the failure", kv_producer=model)
+    assert d_id in d.failed_recving
+    for worker in d.workers:  # vLLM may hand these blocks out now: mark them
+        worker.call("fill", block_ids=blocks, value=SENTINEL)
+    step_for([p, d], 5.0, model)  # longer than P's WRITE delay: a late WRITE would show
+    for worker in d.workers:
+        assert worker.call("holds", block_ids=blocks, value=SENTINEL), (
+            "P's WRITE landed in blocks vLLM had been given back"
+        )
+    drain(p, d, model)
+    assert p_id in p.finished_sending
+    assert d.finish_reason(d_id) == ("error" if policy == "fail" else "length")
+
+
+@pytest.mark.parametrize("length", [48, 40])
+def test_p_decoding_past_the_prompt_pushes_the_prompt_blocks(
+    engines: Any, llama_dir: str, length: int
+) -> None:
+    """A P leg with max_tokens > 1 computes KV past the prompt (a block more when the prompt fills
+    its blocks): P must push the prompt's blocks, not the last ones (end-trimmed to D's count, they
+    would be shifted by a block: D would decode from another position's KV)."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer")
+    model = PrefillModel()
+    tokens = prompt(62, length)
+    _, d_id = dispatch(p, d, "cmpl-long-p-0", tokens, p_max_tokens=4)
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to receive {d_id}", kv_producer=model)
+    assert d_id not in d.failed_recving
+    verify(d, d_id, tokens)
+    drain(p, d, model)
+
+
+def test_malformed_transfer_id_fails_only_its_request(engines: Any, llama_dir: str) -> None:
+    """A client's kv_transfer_params with a non-string transfer_id, on P's leg and on D's: each
+    request ends (D's fails, P's is not pushed) and the engines keep serving the others."""
+    p = engines(llama_dir, "kv_producer", extra={"kv_lease_duration": 5})
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 5})
+    model = PrefillModel()
+    bad_p = f"cmpl-bad-p-{suffix()}"
+    p.add(make_request(bad_p, prompt(63, 40), 1, {"do_remote_decode": True, "transfer_id": 123}))
+    bad_d = f"cmpl-bad-d-{suffix()}"
+    d.add(make_request(bad_d, prompt(64, 40), 3, d_params(p, transfer_id=["x"])))
+    good = prompt(65, 50)
+    p_id, d_id = dispatch(p, d, "cmpl-good-0", good, transfer_id="xfer-good")
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to receive {d_id}", kv_producer=model)
+    verify(d, d_id, good)
+    drain(p, d, model)
+    assert d.finish_reason(bad_d) == "error"
+    assert p.finish_reason(bad_p) == "length"
+    assert bad_p not in p.finished_sending  # nothing was staged for it
+    assert d.finish_reason(d_id) == "length" and p_id in p.finished_sending
+
+
+def test_prefix_hit_on_d_with_p_decoding_past_the_prompt(engines: Any, llama_dir: str) -> None:
+    """D caches the first two blocks, P computes a block past the prompt: D's suffix gets exactly
+    the prompt's tail blocks."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer")
+    model = PrefillModel()
+    first = prompt(66, 40)
+    _, d_first = dispatch(p, d, "cmpl-pre-a-0", first)
+    run_until([p, d], lambda: d_first in d.finished_recving, "the first request", kv_producer=model)
+    drain(p, d, model)
+    second = prompt(67, 64, prefix=first[: 2 * BLOCK_SIZE])
+    before = d.workers[0].call("snapshot")
+    _, d_second = dispatch(p, d, "cmpl-pre-b-0", second, p_max_tokens=3)
+    run_until([p, d], lambda: d_second in d.finished_recving, "the second request", kv_producer=model)
+    verify(d, d_second, second)
+    blocks = d.block_ids(d_second)[0]
+    assert d.workers[0].call("changed_blocks", before=before) == set(blocks[2:])
+    drain(p, d, model)
