@@ -122,6 +122,23 @@ def _groups(block_ids: Any) -> BlockIds:
     return tuple(tuple(int(b) for b in group) for group in block_ids)
 
 
+NULL_BLOCK_ID = 0
+"""vLLM's null block (``BlockPool.null_block``, the pool's first block): a sliding-window group's
+placeholder for a block vLLM dropped out of the window."""
+
+
+def _real_tail(block_ids: BlockIds) -> BlockIds:
+    """Per group, the blocks after the last null one. A P leg that decoded past the prompt has had
+    window blocks dropped that D's window at the prompt's end may need: P pushes what it still
+    holds, and a D registering more fails at once (P's plan refuses it and tells D) rather than
+    receiving the null block's bytes."""
+    out = []
+    for ids in block_ids:
+        nulls = [i for i, b in enumerate(ids) if b == NULL_BLOCK_ID]
+        out.append(tuple(ids[nulls[-1] + 1 :]) if nulls else tuple(ids))
+    return tuple(out)
+
+
 class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
     """kvpush's push-mode KV connector (see the module docstring)."""
 
@@ -369,7 +386,7 @@ class _SchedulerSide:
         except ConfigError as err:  # a client's bad field: no push, the engine goes on
             logger.error("request %s is not pushed: %s", rid, err)
             return False, None
-        blocks = self.clip(self._prompt_blocks(block_ids, request.num_prompt_tokens))
+        blocks = _real_tail(self.clip(self._prompt_blocks(block_ids, request.num_prompt_tokens)))
         out = self._transfer_params(rid, params)
         if not any(blocks):
             return False, out

@@ -162,3 +162,44 @@ def test_prefix_hit_on_d_with_p_decoding_past_the_prompt(engines: Any, llama_dir
     blocks = d.block_ids(d_second)[0]
     assert d.workers[0].call("changed_blocks", before=before) == set(blocks[2:])
     drain(p, d, model)
+
+
+@pytest.mark.parametrize("length", [70, 100])
+def test_hybrid_prefix_hit_on_d(engines: Any, llama_dir: str, length: int) -> None:
+    """A hybrid model (full + sliding-window groups) with a 4-block prefix hit on D: the sliding
+    group's hit blocks out of the window are vLLM's null block; D must register (and P write) only
+    real blocks, and every token D's window needs holds P's KV."""
+    p = engines(llama_dir, "kv_producer", sliding_layers=(1, 3))
+    d = engines(llama_dir, "kv_consumer", sliding_layers=(1, 3))
+    model = PrefillModel()
+    first = prompt(68, 4 * BLOCK_SIZE + 5)
+    _, d_first = dispatch(p, d, "cmpl-hyb-a-0", first)
+    run_until([p, d], lambda: d_first in d.finished_recving, "the first request", kv_producer=model)
+    drain(p, d, model)
+    second = prompt(69, length, prefix=first[: 4 * BLOCK_SIZE])
+    _, d_second = dispatch(p, d, "cmpl-hyb-b-0", second)
+    run_until([p, d], lambda: d_second in d.finished_recving, "the second request", kv_producer=model)
+    assert d_second not in d.failed_recving
+    verify(d, d_second, second)
+    drain(p, d, model)
+
+
+@pytest.mark.parametrize(("length", "p_max_tokens"), [(64, 20), (72, 9)])
+def test_hybrid_p_decoding_past_the_prompt(
+    engines: Any, llama_dir: str, length: int, p_max_tokens: int
+) -> None:
+    """A hybrid P leg decoding past the prompt: vLLM drops P's sliding-window blocks the *decode*
+    no longer needs, and D's window at the prompt's end needs some of them. P must not push its
+    null block in their place (D would decode from it): D's receive fails at once instead."""
+    p = engines(llama_dir, "kv_producer", sliding_layers=(1, 3))
+    d = engines(llama_dir, "kv_consumer", sliding_layers=(1, 3), extra={"push_registration_timeout": 30})
+    model = PrefillModel()
+    tokens = prompt(70, length)
+    _, d_id = dispatch(p, d, "cmpl-hyb-long-0", tokens, p_max_tokens=p_max_tokens)
+    started = time.monotonic()
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to hear of {d_id}", kv_producer=model)
+    if d_id not in d.failed_recving:
+        verify(d, d_id, tokens)
+        raise AssertionError("P was meant to have dropped window blocks D needs")
+    assert time.monotonic() - started < 20, "D learnt of it only at its registration timeout"
+    drain(p, d, model)
