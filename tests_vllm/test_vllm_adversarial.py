@@ -203,3 +203,56 @@ def test_hybrid_p_decoding_past_the_prompt(
         raise AssertionError("P was meant to have dropped window blocks D needs")
     assert time.monotonic() - started < 20, "D learnt of it only at its registration timeout"
     drain(p, d, model)
+
+
+def test_d_abort_after_its_receive_failed_still_waits_for_the_release(engines: Any, llama_dir: str) -> None:
+    """D's registration times out while P's WRITE is in flight (the failure is held back), then the
+    client aborts: the abort must not free the blocks before kvpush released them."""
+    slow = {
+        "transport": "faulty",
+        "transport_options": {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 4.0},
+    }
+    p = engines(llama_dir, "kv_producer", extra=slow)
+    d = engines(llama_dir, "kv_consumer", tp=2, extra={**FAULTY_NONE, "push_registration_timeout": 1.5})
+    model = PrefillModel()
+    tokens = prompt(71, 64)
+    p_id, d_id = dispatch(p, d, "cmpl-qabort-0", tokens)
+    d.step()
+    blocks = d.block_ids(d_id)[0]
+    step_for([p, d], 2.0, model)  # the registration timed out; P's WRITE is still held
+    assert d_id not in d.finished_recving
+    from vllm.v1.request import RequestStatus
+
+    d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
+    run_until([p, d], lambda: d_id in d.finished_recving, "the release", kv_producer=model)
+    for worker in d.workers:
+        worker.call("fill", block_ids=blocks, value=SENTINEL)
+    step_for([p, d], 3.0, model)
+    for worker in d.workers:
+        assert worker.call("holds", block_ids=blocks, value=SENTINEL), "P wrote into freed blocks"
+    drain(p, d, model)
+    assert p_id in p.finished_sending
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="pairing is by key alone: a key reused for another prompt pairs D with another request's KV",
+)
+def test_a_key_reused_for_another_prompt_is_not_received_as_this_prompts_kv(
+    engines: Any, llama_dir: str
+) -> None:
+    """A router that reuses a transfer_id (or an X-Request-Id, without transfer_id) for a different
+    prompt: D's registration pairs with P's push of the other prompt, and D reports the KV received.
+    It should fail (or time out) instead: nothing in the match says which prompt the KV is of."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 5})
+    model = PrefillModel()
+    p_tokens, d_tokens = prompt(72, 40), prompt(73, 40)
+    p_id, d_id = f"cmpl-reuse-0-{suffix()}", f"cmpl-reuse-0-{suffix()}"
+    p.add(make_request(p_id, p_tokens, 1, {"do_remote_decode": True, "transfer_id": "xfer-reused"}))
+    d.add(make_request(d_id, d_tokens, 3, d_params(p, transfer_id="xfer-reused")))
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to hear of {d_id}", kv_producer=model)
+    received = d_id not in d.failed_recving
+    problems = d.workers[0].call("verify", tokens=d_tokens, block_ids=d.block_ids(d_id)) if received else []
+    drain(p, d, model)
+    assert not received or not problems, f"D took another prompt's KV as its own: {problems[:2]}"
