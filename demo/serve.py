@@ -402,6 +402,9 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
                 kind = message[0]
                 if kind == "stop":
                     return
+                if kind == "check":  # P's run has ended: check every held sample now
+                    checks.run_all(checked)
+                    continue
                 if kind == "connect":
                     raw.connect(message[1])
                 elif kind == "add":  # (add, rid, number, blocks per group, params, verify, raw)
@@ -664,6 +667,7 @@ class ServePair:
         raw_handles: dict[str, Any] = {}
         pending = len(outcomes)
         unchecked = 0  # samples D reported done and will verify once idle
+        asked_checks = 0.0  # when P last told D to check its held samples (every request ended)
         next_arrival = 0
         deadline = arrivals[-1] + w.timeout_s + 5
 
@@ -729,6 +733,8 @@ class ServePair:
                     self._release_p(rid, p_blocks)
             while self.conn.poll(0):
                 message = self.conn.recv()
+                if message[0] != "error" and message[1] not in by_rid:
+                    continue  # a late report of an earlier run's request
                 if message[0] == "blocks":
                     d_blocks[message[1]] = message[2]
                 elif message[0] in ("done", "failed"):
@@ -746,6 +752,9 @@ class ServePair:
                     unchecked -= 1
                 elif message[0] == "error":
                     raise RuntimeError(f"serve D failed:\n{message[1]}")
+            if not pending and unchecked and time.monotonic() - asked_checks > 1.0:
+                self.conn.send(("check",))  # D may still count a request in flight; ask anyway
+                asked_checks = time.monotonic()
             waits = [arrivals[next_arrival] if next_arrival < len(outcomes) else now + 0.01]
             if finishes and finishes[0][1] in d_blocks:
                 waits.append(finishes[0][0])
