@@ -474,75 +474,68 @@ class SpanCopier:
         """Copy descriptor ``lids[k]`` of ``ltab``'s list to descriptor ``rids[k]`` of ``rtab``'s,
         resolving addresses on the GPU (host work: the id upload). Both lists must be
         ``DeviceTable.usable`` with the same span length. Returns the done event."""
-        previous = self._driver.switch(self.context)
-        try:
-            return self._launch_ids(ltab, rtab, lids, rids, after)
-        finally:
-            self._driver.restore(previous)
-
-    def _launch_ids(self, ltab: DeviceTable, rtab: DeviceTable, lids: Any, rids: Any, after: Any) -> Any:
-        began = time.perf_counter()
         count = len(lids)
-        if count != len(rids) or ltab.length != rtab.length or not (ltab.usable and rtab.usable):
+        if count != len(rids):
             raise ConfigError("launch_indirect: lists differ in span length or descriptor count")
-        if not count:
-            return None
-        view, slot = self._ids.take(2 * count, self.stream)
-        view[:count], view[count : 2 * count] = lids, rids
-        elems = ltab.length // 8
-        block = min(ALIGNED_BLOCK, 1 << max(0, (elems - 1).bit_length()))
-        grid = (count, -(-elems // block))
-        self._wait_for(after)
-        indirect = _kernel()[2]
-        prepared = time.perf_counter()
-        ids = self._ids.upload(slot, 2 * count, self._handle)
-        warps = max(1, min(8, block // 256))
-        constexprs = {"LEN": elems, "BLOCK": block, "MASK": elems % block != 0}
-        self._launch(indirect, grid, (ltab.tensor, rtab.tensor, ids, count), constexprs, warps, self.stream)
-        done = self._done(False)
-        self._timing = None
-        self.launches += 1
-        self.aligned_launches += 1
-        self.host_seconds[0] += prepared - began
-        self.host_seconds[1] += time.perf_counter() - prepared
-        return done
+
+        def fill(view: np.ndarray) -> None:
+            view[:count], view[count : 2 * count] = lids, rids
+
+        return self._launch_by_ids(2, ltab, rtab, count, 2 * count, fill, count, after)
 
     def launch_grid(
         self, ltab: DeviceTable, rtab: DeviceTable, local: IdGrid, remote: IdGrid, *, after: Any = None
     ) -> Any:
         """:meth:`launch_indirect` with the ids in factored form (both grids of one shape):
         only ``2 x (regions + blocks)`` ids go up, and the host builds no id lists."""
-        previous = self._driver.switch(self.context)
-        try:
-            return self._launch_grid(ltab, rtab, local, remote, after)
-        finally:
-            self._driver.restore(previous)
-
-    def _launch_grid(
-        self, ltab: DeviceTable, rtab: DeviceTable, local: IdGrid, remote: IdGrid, after: Any
-    ) -> Any:
-        began = time.perf_counter()
         n, k = len(local.starts), len(local.blocks)
         if (n, k) != (len(remote.starts), len(remote.blocks)):
             raise ConfigError("launch_grid: the two id grids differ in shape")
+
+        def fill(view: np.ndarray) -> None:
+            view[:n], view[n : 2 * n] = local.starts.reshape(-1), remote.starts.reshape(-1)
+            view[2 * n : 2 * n + k], view[2 * n + k : 2 * (n + k)] = local.blocks, remote.blocks
+
+        return self._launch_by_ids(3, ltab, rtab, n * k, 2 * (n + k), fill, k, after)
+
+    def _launch_by_ids(
+        self,
+        which: int,
+        ltab: DeviceTable,
+        rtab: DeviceTable,
+        rows: int,
+        words: int,
+        fill: Any,
+        last_arg: int,
+        after: Any,
+    ) -> Any:
+        """Launch kernel ``which`` of :func:`_kernel` over ``rows`` descriptor pairs of two usable
+        tables of one span length: ``fill`` writes the ``words`` int32 ids into the upload
+        slot; the kernel gets ``(ltab, rtab, ids, last_arg)``. Returns the done event."""
         if ltab.length != rtab.length or not (ltab.usable and rtab.usable):
-            raise ConfigError("launch_grid: lists differ in span length or are not usable")
-        if not n * k:
+            raise ConfigError("launch by ids: lists differ in span length or descriptor count")
+        if not rows:
             return None
-        view, slot = self._ids.take(2 * (n + k), self.stream)
-        view[:n], view[n : 2 * n] = local.starts.reshape(-1), remote.starts.reshape(-1)
-        view[2 * n : 2 * n + k], view[2 * n + k : 2 * (n + k)] = local.blocks, remote.blocks
-        elems = ltab.length // 8
-        block = min(ALIGNED_BLOCK, 1 << max(0, (elems - 1).bit_length()))
-        grid = (n * k, -(-elems // block))
-        self._wait_for(after)
-        kernel = _kernel()[3]
-        prepared = time.perf_counter()
-        vals = self._ids.upload(slot, 2 * (n + k), self._handle)
-        warps = max(1, min(8, block // 256))
-        constexprs = {"LEN": elems, "BLOCK": block, "MASK": elems % block != 0}
-        self._launch(kernel, grid, (ltab.tensor, rtab.tensor, vals, k), constexprs, warps, self.stream)
-        done = self._done(False)
+        previous = self._driver.switch(self.context)
+        try:
+            began = time.perf_counter()
+            view, slot = self._ids.take(words, self.stream)
+            fill(view)
+            elems = ltab.length // 8
+            block = min(ALIGNED_BLOCK, 1 << max(0, (elems - 1).bit_length()))
+            grid = (rows, -(-elems // block))
+            self._wait_for(after)
+            kernel = _kernel()[which]
+            prepared = time.perf_counter()
+            ids = self._ids.upload(slot, words, self._handle)
+            warps = max(1, min(8, block // 256))
+            constexprs = {"LEN": elems, "BLOCK": block, "MASK": elems % block != 0}
+            self._launch(
+                kernel, grid, (ltab.tensor, rtab.tensor, ids, last_arg), constexprs, warps, self.stream
+            )
+            done = self._done(False)
+        finally:
+            self._driver.restore(previous)
         self._timing = None
         self.launches += 1
         self.aligned_launches += 1

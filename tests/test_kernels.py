@@ -201,3 +201,62 @@ def test_grid_launch_equals_the_indirect_launch_of_the_expanded_ids() -> None:
         for lb, rb in zip(lblocks.tolist(), rblocks.tolist()):
             got = outputs[0][(r * blocks + rb) * size : (r * blocks + rb + 1) * size]
             assert torch.equal(got, source[(r * blocks + lb) * size : (r * blocks + lb + 1) * size])
+
+
+class _FakeRing:
+    """An upload ring on host memory: records what each launch put in its slot."""
+
+    def __init__(self) -> None:
+        self.uploads: list[np.ndarray] = []
+        self.view = np.zeros(1024, dtype=np.int32)
+
+    def take(self, words: int, stream: object) -> tuple[np.ndarray, int]:
+        return self.view, 0
+
+    def upload(self, slot: int, words: int, stream: object) -> str:
+        self.uploads.append(self.view[:words].copy())
+        return "ids-on-device"
+
+
+def _host_only_copier(monkeypatch) -> tuple[kernels.SpanCopier, list[tuple]]:
+    """A ``SpanCopier`` whose device side is recorded instead of run (no CUDA, no Triton):
+    what the host prepares for the indirect and grid launches is checked on the CPU."""
+    copier = object.__new__(kernels.SpanCopier)
+    launches: list[tuple] = []
+    copier._ids, copier._timing, copier.stream, copier._handle = _FakeRing(), None, "stream", 0
+    copier.launches = copier.aligned_launches = 0
+    copier.host_seconds = [0.0, 0.0]
+    copier._wait_for = lambda after: None
+    copier._done = lambda timed: "event"
+    copier._launch = lambda kernel, grid, args, constexprs, warps, stream: launches.append(
+        (kernel, grid, args, constexprs, warps)
+    )
+    copier._driver = type("D", (), {"switch": lambda self, c: None, "restore": lambda self, p: None})()
+    copier.context = 0
+    monkeypatch.setattr(kernels, "_kernel", lambda: ("plain", "aligned", "indirect", "grid"))
+    return copier, launches
+
+
+def test_indirect_and_grid_launches_prepare_ids_grid_and_constants_on_the_host(monkeypatch) -> None:
+    from kvpush.core.planning import IdGrid
+
+    copier, launches = _host_only_copier(monkeypatch)
+    table = type("T", (), {"length": 32768, "usable": True, "tensor": "table"})()
+    assert copier.launch_indirect(table, table, [5, 9], [1, 2]) == "event"
+    starts = np.array([[0], [64]], dtype=np.int32)
+    grid = IdGrid(starts, np.array([3, 7, 11], dtype=np.int32))
+    assert copier.launch_grid(table, table, grid, IdGrid(starts, np.array([1, 2, 4], np.int32))) == "event"
+    constants = {"LEN": 4096, "BLOCK": 2048, "MASK": False}
+    assert launches == [
+        ("indirect", (2, 2), ("table", "table", "ids-on-device", 2), constants, 8),
+        ("grid", (6, 2), ("table", "table", "ids-on-device", 3), constants, 8),
+    ]
+    indirect, factored = copier._ids.uploads
+    assert indirect.tolist() == [5, 9, 1, 2]
+    assert factored.tolist() == [0, 64, 0, 64, 3, 7, 11, 1, 2, 4]
+    assert copier.launches == copier.aligned_launches == 2
+    assert copier.launch_indirect(table, table, [], []) is None  # nothing to copy
+    with pytest.raises(ConfigError, match="differ"):
+        copier.launch_grid(table, table, grid, IdGrid(starts[:1], grid.blocks))
+    with pytest.raises(ConfigError, match="differ"):
+        copier.launch_indirect(table, table, [1], [1, 2])
