@@ -578,6 +578,8 @@ class DeviceTable:
         self.tensor = torch.empty(max(1, len(a)), dtype=torch.int64, device=device)
         if self.usable:
             base = self.tensor.data_ptr()
+            # A blocking copy from host memory returns once the bytes are on the device (torch
+            # synchronizes its stream), so a launch on another stream right after reads them.
             self.tensor[: len(a)].copy_(torch.from_numpy((a - base) >> 4))
 
 

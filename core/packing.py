@@ -344,7 +344,9 @@ class Packer:
         gather: bool,
     ) -> int:
         """CUDA: every block of every region in one kernel launch (``kernels.SpanCopier``) on
-        this writer's own stream, after the engine's stream by event; waits for its event."""
+        this writer's own stream; waits for its event. The launch waits for no other stream:
+        the caller makes sure the source bytes are written (the sender: the request's
+        ``ready``), or the copy may read them before they are."""
         from kvpush.core.kernels import copier_for
 
         if not len(addrs):

@@ -332,6 +332,8 @@ def _decode_main(spec: PairSpec, conn: Connection) -> None:
                     index = torch.tensor(message[1], device=spec.device)
                     for tensor in caches.values():
                         tensor.index_fill_(1, index, 0)
+                    if index.is_cuda:  # zeroed before P's copy can land, not after it
+                        torch.cuda.synchronize(index.device)
                     reply = None
                 elif kind == "sums":
                     reply = _block_sums(caches, message[1]).numpy()
@@ -480,6 +482,8 @@ class BenchPair:
         first.copy_(torch.randint(-30_000, 30_000, first.shape, dtype=torch.int16, device=first.device))
         for layer, name in enumerate(names[1:], 1):
             self.caches[name].view(torch.int16).copy_(first).add_(layer)
+        if first.is_cuda:  # the methods read on their own streams, which wait for nothing
+            torch.cuda.synchronize(first.device)
 
     def _decode_regions(self, payload: bytes) -> Any:
         from kvpush.core import wire

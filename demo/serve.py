@@ -249,6 +249,11 @@ def pattern(request: int, regions: int, blocks: int) -> np.ndarray:
     return (((request * 131 + r * 31 + j * 7) % 30_000) + 1).astype(np.int16)
 
 
+def _request_of(value: int, region: int, block: int) -> int:
+    """The request (mod 30,000) whose :func:`pattern` is ``value`` at ``[region, block]``."""
+    return (pow(131, -1, 30_000) * (value - 1 - region * 31 - block * 7)) % 30_000
+
+
 class Content:
     """Writes (P) or checks (D) the pattern of a request's blocks with one gather or scatter
     launch (:class:`kvpush.core.packing.Packer`) against a buffer of the expected bytes."""
@@ -278,8 +283,15 @@ class Content:
         return tuple(tuple(ids) for ids in block_ids)
 
     def fill(self, request: int, block_ids: Sequence[Sequence[int]]) -> None:
+        import torch
+
         offsets, expected = self._expected(request, block_ids)
         self.buffer[: 2 * expected.numel()].view(expected.dtype).copy_(expected)
+        if self.buffer.is_cuda:
+            # The scatter runs on the packer's own stream and waits for nothing: without this
+            # it could read the buffer before the copy above wrote it, and the blocks got the
+            # previous sample's bytes (seen on the H200: 7 of 300 samples at 100-150 req/s).
+            torch.cuda.current_stream(self.buffer.device).synchronize()
         self.packer.copy(self.buffer, offsets, self.regions, self._ids(block_ids), (0, 1), gather=False)
 
     def check(self, request: int, block_ids: Sequence[Sequence[int]]) -> bool:
@@ -288,6 +300,38 @@ class Content:
         offsets, expected = self._expected(request, block_ids)
         self.packer.copy(self.buffer, offsets, self.regions, self._ids(block_ids), (0, 1), gather=True)
         return bool(torch.equal(self.buffer[: 2 * expected.numel()].view(expected.dtype), expected))
+
+    def miss(self, request: int, block_ids: Sequence[Sequence[int]]) -> str | None:
+        """None if the request's blocks hold its pattern, else what they hold instead: how many
+        blocks are wrong, and for the first few the value found and the request whose pattern
+        has that value at that position (a block of another request, P's stale bytes, or a
+        torn copy when the block is not one value)."""
+        import torch
+
+        if self.check(request, block_ids):
+            return None
+        counts = [len(block_ids[r.kv_group]) for r in self.regions]
+        values = pattern(request, len(self.regions), max(counts))
+        got = self.buffer.view(torch.int16)
+        wrong: list[str] = []
+        total = position = 0
+        for r, (region, count) in enumerate(zip(self.regions, counts)):
+            half = region.block_len // 2
+            for j in range(count):
+                block = got[position // 2 : position // 2 + half]
+                position += region.block_len
+                low, high = int(block.min()), int(block.max())
+                if low == high == int(values[r, j]):
+                    continue
+                total += 1
+                if len(wrong) < 4:
+                    ids = block_ids[region.kv_group]
+                    found = f"{low}" if low == high else f"{low}..{high} (torn)"
+                    wrong.append(
+                        f"region {r} block {j} (id {ids[j]}): {found}, expected {int(values[r, j])}"
+                        f" (pattern of request {_request_of(low, r, j)})"
+                    )
+        return f"{total} of {sum(counts)} blocks wrong: " + "; ".join(wrong)
 
 
 WAKE_S = 1e-3
@@ -302,7 +346,8 @@ class DeferredChecks:
     (the slowest requests of a run were the ones right after a sample). The checked request's
     blocks stay allocated until its check, so nothing can overwrite them first."""
 
-    def __init__(self, check: Callable[[int, list[list[int]]], bool]) -> None:
+    def __init__(self, check: Callable[[int, list[list[int]]], str | None]) -> None:
+        """``check(number, blocks)``: None if the sample holds its bytes, else what is wrong."""
         self.check = check
         self.queue: list[tuple[str, int, list[list[int]]]] = []
 
@@ -312,12 +357,12 @@ class DeferredChecks:
     def add(self, rid: str, number: int, blocks: list[list[int]]) -> None:
         self.queue.append((rid, number, blocks))
 
-    def run_one(self, report: Callable[[str, bool, list[list[int]]], None]) -> None:
-        """Check the oldest held sample and ``report(rid, ok, blocks)``."""
+    def run_one(self, report: Callable[[str, str | None, list[list[int]]], None]) -> None:
+        """Check the oldest held sample and ``report(rid, miss, blocks)`` (miss None: ok)."""
         rid, number, blocks = self.queue.pop(0)
         report(rid, self.check(number, blocks), blocks)
 
-    def run_all(self, report: Callable[[str, bool, list[list[int]]], None]) -> None:
+    def run_all(self, report: Callable[[str, str | None, list[list[int]]], None]) -> None:
         while self.queue:
             self.run_one(report)
 
@@ -388,12 +433,12 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
     live: dict[str, tuple[int, list[list[int]], bool]] = {}
     raw_tags: dict[bytes, str] = {}
     got: Any = None  # results wait_finished already took from the receiver
-    checks = DeferredChecks(lambda number, blocks: content.check(number, blocks))
+    checks = DeferredChecks(lambda number, blocks: content.miss(number, blocks))
 
-    def checked(rid: str, ok: bool, blocks: list[list[int]]) -> None:
+    def checked(rid: str, miss: str | None, blocks: list[list[int]]) -> None:
         for pool, ids_ in zip(pools, blocks):
             pool.release(ids_)
-        conn.send(("verified", rid, ok))
+        conn.send(("verified", rid, miss is None, miss))
 
     try:
         while True:
@@ -411,15 +456,15 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
                     _, rid, number, counts, params, verify, is_raw = message
                     ids = [pool.alloc(n) for pool, n in zip(pools, counts)]
                     if any(i is None for i in ids) and checks:
-                        for pool, got in zip(pools, ids):  # the held samples first, then again
-                            if got is not None:
-                                pool.release(got)
+                        for pool, taken in zip(pools, ids):  # the held samples first, then again
+                            if taken is not None:
+                                pool.release(taken)
                         checks.run_all(checked)
                         ids = [pool.alloc(n) for pool, n in zip(pools, counts)]
                     if any(i is None for i in ids):
-                        for pool, got in zip(pools, ids):
-                            if got is not None:
-                                pool.release(got)
+                        for pool, taken in zip(pools, ids):
+                            if taken is not None:
+                                pool.release(taken)
                         conn.send(("failed", rid, time.monotonic(), "D's block pool is full"))
                         continue
                     blocks = [list(i) for i in ids if i is not None]
@@ -491,6 +536,8 @@ class Outcome:
     failure: str | None = None
     verified: bool | str | None = None
     """True/False once checked; None if not sampled; "deferred" while D has yet to check it."""
+    miss: str | None = None
+    """What a sample that failed its check held instead of its bytes."""
     marks: dict[str, float] = attrs.Factory(dict)
     """P-side stamps of kvpush requests: first post starts, posts returned, WRITE settled."""
 
@@ -748,7 +795,7 @@ class ServePair:
                         unchecked += o.verified == "deferred"
                     pending -= 1
                 elif message[0] == "verified":
-                    by_rid[message[1]].verified = message[2]
+                    by_rid[message[1]].verified, by_rid[message[1]].miss = message[2], message[3]
                     unchecked -= 1
                 elif message[0] == "error":
                     raise RuntimeError(f"serve D failed:\n{message[1]}")
@@ -783,7 +830,12 @@ class ServePair:
         events: dict[int, Any] = {}
         pending, next_arrival = len(outcomes), 0
         held: dict[int, tuple[list[list[int]], list[list[int]]]] = {}
-        checks = DeferredChecks(lambda number, _blocks: self.kernel.check(live.pop(number)[2]))
+
+        def check(number: int, _blocks: list[list[int]]) -> str | None:
+            ok = self.kernel.check(live.pop(number)[2])
+            return None if ok else "the kernel's copy does not hold P's bytes"
+
+        checks = DeferredChecks(check)
 
         def release(number: int) -> None:
             p_blocks, d_blocks = held.pop(number)
@@ -791,9 +843,9 @@ class ServePair:
                 for pool, ids in zip(pools, ids_):
                     pool.release(ids)
 
-        def checked(rid: str, ok: bool, _blocks: list[list[int]]) -> None:
+        def checked(rid: str, miss: str | None, _blocks: list[list[int]]) -> None:
             number = int(rid)
-            outcomes[number].verified = ok
+            outcomes[number].verified, outcomes[number].miss = miss is None, miss
             release(number)
 
         deadline = arrivals[-1] + w.timeout_s + 5
@@ -925,8 +977,9 @@ def summarize(rate: float, outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "max_ms": max(lat) if lat else None,
         "gbps": nbytes / span / 1e9 if span > 0 else None,
         "mean_bytes": statistics.mean(o.nbytes for o in done) if done else None,
-        "verified": sum(1 for o in sampled if o.verified),
-        "verify_failed": sum(1 for o in sampled if not o.verified),
+        "verified": sum(1 for o in sampled if o.verified is True),
+        "verify_failed": sum(1 for o in sampled if o.verified is not True),
+        "verify_misses": [f"request {o.number}: {o.miss}" for o in sampled if o.verified is not True][:5],
         "sample_rate": len(sampled) / len(done) if done else None,
         "trace_ms": _trace(done),
         "slowest": _slowest(done),
@@ -1060,6 +1113,8 @@ def run(
                 kv = summarize(rate, pair.run(rate, lengths, ideal=False, say=say))
             kv["gc_here"] = pauses.summary()
             say(_line("kvpush", kv))
+            for miss in kv["verify_misses"]:
+                say(f"  WRONG BYTES: {miss}")
             entry: dict[str, Any] = {"rate": rate, "kvpush": kv}
             for name in ideals:
                 key = IDEAL_KEYS[name]
@@ -1067,6 +1122,8 @@ def run(
                     entry[key] = summarize(rate, pair.run(rate, lengths, ideal=name, say=say))
                 entry[key]["gc_here"] = pauses.summary()
                 say(_line(key[:7], entry[key]))
+                for miss in entry[key]["verify_misses"]:
+                    say(f"  WRONG BYTES: {miss}")
             results.append(entry)
             if bound is None and kv["p50_ms"] is not None:
                 bound = p99_factor * kv["p50_ms"]
@@ -1320,6 +1377,16 @@ def main(args: argparse.Namespace) -> int:
             f"knee: {result['knee_rps']} requests/s (p99 <= {_fmt(result['p99_bound_ms'])} ms); "
             f"strategy mix {result['strategy_mix']}; prompts {result['prompt_tokens']}"
         )
+    wrong = [
+        f"{key} at {entry['rate']:g}/s: {miss}"
+        for entry in result["runs"]
+        for key, summary in entry.items()
+        if isinstance(summary, dict)
+        for miss in summary.get("verify_misses", ())
+    ]
+    if wrong:  # a measurement of wrong bytes is no measurement: fail the command
+        print("kvpush bench --serve: samples held the wrong bytes:\n  " + "\n  ".join(wrong), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -418,6 +418,7 @@ class _Tally:
     done: int = 0
     done_at: float = 0.0
     oks: list[bool] = attrs.Factory(list)
+    misses: list[str] = attrs.Factory(list)
     unchecked: int = 0
     """Reports of ``done`` whose sample check is still to come (``verified``)."""
     failure: str | None = None
@@ -570,6 +571,7 @@ class ServeCluster:
             tally.unchecked -= 1
             tally.oks.append(bool(ok))
             if not ok and miss:
+                tally.misses.append(f"rank {rank.key}: {miss}")
                 logging.getLogger(__name__).warning("rank %s: %s", rank.key, miss)
 
     # ------------------------------------------------------------------ one run
@@ -636,6 +638,7 @@ class ServeCluster:
                     o.finish, o.done = min(tally.finished), tally.done_at
                     o.failure = tally.failure
                     o.verified = all(tally.oks) if tally.oks else None
+                    o.miss = "; ".join(tally.misses) or None
                     open_.discard(rid)
                     self._release(self.d_pools, blocks, rid, 1)
                 elif mode == "nixl" and tally.failure and tally.sent >= len(self.p_ranks):

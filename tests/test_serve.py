@@ -92,15 +92,44 @@ def test_short_open_loop_run_completes_and_verifies_over_nixl() -> None:
 
 def test_deferred_checks_hold_samples_until_checked_in_arrival_order() -> None:
     seen: list[int] = []
-    checks = serve.DeferredChecks(lambda number, blocks: seen.append(number) or number % 2 == 0)
+    checks = serve.DeferredChecks(
+        lambda number, blocks: seen.append(number) or (None if number % 2 == 0 else "odd")
+    )
     assert not checks
     checks.add("a", 1, [[5]])
     checks.add("b", 2, [[6]])
-    reports: list[tuple[str, bool, list[list[int]]]] = []
+    reports: list[tuple[str, str | None, list[list[int]]]] = []
     checks.run_one(lambda *r: reports.append(r))
-    assert reports == [("a", False, [[5]])] and checks
+    assert reports == [("a", "odd", [[5]])] and checks
     checks.run_all(lambda *r: reports.append(r))
-    assert seen == [1, 2] and reports[1] == ("b", True, [[6]]) and not checks
+    assert seen == [1, 2] and reports[1] == ("b", None, [[6]]) and not checks
+
+
+def test_a_wrong_block_is_named_with_the_request_whose_bytes_it_holds() -> None:
+    """A failed sample says which blocks are wrong and whose pattern they hold, and a run
+    with a failed sample is counted (and reported) as failed, never as verified."""
+    from kvpush.core.manager import get_plugin_manager
+
+    w = serve.Workload(preset="llama3-8b", layers=2, median_tokens=48, max_tokens=128)
+    config = serve._worker_config(w, "test", 0, "cpu")
+    caches = serve._allocate(w, config, "cpu")
+    regions = get_plugin_manager().layout(w.layout).describe(caches, config.parallel, config.model)
+    content = serve.Content(regions, w.max_request_bytes(), "cpu")
+    blocks = [[3, 1, 4]]
+    content.fill(5, blocks)
+    assert content.miss(5, blocks) is None
+    content.fill(9, [[7, 1]])  # block 1 now holds request 9's second block in every region
+    miss = content.miss(5, blocks)
+    assert miss is not None and miss.startswith(f"{len(regions)} of {3 * len(regions)} blocks wrong"), miss
+    assert "block 1 (id 1)" in miss and "pattern of request 9" in miss, miss
+    outcomes = [
+        serve.Outcome(number=n, rid=str(n), tokens=16, nbytes=1, arrival=1.0, finish=1.0, done=1.001)
+        for n in range(3)
+    ]
+    outcomes[0].verified, outcomes[1].verified, outcomes[1].miss = True, False, miss
+    outcomes[2].verified = "deferred"  # never checked: not verified either
+    s = serve.summarize(5.0, outcomes)
+    assert s["verified"] == 1 and s["verify_failed"] == 2 and s["verify_misses"][0] == f"request 1: {miss}"
 
 
 def test_every_request_sampled_from_a_tight_pool_is_verified() -> None:
