@@ -19,6 +19,8 @@ import attrs
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvpush.core.errors import ConfigError, HandshakeError
 from kvpush.core.manager import get_plugin_manager
@@ -324,6 +326,40 @@ def test_descriptor_ids_for_two_groups_with_different_capacities(pm):
     # 39 fits group 0 (40 blocks) but not group 1 (24 blocks)
     with pytest.raises(ConfigError, match="group 1"):
         descriptor_ids(regions, groups, ((0,), (39,)))
+
+
+@given(
+    data=st.data(),
+    groups=st.lists(st.integers(0, 2), min_size=1, max_size=8),
+)
+def test_descriptor_ids_across_groups_match_the_region_by_region_rule(pm, data, groups) -> None:
+    """The vectorised several-group path emits, region by region, ``offset + block`` for the
+    region's own group, and refuses the first region (in order) whose capacity a block id of
+    its group exceeds, naming that group and the id, as a per-region loop does."""
+    model = hybrid_model()
+    caches = allocate_hma_caches(model, stage(0), (40, 24))
+    base = describe_hma(caches, stage(0), model)[0]
+    capacities = data.draw(st.lists(st.integers(1, 30), min_size=len(groups), max_size=len(groups)))
+    regions = tuple(attrs.evolve(base, num_blocks=cap, kv_group=g) for cap, g in zip(capacities, groups))
+    block_ids = tuple(
+        tuple(data.draw(st.lists(st.integers(-1, 32), max_size=6))) for _ in range(max(groups) + 1)
+    )
+    expected: list[int] = []
+    problem = None
+    offset = 0
+    for region in regions:
+        ids = block_ids[region.kv_group]
+        if problem is None and ids and (max(ids) >= region.num_blocks or min(ids) < 0):
+            problem = f"block id {max(ids)} of group {region.kv_group} is outside the region's "
+        expected.extend(offset + b for b in ids)
+        offset += region.num_blocks
+    if problem is not None:
+        with pytest.raises(ConfigError) as err:
+            descriptor_ids(regions, tuple(groups), block_ids)
+        assert str(err.value).startswith(problem), (str(err.value), problem)
+    else:
+        got = descriptor_ids(regions, tuple(groups), block_ids)
+        assert got.dtype == np.int32 and got.tolist() == expected
 
 
 # ------------------------------------------------------------------------------ real push
