@@ -30,6 +30,7 @@ from kvpush.core.errors import (
     WaitTimeout,
     WireError,
 )
+from kvpush.core.fingerprint import prompt_fingerprint
 from kvpush.core.manager import KvpushPluginManager, get_plugin_manager
 from kvpush.core.receiver import PushReceiver, ReceiveResults
 from kvpush.core.sender import PushResults, PushSender
@@ -76,4 +77,5 @@ __all__ = [
     "WorkerConfig",
     "fetch_metadata",
     "get_plugin_manager",
+    "prompt_fingerprint",
 ]

@@ -974,4 +974,5 @@ class DecodeCore:
             decode_incarnation=self.s.incarnation,
             grant=grant,
             fresh_s=self.s.fresh_s,
+            prompt_fingerprint=receive.meta.params.prompt_fingerprint if receive is not None else None,
         )

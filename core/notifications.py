@@ -11,7 +11,8 @@ Direction and meaning (docs/reliability.md):
 
 - ``PUSH_REG`` D → P: D's request id, the match key, D's coordinates, incarnation, TP rank, its
   block ids, staging reservation, and a freshness *grant* (the newest stamp D had from this P
-  agent) with the window ``fresh_s``.
+  agent) with the window ``fresh_s``; optionally ``pf``, the fingerprint of D's prompt (absent:
+  not given; P then pairs on the match key alone).
 - ``HB`` D → P: the match keys D still waits for at this P agent, its coordinates and a grant.
   ``HB`` P → D (answer): P's ``stamp`` (its clock), incarnation, the keys it ``want``s a fresh
   grant for, and the keys it no longer holds (``failed``).
@@ -31,6 +32,7 @@ from typing import Any
 import msgpack
 
 from kvpush.core.errors import WireError
+from kvpush.core.fingerprint import MAX_FINGERPRINT_CHARS
 from kvpush.core.types import (
     Notification,
     NotificationKind,
@@ -40,7 +42,7 @@ from kvpush.core.types import (
 )
 from kvpush.core.wire import pack, unpack
 
-NOTIF_VERSION = (2, 0)
+NOTIF_VERSION = (2, 1)
 """(major, minor) of the notification format; only the major must match."""
 MAX_BLOCK_ID = (1 << 31) - 1
 MAX_PARALLEL = 4096
@@ -95,6 +97,8 @@ def encode_push_reg(reg: PushRegistration) -> bytes:
         grant=reg.grant,
         fresh=reg.fresh_s,
     )
+    if reg.prompt_fingerprint is not None:  # optional: absent means "not given"
+        body["pf"] = reg.prompt_fingerprint
     return _msg(PUSH_REG_PREFIX, body)
 
 
@@ -387,8 +391,21 @@ def decode_notification(message: bytes) -> Notification | None:
             or not -1 <= staging < MAX_STAGING_OFFSET
         ):
             raise WireError(f"{what} field 'staging' must be -1 or an offset in [0, 2**48), got {staging!r}")
+        fingerprint = body.get("pf")
+        if fingerprint is not None and (
+            not isinstance(fingerprint, str) or not 0 < len(fingerprint) <= MAX_FINGERPRINT_CHARS
+        ):
+            raise WireError(
+                f"{what} field 'pf' (prompt fingerprint) must be a non-empty string of at most "
+                f"{MAX_FINGERPRINT_CHARS} chars or absent, got {str(fingerprint)[:80]!r}"
+            )
         reg = PushRegistration(
-            request_id=rid, match_key=match_key, block_ids=block_ids, staging_offset=staging, **coordinates
+            request_id=rid,
+            match_key=match_key,
+            block_ids=block_ids,
+            staging_offset=staging,
+            prompt_fingerprint=fingerprint,
+            **coordinates,
         )
         return Notification(kind=kind, request_id=rid, registration=reg)
     if kind is NotificationKind.HEARTBEAT:

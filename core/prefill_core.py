@@ -46,6 +46,15 @@ logger = logging.getLogger(__name__)
 
 WANT_KEYS_PER_MESSAGE = 256
 """Keys per ``want`` message (as D's heartbeats; far below the wire's ``MAX_KEYS``)."""
+MAX_DISPLACED = 16
+"""Registrations of another prompt a key keeps (replaced on their D rank before the finish)."""
+MAX_OWED = 256
+"""FAILs per D engine held until P loads their D rank (refused registrations of unloaded ranks)."""
+
+
+def _differs(fingerprint: str | None, reg: PushRegistration) -> bool:
+    """Both sides stated a prompt fingerprint, and they differ."""
+    return fingerprint is not None and reg.prompt_fingerprint not in (None, fingerprint)
 
 
 @attrs.frozen(kw_only=True)
@@ -117,6 +126,11 @@ class _Request:
     dests: dict[int, _DestState] | None = None
     """Planned destinations (once finished and the first registration arrived)."""
     failure: str = ""
+    fingerprint: str | None = None
+    """P's prompt fingerprint (set at the finish); None: pairing rests on the key alone."""
+    displaced: list[_Reg] = attrs.field(factory=list)
+    """Registrations replaced on their D rank, before the finish, by one of another prompt:
+    checked (and answered) at the finish with the others."""
     cancel_acks: dict[str, str] = attrs.field(factory=dict)
     """D agent -> D request id of cancels to acknowledge once nothing is in flight."""
     cancelled: bool = False
@@ -143,6 +157,9 @@ class _Decode:
     """Keys per D agent whose fresh grant is to be asked once the rate limit allows."""
     deferred: list[tuple[str, Notification]] = attrs.field(factory=list)
     """Messages of a newer incarnation, handled once the stale agents are dropped."""
+    owed: dict[int, list[tuple[str, bytes]]] = attrs.field(factory=dict)
+    """Per D rank: (agent, FAIL) for registrations refused before P loaded that rank, sent
+    once it is loaded from that agent."""
 
 
 Planner = Callable[[BlockIds, PushRegistration], Sequence[ReadSpec]]
@@ -156,9 +173,9 @@ class PrefillCore:
         self.s = settings
         self._plan = plan
         self._requests: dict[str, _Request] = {}
-        self._tombstones: dict[str, tuple[str, str, str, bool]] = {}
-        """Ended keys: (outcome, D engine, failure, whether a WRITE of it ended unsettled)."""
-        """key -> (outcome "sent"/"failed", D engine id, failure reason)."""
+        self._tombstones: dict[str, tuple[str, str, str, bool, str | None]] = {}
+        """Ended keys: (outcome "sent"/"failed", D engine, failure, whether a WRITE of it ended
+        unsettled, P's prompt fingerprint)."""
         self._engines: dict[str, _Decode] = {}
         self._timers = Deadlines()
         self._warned = RateLimit(per_s=10)
@@ -181,6 +198,7 @@ class PrefillCore:
             "write_deadline_expiries": 0,
             "dead_engines": 0,
             "connects_deferred": 0,
+            "prompt_mismatches": 0,
         }
 
     # ------------------------------------------------------------------ queries
@@ -220,10 +238,19 @@ class PrefillCore:
     # ------------------------------------------------------------------ engine events
 
     def finished(
-        self, key: str, request_id: str, blocks: BlockIds, decode_engine_id: str, now: float
+        self,
+        key: str,
+        request_id: str,
+        blocks: BlockIds,
+        decode_engine_id: str,
+        now: float,
+        *,
+        fingerprint: str | None = None,
     ) -> list[Any]:
         """A prefill finished; its KV sits in ``blocks``. ``decode_engine_id`` (optional) is the
-        D engine the router chose: only its registrations are served."""
+        D engine the router chose: only its registrations are served. ``fingerprint`` (optional)
+        is the prompt's: a registration stating another is never written (see
+        :meth:`_prompts_differ`)."""
         tomb = self._tombstones.get(key)
         if tomb is not None:
             why = tomb[2] or "it was pushed before"
@@ -264,7 +291,13 @@ class PrefillCore:
             request.regs = request.others.pop(decode_engine_id, {})
             request.engine_id = decode_engine_id
         request.bound, request.others = True, {}
+        request.fingerprint = fingerprint
         self._timers.arm(("lease", key), now + self.s.lease_s)
+        displaced, request.displaced = request.displaced, []
+        displaced = [e for e in displaced if e.reg.decode_engine_id == request.engine_id]
+        wrong = [e for e in (*request.regs.values(), *displaced) if _differs(fingerprint, e.reg)]
+        if wrong:
+            return out + self._prompts_differ(request, wrong, now, displaced=displaced)
         if request.regs:
             out += self._plan_request(request, now)
         return out
@@ -314,6 +347,12 @@ class PrefillCore:
             self.stats["duplicate_registrations"] += 1
             return []  # D cancelled this key before its registration reached P
         tomb = self._tombstones.get(key)
+        loaded = self._engines.get(reg.decode_engine_id)
+        if tomb is not None and _differs(tomb[4], reg) and loaded and loaded.agents.get(rank) == agent:
+            self.stats["prompt_mismatches"] += 1
+            ended = "pushed" if tomb[0] == "sent" else "failed"
+            why = self._differ_reason(key, tomb[4], reg, f"P's prefill of the key (already {ended})")
+            return self._refuse(reg, agent, why, tomb[3], now)
         if tomb is not None:
             engine = self._engines.get(reg.decode_engine_id)
             if tomb[0] == "failed" and engine is not None and engine.agents.get(rank) == agent:
@@ -371,6 +410,14 @@ class PrefillCore:
             held = request.others.setdefault(reg.decode_engine_id, {})
             held[rank] = _Reg(reg, agent, self._fresh_until(reg))
             return [] if rank in engine.agents else self._connect(engine, rank, now)
+        if request.blocks is not None and _differs(request.fingerprint, reg):
+            return self._prompts_differ(request, [_Reg(reg, agent, self._fresh_until(reg))], now)
+        old = request.regs.get(rank)
+        if request.blocks is None and old is not None and _differs(old.reg.prompt_fingerprint, reg):
+            # Two prompts registered under one key before P finished: P decides at the finish.
+            if len(request.displaced) >= MAX_DISPLACED:
+                request.displaced.pop(0)
+            request.displaced.append(old)
         request.engine_id = reg.decode_engine_id
         if rank in request.regs:
             self.stats["duplicate_registrations"] += 1
@@ -550,7 +597,7 @@ class PrefillCore:
         self._address_backoff.pop(address, None)
         engine.incarnations[rank], engine.tp_size = incarnation, tp_size
         engine.agents[rank] = agent
-        out: list[Any] = []
+        out: list[Any] = [Send(a, m) for a, m in engine.owed.pop(rank, ()) if a == agent]
         hello = engine.hellos.pop(rank, None)
         if hello is not None:
             if hello == agent:
@@ -587,6 +634,7 @@ class PrefillCore:
 
     def _connect_failed(self, engine: _Decode, rank: int, error: str, now: float) -> list[Any]:
         engine.hellos.pop(rank, None)
+        engine.owed.pop(rank, None)  # those D requests end at their registration timeout
         out: list[Any] = []
         for request in list(self._requests.values()):
             if request.engine_id == engine.engine_id and rank in request.regs:
@@ -667,6 +715,69 @@ class PrefillCore:
         for rank in sorted(request.dests):
             out += self._advance(request, rank, now)
         return out
+
+    def _prompts_differ(
+        self, request: _Request, wrong: Sequence[_Reg], now: float, *, displaced: Sequence[_Reg] = ()
+    ) -> list[Any]:
+        """Registrations stating another prompt than P's prefill of the key: the router reused
+        the key. None of them is written; each is answered FAIL. P's leg fails too (every D rank
+        registered for the key is told) unless P already wrote the key to some D rank (then a
+        registration that matched, or stated no fingerprint, was paired first: its push goes on).
+        Later registrations of the key meet the tombstone: FAIL."""
+        self.stats["prompt_mismatches"] += len(wrong)
+        first = wrong[0].reg
+        why = self._differ_reason(
+            request.key, request.fingerprint, first, f"P's request {request.request_id!r}"
+        )
+        out: list[Any] = []
+        for entry in wrong:
+            rank = entry.reg.decode_tp_rank
+            dest = request.dests.get(rank) if request.dests else None
+            current = request.regs.get(rank)
+            same = current is not None and current.reg.request_id == entry.reg.request_id
+            unsettled = same and dest is not None and (dest.unsettled or dest.state is _Dest.INFLIGHT)
+            if current is entry:
+                del request.regs[rank]
+            out += self._refuse(entry.reg, entry.agent, why, unsettled, now)
+        if self._writing(request):
+            logger.warning("refused PUSH_REG of %s: %s", request.key, why)
+            return out
+        logger.warning("refused the push of %s: %s", request.key, why)
+        for entry in displaced:
+            if all(entry is not w for w in wrong):
+                out += self._refuse(entry.reg, entry.agent, why, False, now)
+        return out + self._fail_request(request, why, now)
+
+    @staticmethod
+    def _differ_reason(key: str, fingerprint: str | None, reg: PushRegistration, prefill: str) -> str:
+        return (
+            f"match key {key!r} was given to two different prompts: D's request {reg.request_id!r} "
+            f"has prompt fingerprint {reg.prompt_fingerprint}, {prefill} has {fingerprint}; the "
+            f"prompts differ (a router reused the key), so P wrote nothing into D's blocks for it"
+        )
+
+    @staticmethod
+    def _writing(request: _Request) -> bool:
+        """Has P written (or begun writing) the key to some D rank?"""
+        return any(
+            d.state in (_Dest.INFLIGHT, _Dest.DONE) or d.unsettled for d in (request.dests or {}).values()
+        )
+
+    def _refuse(self, reg: PushRegistration, agent: str, why: str, unsettled: bool, now: float) -> list[Any]:
+        """Answer one registration FAIL: now if P loaded its D rank from ``agent``, else once it
+        has (P connects to it, as for any registration)."""
+        message = wire.encode_failed(reg.request_id, self.s.rank, why, unsettled=unsettled)
+        engine = self._engines.get(reg.decode_engine_id)
+        if engine is None:
+            return []
+        rank = reg.decode_tp_rank
+        if engine.agents.get(rank) == agent:
+            return [Send(agent, message)]
+        if sum(map(len, engine.owed.values())) >= MAX_OWED:
+            logger.warning("dropped a FAIL for %s of an unloaded D rank: %d held", reg.request_id, MAX_OWED)
+            return []  # that D request ends at its registration timeout
+        engine.owed.setdefault(rank, []).append((agent, message))
+        return self._connect(engine, rank, now)
 
     def _reject_reg(self, request: _Request, rank: int, why: str) -> list[Any]:
         logger.warning("PUSH_REG of %s from D rank %s ignored: %s", request.key, rank, why)
@@ -867,7 +978,13 @@ class PrefillCore:
             self._timers.disarm((kind, request.key))
         outcome = "failed" if request.failure else "sent"
         any_unsettled = any(d.unsettled for d in (request.dests or {}).values())
-        self._tombstones[request.key] = (outcome, request.engine_id, request.failure, any_unsettled)
+        self._tombstones[request.key] = (
+            outcome,
+            request.engine_id,
+            request.failure,
+            any_unsettled,
+            request.fingerprint,
+        )
         self._timers.arm(("tomb", request.key), now + self.s.registration_ttl_s)
         unsettled = {
             entry.agent

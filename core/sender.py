@@ -61,10 +61,19 @@ class _Finished:
     decode_engine_id: str
     ready: Any
     """None, or what says the KV is written (``query()``)."""
+    prompt_fingerprint: str | None = None
+    """The prompt's fingerprint (checked against D's registration), or None."""
 
     def to_core(self, core: Any) -> Any:
         """The core event telling ``core`` that this prefill finished."""
-        return lambda now: core.finished(self.key, self.request_id, self.blocks, self.decode_engine_id, now)
+        return lambda now: core.finished(
+            self.key,
+            self.request_id,
+            self.blocks,
+            self.decode_engine_id,
+            now,
+            fingerprint=self.prompt_fingerprint,
+        )
 
 
 SLOW_READY_S = 2e-3
@@ -128,6 +137,7 @@ class PushSender(RankWorker):
         match_key: str | None = None,
         decode_engine_id: str | None = None,
         ready: Any = None,
+        prompt_fingerprint: str | None = None,
     ) -> None:
         """Prefill of ``request_id`` finished; its KV sits in ``block_ids`` (per group).
 
@@ -142,6 +152,11 @@ class PushSender(RankWorker):
         the stream that wrote it, after the prefill's last write). The writer thread polls it
         (so ``query()`` must not block) and posts nothing of the request before; if it is not
         ready within ``lease_s``, or ``query()`` raises, the request fails and D is told.
+
+        ``prompt_fingerprint`` (optional): :func:`kvpush.engine.prompt_fingerprint` of the
+        prompt's token ids. A D registration stating another prompt's fingerprint is never
+        written: it and this request fail, naming the key (a router reused it for another
+        prompt). None, or a D that states none: pairing rests on the match key alone.
 
         Raises ``ConfigError`` naming the argument for an empty or non-string id, negative,
         repeated or out-of-range block ids, a match key already in progress, a ``ready``
@@ -161,11 +176,14 @@ class PushSender(RankWorker):
                 f"ready must have a query() method that turns True once the KV is written (e.g. a "
                 f"torch.cuda.Event recorded after the prefill's last KV write), got {ready!r}"
             )
+        from kvpush.core.fingerprint import check_fingerprint  # here: an edit local to this method
+
+        fingerprint = check_fingerprint(prompt_fingerprint, "prompt_fingerprint")
         with self._results_lock:
             if key in self._keys:
                 raise ConfigError(f"match_key {key!r} is already being pushed by this rank; finish it once")
             self._keys[key] = request_id
-        finished = _Finished(key, request_id, blocks, decode_engine_id or "", ready)
+        finished = _Finished(key, request_id, blocks, decode_engine_id or "", ready, fingerprint)
         self.run_on_writer(lambda: self._finished(finished))
 
     def abort(self, request_id: str, match_key: str | None = None) -> None:

@@ -15,6 +15,7 @@ import attrs
 from attrs import field, frozen
 
 from kvpush.core.errors import ConfigError
+from kvpush.core.fingerprint import check_fingerprint
 
 MemType = Literal["DRAM", "VRAM"]
 Component = Literal["K", "V", "KV", "latent"]
@@ -323,6 +324,13 @@ class TransferParams:
     remote_block_ids: BlockIds | None = None
     remote_request_id: str | None = None
     transfer_id: str | None = None
+    prompt_fingerprint: str | None = field(
+        default=None,
+        validator=lambda _i, _a, v: check_fingerprint(v, "TransferParams.prompt_fingerprint"),
+    )
+    """:func:`~kvpush.core.fingerprint.prompt_fingerprint` of *D's own* prompt, or None. Sent
+    in D's ``PUSH_REG``; a P that was given its prompt's fingerprint too refuses to pair the
+    two when they differ (a key reused for another prompt). None: pairing rests on the key."""
 
     _REQUIRED = ("remote_engine_id", "remote_host", "remote_port")
 
@@ -362,6 +370,9 @@ class TransferParams:
             blocks = None if block_ids is None else to_block_ids(block_ids)
         except ConfigError as err:
             raise ConfigError(f"kv_transfer_params['remote_block_ids']: {err}") from None
+        fingerprint = check_fingerprint(
+            params.get("prompt_fingerprint"), "kv_transfer_params['prompt_fingerprint']"
+        )
         return cls(
             remote_engine_id=params["remote_engine_id"],
             remote_host=params["remote_host"],
@@ -371,6 +382,7 @@ class TransferParams:
             remote_block_ids=blocks,
             remote_request_id=params.get("remote_request_id"),
             transfer_id=params.get("transfer_id"),
+            prompt_fingerprint=fingerprint,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -389,6 +401,8 @@ class TransferParams:
             out["remote_request_id"] = self.remote_request_id
         if self.transfer_id is not None:
             out["transfer_id"] = self.transfer_id
+        if self.prompt_fingerprint is not None:
+            out["prompt_fingerprint"] = self.prompt_fingerprint
         return out
 
     @property
@@ -440,6 +454,9 @@ class PushRegistration:
     fresh_s: float = 0.0
     """The freshness window D grants (D keeps the blocks at least that long plus P's WRITE
     deadline after the last message that named them)."""
+    prompt_fingerprint: str | None = None
+    """The fingerprint of D's prompt (``TransferParams.prompt_fingerprint``), or None: P
+    refuses to write a registration whose fingerprint differs from its prefill's."""
 
 
 @frozen(kw_only=True)
