@@ -402,13 +402,23 @@ def test_transfer_params_validate_the_fingerprint_naming_the_field() -> None:
 # ---------------------------------------------------------------------------- whole paths
 
 
-def test_a_push_for_another_prompt_fails_both_legs_and_writes_nothing() -> None:
-    """Through the engine API (loopback transport, bytes really copied): D's request for prompt
-    B is refused by P's prefill of prompt A under the same key; the same key and prompt pair."""
+@pytest.mark.parametrize(
+    ("mla", "prefill_pp", "prefill_tp", "decode_tp"),
+    [(False, 1, 1, 2), (False, 2, 1, 2), (False, 1, 2, 1), (True, 1, 1, 2)],
+    ids=["mha-TP1-to-TP2", "mha-PP2-to-TP2", "mha-TP2-to-TP1", "mla-fan-out"],
+)
+def test_a_push_for_another_prompt_fails_both_legs_and_writes_nothing(
+    mla: bool, prefill_pp: int, prefill_tp: int, decode_tp: int
+) -> None:
+    """Through the engine API (loopback transport, bytes really copied), every P rank and every
+    D rank: D's request for prompt B is refused by P's prefill of prompt A under the same key,
+    nothing is written, both legs fail naming the key; the same key and prompt still pair."""
     import torch
-    from cluster import Cluster, kv_bytes
+    from cluster import MHA, MLA, Cluster, kv_bytes
+    from test_push_flow import assert_pushed
 
-    with Cluster(decode_tp=2) as cluster:
+    topology = {"prefill_pp": prefill_pp, "prefill_tp": prefill_tp, "decode_tp": decode_tp}
+    with Cluster(MLA if mla else MHA, **topology) as cluster:
         before = {tp: {k: kv_bytes(t).clone() for k, t in c.items()} for tp, c in cluster.d_caches.items()}
         for sender in cluster.senders.values():
             with pytest.raises(ConfigError, match="prompt_fingerprint"):
@@ -418,19 +428,20 @@ def test_a_push_for_another_prompt_fails_both_legs_and_writes_nothing() -> None:
         for reason in cluster.wait_decode("d-1").values():
             assert reason is not None
             assert_prompts_differ(reason)
-        p_reason = cluster.wait_prefill("p-1")[P0]
-        assert p_reason is not None
-        assert_prompts_differ(p_reason)
+        for p_reason in cluster.wait_prefill("p-1").values():
+            assert p_reason is not None
+            assert_prompts_differ(p_reason)
         cluster.wait_released("d-1")
         for tp, caches in cluster.d_caches.items():
             for layer, tensor in caches.items():
                 assert torch.equal(kv_bytes(tensor), before[tp][layer]), f"D rank {tp} {layer} written"
-        assert cluster.senders[P0].stats["prompt_mismatches"] >= 1
-        assert cluster.senders[P0].stats["writes"] == 0
+        for sender in cluster.senders.values():
+            assert sender.stats["prompt_mismatches"] >= 1 and sender.stats["writes"] == 0
         for sender in cluster.senders.values():
             sender.request_finished("p-2", [[7]], match_key="x-2", prompt_fingerprint=A)
         cluster.add("d-2", [[9]], "x-2", prompt_fingerprint=A)
-        assert cluster.wait_decode("d-2") == {0: None, 1: None}
+        assert set(cluster.wait_decode("d-2").values()) == {None}
+        assert_pushed(cluster, [7], [9])
 
 
 def _decode_process(conn: Any, p_port: int, requests: list[tuple[str, list[int], dict[str, Any]]]) -> None:
