@@ -25,6 +25,9 @@ in-tree ``NixlPushConnector``):
 - P: ``request_finished`` stages the prompt's blocks and returns the ``kv_transfer_params`` D
   needs; the worker hands them to its sender and reports ``finished_sending`` when every WRITE
   settled (or failed, or the lease expired), keeping ``has_pending_push_work`` true meanwhile.
+- Both legs fingerprint their own ``prompt_token_ids`` (P: in ``request_finished``, also
+  returned as ``kv_transfer_params['prompt_fingerprint']``; D: in its registration). P writes
+  nothing into a D request whose prompt differs (a router that reused a key): both fail.
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ class SendItem:
     match_key: str
     decode_engine_id: str | None = None
     """The D engine the router dispatched the other leg to, when it says so (binds the push)."""
+    prompt_fingerprint: str | None = None
+    """The prompt's fingerprint: P refuses a D registration stating another prompt's."""
 
 
 @dataclass
@@ -116,6 +121,20 @@ class KvpushConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+def _fingerprint(request: Request) -> str | None:
+    """:func:`~kvpush.core.fingerprint.prompt_fingerprint` of the request's prompt token ids
+    (None for a prompt given as embeddings only). Each leg computes its own: a router that
+    reused a key for another prompt is caught by P comparing the two."""
+    from kvpush.core.fingerprint import prompt_fingerprint
+
+    ids = getattr(request, "prompt_token_ids", None)
+    try:
+        return None if ids is None else prompt_fingerprint(ids)
+    except ConfigError as err:  # not token ids: this request pairs on its key alone
+        logger.warning("request %s: no prompt fingerprint: %s", request.request_id, err)
+        return None
 
 
 def _groups(block_ids: Any) -> BlockIds:
@@ -354,7 +373,17 @@ class _SchedulerSide:
         send_params = dict(params)
         error = None
         try:
-            send_params["transfer_id"] = match_key(rid, params)
+            send_params["transfer_id"] = key = match_key(rid, params)
+            own = _fingerprint(request)
+            given = params.get("prompt_fingerprint")
+            if own is not None and given is not None and given != own:
+                raise ConfigError(
+                    f"kv_transfer_params['prompt_fingerprint'] {str(given)[:80]!r} is not this request's "
+                    f"prompt's ({own}): the router paired it with another prompt's prefill under match "
+                    f"key {key!r} (prompts differ); nothing is received"
+                )
+            if own is not None:  # D states its own prompt; P compares it with the prompt it prefilled
+                send_params["prompt_fingerprint"] = own
         except ConfigError as err:  # a client's bad field fails its request, not the engine
             error = str(err)
         self._recv[rid] = RecvItem(block_ids=block_ids, kv_transfer_params=send_params, error=error)
@@ -387,14 +416,17 @@ class _SchedulerSide:
             logger.error("request %s is not pushed: %s", rid, err)
             return False, None
         blocks = _real_tail(self.clip(self._prompt_blocks(block_ids, request.num_prompt_tokens)))
-        out = self._transfer_params(rid, params)
+        fingerprint = _fingerprint(request)
+        out = self._transfer_params(rid, params, fingerprint)
         if not any(blocks):
             return False, out
         decode = params.get("decode_engine_id")
         if decode is not None and (not isinstance(decode, str) or not decode):
             logger.warning("request %s: ignoring kv_transfer_params['decode_engine_id']=%r", rid, decode)
             decode = None
-        self._send[rid] = SendItem(block_ids=blocks, match_key=key, decode_engine_id=decode)
+        self._send[rid] = SendItem(
+            block_ids=blocks, match_key=key, decode_engine_id=decode, prompt_fingerprint=fingerprint
+        )
         self.sending.add(rid)
         return True, out
 
@@ -410,8 +442,9 @@ class _SchedulerSide:
             out.append(list(ids)[: -(-num_prompt_tokens // size)])
         return out
 
-    def _transfer_params(self, rid: str, params: dict[str, Any]) -> dict[str, Any]:
-        """What a router forwards to D: P's coordinates and the pairing key."""
+    def _transfer_params(self, rid: str, params: dict[str, Any], fingerprint: str | None) -> dict[str, Any]:
+        """What a router forwards to D: P's coordinates, the pairing key and P's prompt
+        fingerprint (D checks it against its own prompt)."""
         parallel = self.vllm_config.parallel_config
         out = {
             "do_remote_prefill": True,
@@ -426,6 +459,8 @@ class _SchedulerSide:
         }
         if params.get("transfer_id"):
             out["transfer_id"] = params["transfer_id"]
+        if fingerprint is not None:
+            out["prompt_fingerprint"] = fingerprint
         return out
 
     def build_connector_meta(self) -> KvpushConnectorMetadata:
@@ -601,7 +636,12 @@ class _WorkerSide:
                 bind = {"decode_engine_id": item.decode_engine_id} if item.decode_engine_id else {}
                 try:
                     engine.request_finished(
-                        rid, self.kernel_ids(item.block_ids), match_key=item.match_key, ready=ready, **bind
+                        rid,
+                        self.kernel_ids(item.block_ids),
+                        match_key=item.match_key,
+                        ready=ready,
+                        prompt_fingerprint=item.prompt_fingerprint,
+                        **bind,
                     )
                 except Exception as err:  # e.g. a transfer_id already in use: release, go on
                     logger.error("kvpush cannot push request %s (its blocks are released): %s", rid, err)

@@ -234,25 +234,53 @@ def test_d_abort_after_its_receive_failed_still_waits_for_the_release(engines: A
     assert p_id in p.finished_sending
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pairing is by key alone: a key reused for another prompt pairs D with another request's KV",
-)
 def test_a_key_reused_for_another_prompt_is_not_received_as_this_prompts_kv(
     engines: Any, llama_dir: str
 ) -> None:
     """A router that reuses a transfer_id (or an X-Request-Id, without transfer_id) for a different
-    prompt: D's registration pairs with P's push of the other prompt, and D reports the KV received.
-    It should fail (or time out) instead: nothing in the match says which prompt the KV is of."""
+    prompt: by the key alone D's registration would pair with P's push of the other prompt and D
+    would report that KV received. Each leg fingerprints its own prompt, so P refuses: both legs
+    fail at once (long before D's registration timeout), nothing is written into D's blocks."""
     p = engines(llama_dir, "kv_producer")
     d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 5})
     model = PrefillModel()
     p_tokens, d_tokens = prompt(72, 40), prompt(73, 40)
     p_id, d_id = f"cmpl-reuse-0-{suffix()}", f"cmpl-reuse-0-{suffix()}"
+    before = d.workers[0].call("snapshot")
+    started = time.monotonic()
     p.add(make_request(p_id, p_tokens, 1, {"do_remote_decode": True, "transfer_id": "xfer-reused"}))
     d.add(make_request(d_id, d_tokens, 3, d_params(p, transfer_id="xfer-reused")))
     run_until([p, d], lambda: d_id in d.finished_recving, f"D to hear of {d_id}", kv_producer=model)
     received = d_id not in d.failed_recving
     problems = d.workers[0].call("verify", tokens=d_tokens, block_ids=d.block_ids(d_id)) if received else []
+    assert not received, f"D took another prompt's KV as its own: {problems[:2]}"
+    assert time.monotonic() - started < 5, "D learnt of it only at its registration timeout"
+    assert d.workers[0].call("changed_blocks", before=before) == set()
     drain(p, d, model)
-    assert not received or not problems, f"D took another prompt's KV as its own: {problems[:2]}"
+    assert p_id in p.finished_sending
+
+
+def test_d_given_another_prompts_p_params_fails_before_registering(engines: Any, llama_dir: str) -> None:
+    """P returns its prompt's fingerprint in kv_transfer_params; a router that forwards them to a
+    D request of another prompt makes D fail that request at once (it never registers with P),
+    while the request they were returned for is received as usual."""
+    from kvpush.engine import prompt_fingerprint
+
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 5})
+    model = PrefillModel()
+    tokens = prompt(74, 40)
+    p_id, d_id = dispatch(p, d, "cmpl-fwd-0", tokens, transfer_id="xfer-fwd-0")
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to receive {d_id}", kv_producer=model)
+    assert d_id not in d.failed_recving
+    verify(d, d_id, tokens)
+    returned = p.kv_transfer_params(p_id)
+    assert returned is not None and returned["prompt_fingerprint"] == prompt_fingerprint(tokens)
+    other = f"cmpl-fwd-1-{suffix()}"
+    forwarded = {**returned, "do_remote_prefill": True, "do_remote_decode": False}
+    regs_before = d.stats.get("push_regs_sent", 0)
+    d.add(make_request(other, prompt(75, 40), 3, forwarded))
+    run_until([p, d], lambda: other in d.finished_recving, f"D to fail {other}", kv_producer=model)
+    assert other in d.failed_recving
+    assert d.stats.get("push_regs_sent", 0) == regs_before
+    drain(p, d, model)

@@ -345,13 +345,26 @@ def test_many_requests_with_aborts_and_shared_prefixes(engines: Any, llama_dir: 
 
 
 def test_a_transfer_id_reused_by_the_router_does_not_stop_the_engines(engines: Any, llama_dir: str) -> None:
-    """Two requests given the same transfer_id: kvpush refuses the second push (its blocks are
-    released), the engines keep stepping, and every request ends (one D request times out)."""
+    """Two requests (two prompts) given the same transfer_id: kvpush refuses the second push (its
+    blocks are released) and, by the prompt fingerprints, never pairs the first push with the
+    second prompt's D request; the engines keep stepping and every request ends. A D request
+    received holds its own prompt's KV; the other fails (at once, or at its timeout)."""
     p = engines(llama_dir, "kv_producer")
     d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 5})
     model = PrefillModel()
-    first = dispatch(p, d, "cmpl-dup-0", prompt(11, 40), transfer_id="xfer-dup")
-    second = dispatch(p, d, "cmpl-dup-1", prompt(12, 40), transfer_id="xfer-dup")
+    tokens = {"cmpl-dup-0": prompt(11, 40), "cmpl-dup-1": prompt(12, 40)}
+    first = dispatch(p, d, "cmpl-dup-0", tokens["cmpl-dup-0"], transfer_id="xfer-dup")
+    second = dispatch(p, d, "cmpl-dup-1", tokens["cmpl-dup-1"], transfer_id="xfer-dup")
+    pairs = [(first[1], tokens["cmpl-dup-0"]), (second[1], tokens["cmpl-dup-1"])]
+    run_until(
+        [p, d],
+        lambda: all(d_id in d.finished_recving for d_id, _ in pairs),
+        "both D requests to end",
+        kv_producer=model,
+    )
+    for d_id, own in pairs:
+        if d_id not in d.failed_recving:
+            verify(d, d_id, own)  # received: its own prompt's KV, never the other's
     drain(p, d, model)
     assert {first[0], second[0]} <= p.finished_sending
     reasons = sorted(str(d.finish_reason(d_id)) for _, d_id in (first, second))
