@@ -230,6 +230,24 @@ def test_two_prompts_registered_on_one_rank_before_the_finish_both_fail() -> Non
     assert [r.outcome for r in reports(out)] == ["failed"]
 
 
+def test_the_engine_the_router_bound_is_checked_at_the_finish_too() -> None:
+    """Before the finish, engine D2 registered first (a tentative binding) and D, the engine the
+    router names at the finish, registered for another prompt: P serves D only, and refuses it."""
+    import attrs
+
+    core = make_core()
+    connect(core)
+    other = attrs.evolve(reg("d2-1", fp=A), decode_engine_id="D2", decode_port=5602)
+    core.notification("D2-agent-0", decode(wire.encode_hello(other, 0)), NOW)
+    core.connected("D2", 0, "D2-agent-0", "d1", 1, "", NOW)
+    core.notification("D2-agent-0", decode(wire.encode_push_reg(other)), NOW)
+    register(core, reg("d-1", fp=B))  # a candidate: the key is tentatively D2's
+    out = core.finished("x-1", "p-1", ((5,),), "D", NOW, fingerprint=A)
+    assert posts(out) == []
+    assert_prompts_differ(fails(out)[(agent(0), "d-1")].reason)
+    assert [r.outcome for r in reports(out)] == ["failed"]
+
+
 def test_a_wrong_registration_from_a_rank_p_has_not_loaded_is_answered_once_loaded() -> None:
     core = make_core()
     core.finished("x-1", "p-1", ((5,),), "", NOW, fingerprint=A)
