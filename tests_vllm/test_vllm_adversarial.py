@@ -234,19 +234,20 @@ def test_d_abort_after_its_receive_failed_still_waits_for_the_release(engines: A
     assert p_id in p.finished_sending
 
 
+@pytest.mark.parametrize("decode_tp", [1, 2])
 def test_a_key_reused_for_another_prompt_is_not_received_as_this_prompts_kv(
-    engines: Any, llama_dir: str
+    engines: Any, llama_dir: str, decode_tp: int
 ) -> None:
     """A router that reuses a transfer_id (or an X-Request-Id, without transfer_id) for a different
     prompt: by the key alone D's registration would pair with P's push of the other prompt and D
     would report that KV received. Each leg fingerprints its own prompt, so P refuses: both legs
     fail at once (long before D's registration timeout), nothing is written into D's blocks."""
     p = engines(llama_dir, "kv_producer")
-    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 5})
+    d = engines(llama_dir, "kv_consumer", tp=decode_tp, extra={"push_registration_timeout": 5})
     model = PrefillModel()
     p_tokens, d_tokens = prompt(72, 40), prompt(73, 40)
     p_id, d_id = f"cmpl-reuse-0-{suffix()}", f"cmpl-reuse-0-{suffix()}"
-    before = d.workers[0].call("snapshot")
+    before = [worker.call("snapshot") for worker in d.workers]
     started = time.monotonic()
     p.add(make_request(p_id, p_tokens, 1, {"do_remote_decode": True, "transfer_id": "xfer-reused"}))
     d.add(make_request(d_id, d_tokens, 3, d_params(p, transfer_id="xfer-reused")))
@@ -255,7 +256,8 @@ def test_a_key_reused_for_another_prompt_is_not_received_as_this_prompts_kv(
     problems = d.workers[0].call("verify", tokens=d_tokens, block_ids=d.block_ids(d_id)) if received else []
     assert not received, f"D took another prompt's KV as its own: {problems[:2]}"
     assert time.monotonic() - started < 5, "D learnt of it only at its registration timeout"
-    assert d.workers[0].call("changed_blocks", before=before) == set()
+    for worker, snapshot in zip(d.workers, before, strict=True):
+        assert worker.call("changed_blocks", before=snapshot) == set(), f"D rank {worker.rank} written"
     drain(p, d, model)
     assert p_id in p.finished_sending
 
