@@ -7,6 +7,7 @@ returns a list of these actions, which the driver (:mod:`kvpush.core.sender`,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -64,6 +65,17 @@ class Report:
     reason: str = ""
     key: str = ""
     """P: the match key the request was pushed under."""
+
+
+@attrs.frozen
+class ProbeExit:
+    """D: check whether these producer processes of a held request have exited (their kernel
+    copies ended with them); the driver answers ``DecodeCore.producers_exited`` with those that
+    have (:func:`kvpush.core.process_identity.has_exited`)."""
+
+    request_id: str
+    processes: tuple[tuple[str, Mapping[str, Any]], ...]
+    """``(agent, process identity)`` pairs."""
 
 
 @attrs.frozen

@@ -24,19 +24,33 @@ The rules it keeps (docs/reliability.md):
   fenced at once; a silent one once ``last grant + fresh_s + P's WRITE deadline`` (+ a margin) has
   passed, when P may not post any more. A timer alone never releases blocks: TCP keeps a
   partitioned sender's bytes for minutes and delivers them when the network returns.
+- **Copies no fence stops.** A P whose transport copies with kernels (``cuda_ipc``) publishes
+  ``writes_abortable: false``: neither its WRITE deadline nor D's fence stops a launched copy.
+  Such a producer's requests are held, not fenced: their blocks go back only once it
+  acknowledged (P keeps waiting for an overdue copy and answers when it ended).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
 
 from kvpush.core import notifications as wire
-from kvpush.core.actions import Connect, DropPeer, Fence, FreeStaging, Release, Report, Scatter, Send
+from kvpush.core.actions import (
+    Connect,
+    DropPeer,
+    Fence,
+    FreeStaging,
+    ProbeExit,
+    Release,
+    Report,
+    Scatter,
+    Send,
+)
 from kvpush.core.deadlines import Deadlines, RateLimit, RecentIds
 from kvpush.core.types import Notification, NotificationKind, PushRegistration, RankKey, RequestMetadata
 
@@ -85,6 +99,12 @@ class ProducerInfo:
     """Incarnation of each producer agent (every P rank process has its own)."""
     write_deadline_s: float
     """P's bound on a WRITE in flight (published by P)."""
+    writes_abortable: bool = True
+    """False when P's WRITEs may be kernel copies that neither P's deadline nor a fence stops
+    (published by P; the receiver reads a P that does not say as False)."""
+    processes: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    """Process identity of each producer agent (published by P; empty when it does not say):
+    what D checks to learn that a process whose copies no fence stops has exited."""
 
 
 class _EngineState(enum.Enum):
@@ -153,7 +173,13 @@ class _Receive:
     """The expected producers' agents (from the handshake), for the DONE hot path."""
     prefill_tp: int = 0
     write_deadline_s: float = 0.0
+    writes_abortable: bool = True
+    """From P's handshake: False when a fence does not stop P's WRITEs (kernel copies)."""
     """P's published WRITE deadline (the quarantine bound needs it after P is gone)."""
+    processes: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    """The producers' process identities (from the handshake), checked while held."""
+    held: bool = False
+    """Quarantined past its end, waiting for a producer whose copies no fence stops."""
     unknown_strikes: int = 0
     """Heartbeat answers in which a producer said it never heard of the request."""
     reason: str = ""
@@ -206,6 +232,7 @@ class DecodeCore:
             "cancels": 0,
             "cancel_acks": 0,
             "quarantine_expiries": 0,
+            "held_for_kernel_copies": 0,
             "heartbeats_sent": 0,
             "keepalives_sent": 0,
             "dead_peers": 0,
@@ -261,15 +288,8 @@ class DecodeCore:
         receive = _Receive(meta=request, key=params.match_key, engine_id=params.remote_engine_id)
         self._requests[rid] = receive
         self._timers.arm(("watchdog", rid), now + self.s.request_timeout_s)
-        engine = self._engines.get(params.remote_engine_id)
-        out: list[Any] = []
-        retry = engine is not None and engine.state is _EngineState.FAILED and engine.info is None
-        if engine is None or (retry and now >= self._retry_at(engine)):
-            failures = engine.failures if engine is not None else 0
-            engine = _Producer(params.remote_engine_id, params.remote_host, params.remote_port)
-            engine.failures = failures
-            self._engines[engine.engine_id] = engine
-            out.append(Connect(engine.engine_id, engine.host, engine.port))
+        out = self._engine_wanted(request, now)
+        engine = self._engines[params.remote_engine_id]
         engine.requests.add(rid)
         if engine.state is _EngineState.FAILED:
             return out + self._close(
@@ -279,6 +299,20 @@ class DecodeCore:
             return out + self._register(rid, now)
         engine.waiting.append(rid)
         return out
+
+    def _engine_wanted(self, request: RequestMetadata, now: float) -> list[Any]:
+        """Make sure ``request``'s P engine is known; a failed one is handshaken afresh once its
+        backoff passed (its failure count carries over)."""
+        params = request.params
+        engine = self._engines.get(params.remote_engine_id)
+        retry = engine is not None and engine.state is _EngineState.FAILED and engine.info is None
+        if engine is not None and not (retry and now >= self._retry_at(engine)):
+            return []
+        failures = engine.failures if engine is not None else 0
+        engine = _Producer(params.remote_engine_id, params.remote_host, params.remote_port)
+        engine.failures = failures
+        self._engines[engine.engine_id] = engine
+        return [Connect(engine.engine_id, engine.host, engine.port)]
 
     def cancel(self, request_id: str, now: float) -> list[Any]:
         """The engine aborts ``request_id``; reported in ``cancelled`` once its blocks are free."""
@@ -325,8 +359,10 @@ class DecodeCore:
                 if restarted:
                     # The old processes are gone, but bytes their kernels queued may still be on
                     # the way (TCP delivers them after the process died): fence before release.
-                    receive.unsettled |= receive.expected - receive.settled
-                    receive.settled |= receive.expected
+                    # Copies no fence stops are held until the old process is seen to have exited.
+                    if receive.writes_abortable:
+                        receive.unsettled |= receive.expected - receive.settled
+                        receive.settled |= receive.expected
                     out += self._close(
                         rid, f"P engine {engine_id!r} restarted while this rank reconnected", now
                     )
@@ -465,6 +501,8 @@ class DecodeCore:
         receive.expected = frozenset(info.agents)
         receive.agents, receive.prefill_tp = info.agents, info.prefill_tp
         receive.write_deadline_s = info.write_deadline_s
+        receive.writes_abortable = info.writes_abortable
+        receive.processes = info.processes
         receive.phase = _Phase.REGISTERED
         engine.last_request = now
         if self._reserve_staging is not None:
@@ -620,6 +658,8 @@ class DecodeCore:
         self.stats["quarantine_expiries"] += 1
         silent = receive.expected - receive.settled
         names = ", ".join(str(r) for r in sorted(silent))
+        if not receive.writes_abortable:
+            return self._hold(rid, receive, silent, names, now)
         # P may not post any more (the grant window and its WRITE deadline passed), but a WRITE
         # it posted may still sit in the network: fence P's connections, then release.
         return self._await_fence(
@@ -628,6 +668,57 @@ class DecodeCore:
             silent | receive.unsettled,
             f"no acknowledgement from P rank(s) {names} within the freshness window and P's WRITE deadline",
             now,
+        )
+
+    def _hold(
+        self, rid: str, receive: _Receive, silent: frozenset[RankKey], names: str, now: float
+    ) -> list[Any]:
+        """Keep ``rid``'s blocks until each silent producer acknowledged or its process exited:
+        their copies are kernels no fence stops (``writes_abortable`` false), so releasing on a
+        fence would let a late copy land in blocks the engine reused. Every heartbeat interval
+        the request's cancel goes out again (the first may have been lost; P answers once its
+        copy ended) and the driver checks whether the processes have exited (``ProbeExit``).
+        Counted in ``held_for_kernel_copies``."""
+        if not receive.held:
+            receive.held = True
+            self.stats["held_for_kernel_copies"] += 1
+            if self._warned.allow():
+                logger.warning(
+                    "request %s: no acknowledgement from P rank(s) %s; P's copies cannot be fenced, "
+                    "so its blocks stay held until P acknowledges or its process has exited",
+                    rid,
+                    names,
+                )
+        self._timers.arm(("quarantine", rid), now + self.s.heartbeat_interval_s)
+        silent_agents = sorted({receive.agents[r] for r in silent if r in receive.agents})
+        out: list[Any] = []
+        probes = tuple((a, receive.processes[a]) for a in silent_agents if a in receive.processes)
+        if probes:
+            out.append(ProbeExit(rid, probes))
+        # The cancel needs a connection P accepts it on: a failed engine is handshaken afresh
+        # (P loads this rank again at the HELLO; a restarted P acknowledges a key it never had).
+        out += self._engine_wanted(receive.meta, now)
+        engine = self._engines[receive.engine_id]
+        info = engine.info
+        if info is not None and engine.state is _EngineState.READY:
+            message = wire.encode_cancel(receive.key, self._coordinates(rid, receive), self.s.tp_rank)
+            out += [Send(info.agents[rank], message) for rank in sorted(silent) if rank in info.agents]
+        return out
+
+    def producers_exited(self, rid: str, agents: Iterable[str], now: float) -> list[Any]:
+        """The driver saw these producer processes of held request ``rid`` exit (``ProbeExit``):
+        their copies ended with them. Once every silent producer has, the blocks go back (after
+        a fence, for whatever else their connections carried)."""
+        receive = self._requests.get(rid)
+        if receive is None or not receive.held or receive.fence_id is not None:
+            return []
+        exited = set(agents)
+        silent = receive.expected - receive.settled
+        if any(receive.agents.get(r) not in exited for r in silent):
+            return []
+        names = ", ".join(str(r) for r in sorted(silent))
+        return self._await_fence(
+            rid, receive, silent | receive.unsettled, f"P rank(s) {names} exited while held", now
         )
 
     def _await_fence(

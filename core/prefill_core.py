@@ -16,7 +16,9 @@ The rules it keeps (docs/reliability.md):
   ``confirm_post`` checks it (and for a cancel) immediately before every post, after the driver
   drained notifications; a stale registration makes P ask D for a fresh grant (``want``).
 - **WRITE deadlines.** A WRITE not settled within ``write_deadline_s`` is aborted, D is told,
-  and D's engine dropped so the next push opens a fresh connection.
+  and D's engine dropped so the next push opens a fresh connection. A WRITE its transport
+  cannot abort (a kernel copy already launched, ``posted(abortable=False)``) is not given up:
+  P waits for it, counts it (``overdue_kernel_writes``) and answers D only once it ended.
 - **One exit.** Every finished prefill is reported exactly once (sent or failed), its state
   deleted in that step; a tombstone answers later messages for the key with FAIL.
 """
@@ -108,6 +110,8 @@ class _DestState:
     error: str = ""
     unsettled: bool = False
     """A WRITE was posted (or a post was attempted) and did not complete: bytes may be on the way."""
+    abortable: bool = True
+    """Whether the transport can take the WRITE back (a launched kernel copy cannot)."""
 
 
 @attrs.define(eq=False)
@@ -196,6 +200,7 @@ class PrefillCore:
             "heartbeat_renewals": 0,
             "stale_registrations": 0,
             "write_deadline_expiries": 0,
+            "overdue_kernel_writes": 0,
             "dead_engines": 0,
             "connects_deferred": 0,
             "prompt_mismatches": 0,
@@ -311,9 +316,16 @@ class PrefillCore:
             return []
         return self._fail_request(request, "aborted by the prefill engine", now)
 
-    def fail(self, key: str, reason: str, now: float) -> list[Any]:
-        """Fail whatever P holds for ``key`` (the driver caught an error while handling it)."""
+    def fail(self, key: str, reason: str, now: float, *, request_id: str | None = None) -> list[Any]:
+        """Fail whatever P holds for ``key`` (the driver caught an error while handling it).
+        ``request_id``: the engine's prefill the error came with (a finish): it is reported
+        failed even when the error struck before this core recorded it, and the key ends as a
+        failure, so D's registrations for it are answered with FAIL, not left to time out."""
         request = self._requests.get(key)
+        if request_id is not None and (request is None or request.blocks is None):
+            if request is None:
+                request = self._requests[key] = _Request(key=key)
+            request.request_id, request.blocks = request_id, ()
         if request is None:
             return []
         return self._fail_request(request, reason, now)
@@ -877,11 +889,16 @@ class PrefillCore:
             return []
         return self._want(engine, entry.agent, [key], now)
 
-    def posted(self, key: str, rank: int, handles: Sequence[Any], nbytes: int, now: float) -> list[Any]:
+    def posted(
+        self, key: str, rank: int, handles: Sequence[Any], nbytes: int, now: float, *, abortable: bool = True
+    ) -> list[Any]:
+        """The driver posted the WRITE(s); ``abortable``: False when its transport cannot take
+        them back once posted (a kernel copy), so the WRITE deadline waits instead of aborting."""
         request = self._requests[key]
         assert request.dests is not None
         dest = request.dests[rank]
         dest.state, dest.handles, dest.bytes = _Dest.INFLIGHT, set(handles), nbytes
+        dest.abortable = abortable
         self.stats["writes"] += len(dest.handles)
         engine = self._engines.get(request.engine_id)
         if engine is not None:
@@ -1039,6 +1056,22 @@ class PrefillCore:
         assert request.dests is not None
         dest = request.dests[rank]
         if dest.state is not _Dest.INFLIGHT:
+            return []
+        if not dest.abortable:
+            # Aborting would only be a claim: the launched copy runs on, and D, told the WRITE
+            # ended, would fence a connection that does not carry it and release the blocks
+            # under it. P keeps polling; D's own watchdog fails the request for its engine and
+            # holds the blocks until this WRITE's end is acknowledged.
+            self.stats["overdue_kernel_writes"] += 1
+            if self._warned.allow():
+                logger.warning(
+                    "a copy to D rank %d for %r has not completed after %gs; it cannot be aborted "
+                    "once launched, so P keeps waiting for it (the device may be stalled)",
+                    rank,
+                    request.key,
+                    self.s.write_deadline_s,
+                )
+            self._timers.arm(("write", request.key, rank), now + self.s.write_deadline_s)
             return []
         self.stats["write_deadline_expiries"] += 1
         handles = tuple(dest.handles)

@@ -17,16 +17,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import attrs
 
-from kvpush.core.actions import Connect, DropPeer, Fence, FreeStaging, Release, Report, Scatter, Send
+from kvpush.core.actions import (
+    Connect,
+    DropPeer,
+    Fence,
+    FreeStaging,
+    ProbeExit,
+    Release,
+    Report,
+    Scatter,
+    Send,
+)
 from kvpush.core.decode_core import DecodeCore, DecodeSettings, ProducerInfo
 from kvpush.core.errors import ConfigError, HandshakeError, WaitTimeout
 from kvpush.core.peers import PeerEngine
+from kvpush.core.process_identity import has_exited
 from kvpush.core.types import (
     AgentMetadata,
     BlockIdsLike,
@@ -37,7 +48,7 @@ from kvpush.core.types import (
     TransferParams,
     read_only,
 )
-from kvpush.core.worker import WRITE_DEADLINE_KEY, RankWorker, lease_clock
+from kvpush.core.worker import PROCESS_KEY, WRITE_DEADLINE_KEY, WRITES_ABORTABLE_KEY, RankWorker, lease_clock
 
 logger = logging.getLogger(__name__)
 
@@ -272,6 +283,10 @@ class PushReceiver(RankWorker):
             self.peers.remove(action.engine_id)
         elif isinstance(action, Fence):
             self._fence(action)
+        elif isinstance(action, ProbeExit):
+            exited = [agent for agent, identity in action.processes if has_exited(identity)]
+            if exited:
+                self._execute(self.core.producers_exited(action.request_id, exited, lease_clock()))
         else:
             raise TypeError(f"unknown action {action!r}")
 
@@ -339,7 +354,25 @@ class PushReceiver(RankWorker):
             agents={r: engine.ranks[r].agent for r in wanted},
             incarnations={engine.ranks[r].agent: engine.ranks[r].meta.incarnation for r in wanted},
             write_deadline_s=float(deadline),
+            writes_abortable=self._writes_abortable(
+                first.extensions, [engine.ranks[r].agent for r in wanted]
+            ),
+            processes={
+                engine.ranks[r].agent: identity
+                for r in wanted
+                if isinstance(identity := engine.ranks[r].meta.extensions.get(PROCESS_KEY), Mapping)
+            },
         )
+
+    def _writes_abortable(self, extensions: Mapping[str, Any], agents: Iterable[str]) -> bool:
+        """Whether a fence stops every WRITE of these producers: yes when P says so, or when
+        this rank's transport can tell none of its agents may copy into this process (another
+        host). Otherwise (P says no, or does not say) its failed requests' blocks are held until
+        it acknowledges or its process exited, never released on a fence alone."""
+        if extensions.get(WRITES_ABORTABLE_KEY) is True:
+            return True
+        may_copy_in = getattr(self.transport, "may_copy_in", None)
+        return may_copy_in is not None and not any(may_copy_in(agent) for agent in agents)
 
     # ------------------------------------------------------------------ packed strategy
 

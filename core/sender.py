@@ -206,7 +206,7 @@ class PushSender(RankWorker):
     def _finished(self, finished: _Finished) -> None:
         """A prefill finished: to the core now, or once its ``ready`` says the KV is written."""
         if finished.ready is None:
-            self._guarded(finished.key, finished.to_core(self.core))
+            self._guarded(finished.key, finished.to_core(self.core), finished.request_id)
             return
         self._unready[finished.key] = (finished, lease_clock())
         self._check_ready(lease_clock())
@@ -237,7 +237,7 @@ class PushSender(RankWorker):
             if failure:
                 self._end_unready(finished, lambda now, k=key, why=failure: self.core.fail(k, why, now))
             else:
-                self._guarded(key, finished.to_core(self.core))
+                self._guarded(key, finished.to_core(self.core), finished.request_id)
 
     def _slow_ready(self, took: float) -> None:
         """A ``ready.query()`` that blocked: every post and poll of this rank waited for it."""
@@ -257,7 +257,7 @@ class PushSender(RankWorker):
         abort), so D is told as for any other failure. Any post the core asks for meanwhile is
         refused by ``confirm_post`` (the request has failed by then)."""
         start = finished.to_core(self.core)
-        self._guarded(finished.key, lambda now: start(now) + ending(now))
+        self._guarded(finished.key, lambda now: start(now) + ending(now), finished.request_id)
 
     def _abort(self, key: str) -> None:
         unready = self._unready.pop(key, None)
@@ -266,15 +266,18 @@ class PushSender(RankWorker):
             return
         self._guarded(key, lambda now: self.core.abort(key, now))
 
-    def _guarded(self, key: str, event: Any) -> None:
-        """Run one core event and its actions; any exception fails ``key``'s request only."""
+    def _guarded(self, key: str, event: Any, request_id: str | None = None) -> None:
+        """Run one core event and its actions; any exception fails ``key``'s request only
+        (``request_id``: the finished prefill the event carries, reported failed even when the
+        error struck before the core recorded it)."""
         assert self.core is not None
         now = lease_clock()
         try:
             actions = event(now)
         except Exception as err:
             logger.exception("handling an event of %s failed", key)
-            actions = self.core.fail(key, f"internal error: {type(err).__name__}: {err}", now)
+            reason = f"internal error: {type(err).__name__}: {err}"
+            actions = self.core.fail(key, reason, now, request_id=request_id)
         self._execute(actions)
 
     def _on_notification(self, peer: str, notification: Notification) -> None:
@@ -401,7 +404,10 @@ class PushSender(RankWorker):
             self._execute(self.core.post_failed(post.key, post.dst, reason, lease_clock(), maybe_sent=sent))
             return
         self._fresh_until = time.monotonic() + FRESH_WINDOW_S
-        self._execute(self.core.posted(post.key, post.dst, handles, nbytes, lease_clock()))
+        abortable = getattr(self.transport, "abortable", None)  # optional: kernel copies are not
+        can_abort = abortable is None or all(abortable(handle) for handle in handles)
+        now = lease_clock()
+        self._execute(self.core.posted(post.key, post.dst, handles, nbytes, now, abortable=can_abort))
 
     def _post_writes(self, post: Post) -> tuple[list[Any], int]:
         assert self.transport is not None and self.peers is not None and self.metadata is not None

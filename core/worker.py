@@ -26,6 +26,7 @@ from kvpush.core.errors import ConfigError, WaitTimeout, WireError
 from kvpush.core.manager import KvpushPluginManager, get_plugin_manager
 from kvpush.core.peers import PeerRegistry
 from kvpush.core.planning import region_descriptors
+from kvpush.core.process_identity import this_process
 from kvpush.core.transport import Transport, TransportConfig
 from kvpush.core.types import (
     AgentMetadata,
@@ -246,7 +247,12 @@ class RankWorker:
             regions=regions,
             incarnation=self.incarnation,
         )
-        core_fields = {WRITE_DEADLINE_KEY: self.config.write_deadline_s, **staging}
+        core_fields = {
+            WRITE_DEADLINE_KEY: self.config.write_deadline_s,
+            WRITES_ABORTABLE_KEY: bool(getattr(self.transport, "writes_abortable", True)),
+            PROCESS_KEY: this_process(),
+            **staging,
+        }
         self.metadata = attrs.evolve(meta, extensions={**self.pm.metadata_extensions(meta), **core_fields})
         self.peers = PeerRegistry(
             pm=self.pm,
@@ -556,3 +562,11 @@ FRESH_WINDOW_S = 2e-3
 
 WRITE_DEADLINE_KEY = "write_deadline_s"
 """Metadata extension where a P rank publishes its WRITE deadline (D's quarantine needs it)."""
+WRITES_ABORTABLE_KEY = "writes_abortable"
+"""Metadata extension where a rank says whether its transport can take back a posted WRITE
+(False for kernel copies, ``cuda_ipc``): D holds such a P's failed requests until it
+acknowledges or its process exited, instead of fencing and releasing (a fence does not stop a
+launched copy)."""
+PROCESS_KEY = "process"
+"""Metadata extension with the rank's process identity (:func:`kvpush.core.process_identity.this_process`):
+a D on the same host can tell when the process that could launch a copy has exited."""

@@ -41,6 +41,37 @@ def test_a_plugin_raising_zero_division_fails_that_request_only() -> None:
         assert cluster.senders[P0].core.state_sizes()["requests"] == 0
 
 
+@pytest.mark.parametrize("decode_first", [True, False])
+def test_a_finish_that_raises_before_the_core_recorded_it_is_still_reported(decode_first: bool) -> None:
+    """The core's finish raising before it recorded the key left nothing for ``core.fail`` to
+    fail: P's engine never heard of its prefill (its blocks held for ever) and D waited for
+    its timeout. Now the prefill is reported failed and the key ends as a failure, so D's
+    registration (sent before or after) is answered with FAIL."""
+    with Cluster(request_timeout_s=60) as cluster:
+        core = cluster.senders[P0].core
+        finished = core.finished
+
+        def raising(key, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if key == "x-bad":
+                raise ZeroDivisionError("division by zero")
+            return finished(key, *args, **kwargs)
+
+        core.finished = raising
+        if decode_first:
+            cluster.add("bad", [[13]], "x-bad")
+        cluster.finish("p-bad", [[1]], "x-bad")
+        assert "ZeroDivisionError" in cluster.wait_prefill("p-bad")[P0]
+        if not decode_first:
+            cluster.add("bad", [[13]], "x-bad")
+        reason = cluster.wait_decode("bad", timeout_s=5)[0]
+        assert reason is not None and "ZeroDivisionError" in reason
+        cluster.wait_released("bad")
+        cluster.add("good", [[20, 21]], "x-good")
+        cluster.finish("p-good", [[2, 3]], "x-good")
+        assert cluster.wait_decode("good") == {0: None}
+        assert_pushed(cluster, [2, 3], [20, 21])
+
+
 def test_planning_failure_and_a_good_request_to_the_same_unconnected_decode() -> None:
     """The concrete trigger on the old main: a planning failure's notif-only handshake merged
     with a good request's full handshake, and the good request was lost."""

@@ -51,6 +51,7 @@ from kvpush.core.actions import (
     Fence,
     FreeStaging,
     Post,
+    ProbeExit,
     Release,
     Report,
     Scatter,
@@ -206,6 +207,10 @@ class Request:
 
 class CoreCluster(RuleBasedStateMachine):
     """One P engine (PP x TP PrefillCores) and one D engine (TP DecodeCores)."""
+
+    kernel_copies = False
+    """P's WRITEs are kernel copies (``cuda_ipc``): neither P's abort nor D's fence stops a
+    pending one; only P's process dying does (its CUDA context goes with it)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -418,9 +423,17 @@ class CoreCluster(RuleBasedStateMachine):
                 # nothing sent before can land; the confirmation comes later (confirm_fence).
                 d.registry.pop(action.engine_id, None)
                 for w in self.writes.values():
-                    if w.state == "pending" and w.p.agent in action.agents and w.target == (d.agent, d.inc):
+                    in_flight = w.state == "pending" and w.target == (d.agent, d.inc)
+                    # A fence does not stop a launched kernel copy.
+                    if in_flight and w.p.agent in action.agents and not self.kernel_copies:
                         w.state = "fenced"
                 self.fences.append((d, action.fence_id))
+            elif isinstance(action, ProbeExit):
+                # What /proc shows on the shared host: a process that died or was replaced is gone.
+                running = {p.inc for p in self.live_p()}
+                exited = [agent for agent, process in action.processes if process["inc"] not in running]
+                if exited:
+                    self._run_d(d, d.core.producers_exited(action.request_id, exited, self.now(d)))
             else:
                 raise Violation(f"D emitted an unknown action {action!r}")
         # A cancelled request reports after its Release within one batch; check the pair here.
@@ -595,7 +608,9 @@ class CoreCluster(RuleBasedStateMachine):
                 notif=wire.encode_done(reg.request_id, p.rank, self.p_tp, manifest),
             )
             handles.append(handle)
-        self._run_p(p, core.posted(post.key, post.dst, handles, len(blocks), now))
+        self._run_p(
+            p, core.posted(post.key, post.dst, handles, len(blocks), now, abortable=not self.kernel_copies)
+        )
 
     @precondition(lambda self: any(w.state == "pending" for w in self.writes.values()))
     @rule(i=IDX, ok=st.sampled_from([True] * 4 + [False]))
@@ -728,6 +743,8 @@ class CoreCluster(RuleBasedStateMachine):
             agents={r: p.agent for r, p in live.items()},
             incarnations={p.agent: p.inc for p in live.values()},
             write_deadline_s=WRITE_DEADLINE_S,
+            writes_abortable=not self.kernel_copies,
+            processes={p.agent: {"inc": p.inc} for p in live.values()},
         )
         self._run_d(proc, proc.core.connected(action.engine_id, info, "", now))
 
@@ -768,6 +785,10 @@ class CoreCluster(RuleBasedStateMachine):
             p = ps[j % len(ps)]
             p.alive = False
             # Its pending WRITEs stay pending: its kernel may still deliver what it queued.
+            # Kernel copies end with the process (its CUDA context is destroyed).
+            for w in self.writes.values() if self.kernel_copies else ():
+                if w.p is p and w.state == "pending":
+                    w.state = "failed"
             if kind != "prefill_rank_dies":  # same agent name, new incarnation
                 behind = kind == "prefill_rank_restarts_behind"  # another host: its clock is behind
                 self.p_procs.append(self._new_p(p.rank, offset=0.0 if behind else p.offset + 7.0))
@@ -918,6 +939,36 @@ TestCoreCluster = CoreCluster.TestCase
 TestCoreCluster = pytest.mark.timeout(600)(TestCoreCluster)
 
 
+class KernelCopyCluster(CoreCluster):
+    """The same protocol with P's WRITEs as kernel copies (``cuda_ipc``): no bytes may land in
+    released blocks although neither P's abort nor D's fence stops a copy."""
+
+    kernel_copies = True
+
+    def teardown(self) -> None:
+        """A held request needs an answer from each of its live producers, over a connection
+        D can only make to a whole P engine: an operator restarts the P ranks that died (the
+        probe sees the old processes gone), then everything must drain."""
+        if self.ready:
+            alive = {p.rank for p in self.live_p()}
+            for p in list(self.p_procs):
+                if not p.alive and p.rank not in alive:
+                    self.p_procs.append(self._new_p(p.rank, offset=p.offset + 11.0))
+                    alive.add(p.rank)
+        super().teardown()
+
+
+KernelCopyCluster.TestCase.settings = settings(
+    max_examples=max(50, EXAMPLES // 4),
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=not os.environ.get("KVPUSH_CORE_RANDOM"),
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestKernelCopyCluster = pytest.mark.timeout(600)(KernelCopyCluster.TestCase)
+
+
 # ------------------------------------------------------------------------------ regressions
 # Minimal sequences found while building the machine above, replayed on the same harness.
 
@@ -990,9 +1041,12 @@ def test_shrunk_heartbeat_before_push_reg() -> None:
 # Paths the random walk reaches only for some seeds, pinned so CI always covers them.
 
 
-def _pushing(topology: tuple[int, int, int] = (1, 1, 1)) -> tuple[CoreCluster, DReq]:
+def _pushing(
+    topology: tuple[int, int, int] = (1, 1, 1), kernel_copies: bool = False
+) -> tuple[CoreCluster, DReq]:
     """One request registered on every D rank, finished on P, its WRITEs posted and in flight."""
     machine = CoreCluster()
+    machine.kernel_copies = kernel_copies
     machine.start(topology=topology)
     machine.new_request(nblocks=2, first_rank_only=False, packed=False, sizes="right")
     machine.pump(rounds=8, stall_writes=True)
@@ -1023,6 +1077,61 @@ def test_a_write_stalled_past_its_deadline_is_aborted_and_d_releases_only_after_
     machine.confirm_fence(i=0)
     assert req.released
     machine.teardown()
+
+
+def test_an_overdue_kernel_copy_is_waited_for_and_d_holds_its_blocks_until_it_ends() -> None:
+    """A launched kernel copy (``cuda_ipc``) cannot be aborted and no fence stops it. P aborting
+    it at its WRITE deadline told D the WRITE ended; D fenced a connection that does not carry
+    it and released the blocks, and the copy landed in them later. Now P waits for the copy,
+    D fails the request for its engine at its own deadline but holds the blocks, and releases
+    them once P acknowledges the copy's end."""
+    machine, req = _pushing(kernel_copies=True)
+    (p,) = machine.p_procs
+    d = machine.d_procs[0]
+    (w,) = machine.writes.values()
+    machine.advance_clock(dt=WRITE_DEADLINE_S + 0.5)
+    assert p.core.stats["overdue_kernel_writes"] == 1 and p.core.stats["write_deadline_expiries"] == 0
+    assert not w.aborted and p.reports == {}
+    for _ in range(40):  # far past D's watchdog and any quarantine
+        machine.advance_clock(dt=5.0)
+        machine.pump(rounds=3, stall_writes=True)
+    assert req.outcomes == ["failed"] and not req.released
+    assert d.core.stats["held_for_kernel_copies"] >= 1 and d.core.stats["fences"] == 0
+    machine._land(w, True)  # the copy ends: D still offers the blocks (checked)
+    machine.pump(rounds=8, stall_writes=False)
+    assert req.released and len(p.reports[req.key]) == 1
+    machine.teardown()
+
+
+@pytest.mark.parametrize("fault", ["prefill_rank_dies", "prefill_rank_restarts"])
+def test_a_held_request_goes_back_once_the_process_that_could_copy_has_exited(fault: str) -> None:
+    """Found by the machine above: a held request whose P died (or restarted under its name)
+    stayed held for ever, its cancel resent to nobody. The kernel copy ended with the process;
+    D sees it exited (``ProbeExit``: /proc on the shared host) and releases after a fence."""
+    machine, req = _pushing(kernel_copies=True)
+    d = machine.d_procs[0]
+    machine.advance_clock(dt=WRITE_DEADLINE_S + 0.5)
+    machine.fault(kind=fault, i=0, j=0)  # the copy ends with the process
+    for _ in range(40):
+        machine.advance_clock(dt=5.0)
+        machine.pump(rounds=3, stall_writes=True)
+        if req.released:
+            break
+    assert req.outcomes == ["failed"] and req.released
+    assert d.core.stats["held_for_kernel_copies"] == 1 and d.core.stats["fences"] >= 1
+    machine.teardown()
+
+
+def test_a_held_request_of_a_live_p_stays_held_however_long_it_is_silent() -> None:
+    """No timer releases a held request: P's process runs (its copy may too), so the blocks
+    stay while the probe says so, however many heartbeats pass (D even declares P dead)."""
+    machine, req = _pushing(kernel_copies=True)
+    (p,) = machine.p_procs
+    d = machine.d_procs[0]
+    for _ in range(60):  # 300 s in which nothing is delivered: P is partitioned from D
+        machine.advance_clock(dt=5.0)
+    assert req.outcomes == ["failed"] and not req.released and p.alive
+    assert d.core.stats["held_for_kernel_copies"] == 1 and d.core.stats["fences"] == 0
 
 
 def test_a_late_landing_of_an_aborted_write_before_the_fence_is_harmless() -> None:

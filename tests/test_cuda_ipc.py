@@ -88,6 +88,7 @@ def test_host_memory_goes_over_the_inner_transport() -> None:
         assert name == d.agent_name and not p.ipc_peer(name) and not p.all_peers_ipc
         local, remote = p.prepare_local(descs(rs), "DRAM"), p.prepare_remote(name, descs(rd), "DRAM")
         handle = p.post_write(local, np.array([3, 9]), remote, np.array([0, 15]), b"DONE:x")
+        assert p.abortable(handle), "a WRITE of the wrapped transport can be taken back"
         assert p.poll(handle) is TransferState.DONE
         p.release(handle)
         block = rs.block_len
@@ -98,6 +99,20 @@ def test_host_memory_goes_over_the_inner_transport() -> None:
         job = PushJob(local=_meta(p, rs), decode_tp_size=1, local_block_ids=[[1]], remote_block_ids=[[1]])
         spec = ReadSpec(dst_tp_rank=0, local_block_ids=[[1]], remote_block_ids=[[1]])
         assert cuda_ipc.kvpush_transfer_strategy(job=job, spec=spec, num_descriptors=1) is None
+    finally:
+        p.close()
+        d.close()
+
+
+def test_what_a_fence_can_stop_is_published_and_checked() -> None:
+    """With IPC on, P publishes that its WRITEs may be kernel copies no fence stops; a D that
+    loaded it can still tell when it cannot copy in: no device allocations (host memory)."""
+    assert make("nixl").writes_abortable and not make("auto").writes_abortable
+    p, d = make(), make()
+    try:
+        p.register_regions([region(torch.zeros(1024, dtype=torch.uint8), 4)])
+        name = d.load_peer(p.metadata())
+        assert not d.may_copy_in(name) and not d.may_copy_in("never-loaded")
     finally:
         p.close()
         d.close()
@@ -188,6 +203,8 @@ def test_same_process_ipc_copies_scattered_blocks_with_one_kernel() -> None:
         local, remote = p.prepare_local(descs(rs), "VRAM"), p.prepare_remote(name, descs(rd), "VRAM")
         lids, rids = np.array([5, 60, 2, 33]), np.array([0, 7, 63, 20])
         handle = p.post_write(local, lids, remote, rids, b"DONE:y")
+        assert not p.abortable(handle), "a launched kernel copy cannot be taken back"
+        assert d.may_copy_in(d.load_peer(p.metadata())), "P's device memory: it may copy in"
         for _ in range(10_000):
             if p.poll(handle) is TransferState.DONE:
                 break

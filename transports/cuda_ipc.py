@@ -31,7 +31,6 @@ import ctypes
 import json
 import logging
 import os
-import socket
 import struct
 import time
 import weakref
@@ -44,6 +43,7 @@ import numpy as np
 from kvpush.core.errors import ConfigError, TransferError
 from kvpush.core.markers import hookimpl
 from kvpush.core.planning import IdGrid
+from kvpush.core.process_identity import host_identity
 from kvpush.core.transport import TransferState, TransportConfig, TransportCounters
 from kvpush.core.types import KVRegion, MemType, PushJob, ReadSpec, TransportProvider
 
@@ -57,17 +57,7 @@ CUDA_ERROR_ALREADY_MAPPED = 208
 _LIVE: weakref.WeakValueDictionary[str, CudaIpcTransport] = weakref.WeakValueDictionary()
 
 
-# ------------------------------------------------------------------------------ identity
-
-
-def host_identity() -> str:
-    """``hostname/boot id``: equal for two processes that can share CUDA IPC handles."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
+# ------------------------------------------------------------------------------ metadata blob
 
 
 def encode_blob(inner: bytes, info: dict[str, Any]) -> bytes:
@@ -408,13 +398,37 @@ class CudaIpcTransport:
         self.inner.remove_peer(peer)
 
     def fence_peer(self, peer: str) -> None:
-        """Close the peer's IPC handles and fence the wrapped transport's connections. (An IPC
-        copy is a kernel in P's process; it ends with P's WRITE deadline or P's process.)"""
+        """Close the peer's IPC handles and fence the wrapped transport's connections. A copy
+        the peer already launched into this process's memory is a kernel in its process: no
+        fence stops it, and neither does its WRITE deadline (see ``writes_abortable``)."""
         self._close_peer(peer)
         self.inner.fence_peer(peer)
 
     def fenced(self, peer: str) -> bool:
         return bool(self.inner.fenced(peer))
+
+    @property
+    def writes_abortable(self) -> bool:
+        """Published in this rank's metadata: False while IPC is on, because a WRITE to a peer
+        reached by IPC is a launched kernel that nothing takes back; a D then holds this P's
+        failed requests until it acknowledges, instead of fencing and releasing them."""
+        return not self.use_ipc
+
+    def abortable(self, handle: Any) -> bool:
+        """Whether a posted WRITE can still be taken back (never an IPC kernel copy)."""
+        if isinstance(handle, _IpcWrite):
+            return False
+        inner = getattr(self.inner, "abortable", None)
+        return True if inner is None else bool(inner(handle))
+
+    def may_copy_in(self, peer: str) -> bool:
+        """Whether ``peer`` may copy into this process's memory with kernels: it runs cuda_ipc
+        with IPC on, on this host (conservative: its GPU's reach is not asked)."""
+        blob = self._blobs.get(peer)
+        if blob is None:
+            return False
+        _, info = decode_blob(blob)
+        return bool(info and info.get("allocations") and info.get("host") == host_identity())
 
     def ipc_peer(self, peer: str) -> bool:
         """True when WRITEs to ``peer`` go over CUDA IPC."""

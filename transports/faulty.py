@@ -22,6 +22,11 @@ Select it with ``WorkerConfig(transport="faulty", transport_options={...})``. Op
 - ``stall_writer`` (rate): ``drain_notifs`` sleeps ``stall_s`` (default 0.2 s) first, as a
   writer thread stalled by the GIL, a long ``prepare_remote`` or a GC pause: queued posts and
   notifications pile up behind it, and the grants they carry age meanwhile.
+- ``kernel_copies`` (bool, default False): its WRITEs stand for kernel copies (``cuda_ipc``),
+  which nothing takes back once launched: it publishes ``writes_abortable: false`` and
+  ``abortable(handle)`` is False, so P waits for an overdue WRITE instead of aborting it and D
+  holds a failed request's blocks until P acknowledges or its process exited. With
+  ``slow_writes`` it is a device stalled in a copy, on the CPU.
 - ``notif_prefixes`` (list of str, default all): only notifications starting with one of these
   are dropped, duplicated or delayed (e.g. ``["DONE:"]``); ``drop_prefixes``,
   ``dup_prefixes`` and ``delay_prefixes`` narrow one kind of fault further.
@@ -67,6 +72,7 @@ KNOWN_OPTIONS = (
     "delay_s",
     "write_delay_s",
     "stall_s",
+    "kernel_copies",
 )
 
 
@@ -126,6 +132,10 @@ class FaultyTransport:
             if value is not None and (isinstance(value, str) or not all(isinstance(p, str) for p in value)):
                 raise ConfigError(f"faulty option {name!r} must be a list of prefixes, got {value!r}")
             self.prefixes[name] = None if value is None else tuple(p.encode() for p in value)
+        kernel_copies = options.get("kernel_copies", False)
+        if not isinstance(kernel_copies, bool):
+            raise ConfigError(f"faulty option 'kernel_copies' must be true or false, got {kernel_copies!r}")
+        self.kernel_copies = kernel_copies
         seed = options.get("seed", 0)
         if not isinstance(seed, int):
             raise ConfigError(f"faulty option 'seed' must be an int, got {seed!r}")
@@ -207,6 +217,22 @@ class FaultyTransport:
 
     def send_notif(self, peer: str, message: bytes) -> None:
         self.inner.send_notif(peer, message)
+
+    @property
+    def writes_abortable(self) -> bool:
+        """Published in the rank's metadata (see ``kernel_copies``)."""
+        return not self.kernel_copies and bool(getattr(self.inner, "writes_abortable", True))
+
+    def abortable(self, handle: Any) -> bool:
+        """Whether a posted WRITE can still be taken back (never, with ``kernel_copies``)."""
+        if self.kernel_copies:
+            return False
+        if isinstance(handle, _SlowWrite):
+            handle = handle.inner  # None while not posted yet: nothing to take back
+        inner = getattr(self.inner, "abortable", None)
+        if inner is None or handle is None or isinstance(handle, _FailedWrite):
+            return True
+        return bool(inner(handle))
 
     # ------------------------------------------------------------------ faulty
 

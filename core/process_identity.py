@@ -1,0 +1,82 @@
+"""Who a process is, and whether it has exited: a fact another process on the same host can check.
+
+A kernel copy (``cuda_ipc``) runs in P's process; no fence and no deadline stops it once
+launched, only its own end or the end of the process (exiting closes the process's files and
+memory maps, and with them its CUDA context, before the kernel marks it a zombie). D holds a
+failed request's blocks while such a copy may still run and gives them back once it sees that
+the process that could launch it has exited. P publishes :func:`this_process` in its metadata;
+D checks it with :func:`has_exited`, which answers only what ``/proc`` shows: a process on
+another host or in another PID namespace is "cannot tell" (``None``), never "exited".
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+PROC = "/proc"
+
+
+def host_identity() -> str:
+    """``hostname/boot id``: equal for two processes on the same running host."""
+    try:
+        with open(f"{PROC}/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink(f"{PROC}/self/ns/pid")
+    except OSError:
+        return "?"
+
+
+def _stat(pid: int | str) -> tuple[str, int] | None:
+    """``(state, start time in clock ticks since boot)`` of a process or thread, None if gone."""
+    try:
+        with open(f"{PROC}/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # after "pid (comm) ": state is field 3
+    return fields[0], int(fields[19])  # field 22: starttime
+
+
+def this_process() -> dict[str, Any]:
+    """This process's identity: host, PID namespace, pid and start time (pids are reused)."""
+    stat = _stat("self")
+    return {
+        "host": host_identity(),
+        "pidns": _pid_namespace(),
+        "pid": os.getpid(),
+        "start": stat[1] if stat else -1,
+    }
+
+
+def has_exited(identity: Mapping[str, Any]) -> bool | None:
+    """Whether the process ``identity`` names has exited: True (its /proc entry is gone, holds
+    another process, or every thread of it is a zombie), False (it runs), None (cannot tell
+    from here: another host or PID namespace, or an identity missing a field)."""
+    try:
+        host, pidns = identity["host"], identity["pidns"]
+        pid, start = int(identity["pid"]), int(identity["start"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if host != host_identity() or pidns != _pid_namespace() or pidns == "?" or start < 0:
+        return None
+    stat = _stat(pid)
+    if stat is None or stat[1] != start:
+        return True  # gone, or the pid now belongs to a later process
+    if stat[0] not in ("Z", "X"):
+        return False
+    # A zombie leader may still have live threads (it called pthread_exit): check them all.
+    try:
+        threads = os.listdir(f"{PROC}/{pid}/task")
+    except OSError:
+        return True
+    return all((s := _stat(f"{pid}/task/{t}")) is None or s[0] in ("Z", "X") for t in threads)
