@@ -164,6 +164,8 @@ class _Receive:
     settled: set[RankKey] = attrs.field(factory=set)
     """Producers that can no longer write (DONE, FAIL or CANCEL_ACK)."""
     chunks: dict[RankKey, set[int]] = attrs.field(factory=dict)
+    arrived: dict[RankKey, set[int]] = attrs.field(factory=dict)
+    """Packed chunks whose DONE arrived, per producer (scattered or not)."""
     staging_offset: int = -1
     last_grant: float | None = None
     """When D last sent a message carrying a grant for this request (D's clock)."""
@@ -538,9 +540,16 @@ class DecodeCore:
             self._reject(agent, note, problem)
             return []
         assert producer is not None
+        manifest = note.packing if note.kind is NotificationKind.DONE else None
+        if manifest is not None:
+            receive.arrived.setdefault(producer, set()).add(manifest.chunk)
         if receive.phase is _Phase.CLOSING:
             if note.kind is NotificationKind.DONE and producer not in receive.settled:
                 receive.write_in_flight = True  # it landed after the cancel went out
+                if manifest is not None and len(receive.arrived[producer]) < manifest.chunks:
+                    # One chunk of a packed push: the producer's other chunks may still be in
+                    # flight into the staging range, which must not go back before they land.
+                    return []
             if note.kind is NotificationKind.CANCEL_ACK:
                 receive.write_in_flight |= note.write_in_flight
             if note.kind is not NotificationKind.DONE and note.unsettled:
@@ -557,7 +566,6 @@ class DecodeCore:
         if producer in receive.reported:
             self.stats["duplicate_notifications"] += 1
             return []
-        manifest = note.packing
         if manifest is not None:
             if manifest.staging_offset != receive.staging_offset or receive.staging_offset < 0:
                 return self._close(

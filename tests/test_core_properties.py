@@ -1103,6 +1103,33 @@ def test_an_overdue_kernel_copy_is_waited_for_and_d_holds_its_blocks_until_it_en
     machine.teardown()
 
 
+@pytest.mark.parametrize("kernel_copies", [False, True])
+def test_one_chunk_of_a_packed_push_does_not_settle_a_cancelled_request(kernel_copies: bool) -> None:
+    """Found by the machine above: D cancelled a request whose packed push P had posted as two
+    chunks; the first chunk's DONE counted its producer as settled, D released the staging
+    range and the blocks, and the second chunk landed in them (in the staging range the next
+    request is given: its scatter would copy another prompt's bytes). A producer now settles
+    on a DONE only once every chunk's DONE arrived (or on its CANCEL_ACK, sent once all ended)."""
+    machine = CoreCluster()
+    machine.kernel_copies = kernel_copies
+    machine.start(topology=(1, 1, 1))
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="absent")
+    machine.pump(rounds=8, stall_writes=False)  # both engines connected (this one waits for P)
+    machine.new_request(nblocks=1, first_rank_only=False, packed=True, sizes="absent", prefill_first=True)
+    machine.pump(rounds=1, stall_writes=False)
+    machine.run_posts(chunks=2, j=0, refuse=False)
+    assert [(w.chunk, w.state) for w in machine.writes.values()] == [(0, "pending"), (1, "pending")]
+    machine.cancel(i=1, j=0)
+    first = next(iter(machine.writes.values()))
+    req = machine.d_procs[0].requests[first.d_rid]
+    machine._land(first, True)
+    machine.pump(rounds=8, stall_writes=True)  # D reads chunk 0's DONE; chunk 1 still in flight
+    assert not req.released and req.staging in machine.d_procs[0].staging
+    machine.pump(rounds=8, stall_writes=False)  # chunk 1 lands (checked), then P acknowledges
+    assert req.released
+    machine.teardown()
+
+
 @pytest.mark.parametrize("fault", ["prefill_rank_dies", "prefill_rank_restarts"])
 def test_a_held_request_goes_back_once_the_process_that_could_copy_has_exited(fault: str) -> None:
     """Found by the machine above: a held request whose P died (or restarted under its name)
