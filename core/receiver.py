@@ -34,6 +34,7 @@ from kvpush.core.actions import (
     Scatter,
     Send,
 )
+from kvpush.core.block_claims import BlockClaims
 from kvpush.core.decode_core import DecodeCore, DecodeSettings, ProducerInfo
 from kvpush.core.errors import ConfigError, HandshakeError, WaitTimeout
 from kvpush.core.peers import PeerEngine
@@ -94,6 +95,8 @@ class PushReceiver(RankWorker):
         self._results_ready = threading.Condition(self._results_lock)
         self._active: set[str] = set()
         """Request ids added and not yet done or released (a second add is refused)."""
+        self._claims: BlockClaims | None = None
+        """The blocks of the requests in ``_active`` (an add naming one of them is refused)."""
         self._done: list[str] = []
         self._completed_at: dict[str, float] = {}
         self._failed: dict[str, str] = {}
@@ -140,8 +143,9 @@ class PushReceiver(RankWorker):
 
         A request with no blocks (a full prefix hit) is done at once. Raises ``ConfigError``
         naming the argument for an empty or non-string id, an id already in progress, negative,
-        repeated or out-of-range block ids, a missing match key, an advertised address P could
-        not reach, or a worker that is not running."""
+        repeated or out-of-range block ids, block ids another request on this rank still holds
+        (not yet done, or failed/cancelled and not yet released), a missing match key, an
+        advertised address P could not reach, or a worker that is not running."""
         self._check_running("add_request")
         if not isinstance(request, RequestMetadata):
             raise ConfigError(f"add_request needs a RequestMetadata, got {type(request).__name__}")
@@ -157,6 +161,10 @@ class PushReceiver(RankWorker):
                 self._completed_at[rid] = time.perf_counter()
                 self._results_ready.notify_all()
                 return
+            if self._claims is None:
+                assert self.metadata is not None
+                self._claims = BlockClaims.for_regions(self.metadata.regions)
+            self._claims.claim(rid, request.block_ids)  # ConfigError: blocks another request holds
             self._active.add(rid)
         self.run_on_writer(lambda: self._guarded(rid, lambda now: self.core.add(request, now)))
 
@@ -271,6 +279,8 @@ class PushReceiver(RankWorker):
             with self._results_ready:
                 self._released.append(action.request_id)
                 self._active.discard(action.request_id)
+                if self._claims is not None:
+                    self._claims.release(action.request_id)
                 self._results_ready.notify_all()
         elif isinstance(action, Scatter):
             self._scatter(action)
@@ -297,6 +307,8 @@ class PushReceiver(RankWorker):
                 self._done.append(rid)
                 self._completed_at[rid] = time.perf_counter()
                 self._active.discard(rid)
+                if self._claims is not None:
+                    self._claims.release(rid)
             elif report.outcome == "cancelled":
                 self._cancelled[rid] = report.reason
             else:
@@ -467,4 +479,6 @@ class PushReceiver(RankWorker):
                 self._failed.setdefault(rid, "the decode worker closed before the request finished")
                 self._released.append(rid)
             self._active.clear()
+            if self._claims is not None:
+                self._claims.clear()
             self._results_ready.notify_all()
