@@ -180,6 +180,8 @@ class _Receive:
     """P's published WRITE deadline (the quarantine bound needs it after P is gone)."""
     processes: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
     """The producers' process identities (from the handshake), checked while held."""
+    incarnations: Mapping[str, str] = attrs.field(factory=dict)
+    """The producers' incarnations when it registered: while held, only they can answer."""
     held: bool = False
     """Quarantined past its end, waiting for a producer whose copies no fence stops."""
     unknown_strikes: int = 0
@@ -505,6 +507,7 @@ class DecodeCore:
         receive.write_deadline_s = info.write_deadline_s
         receive.writes_abortable = info.writes_abortable
         receive.processes = info.processes
+        receive.incarnations = info.incarnations
         receive.phase = _Phase.REGISTERED
         engine.last_request = now
         if self._reserve_staging is not None:
@@ -544,6 +547,11 @@ class DecodeCore:
         if manifest is not None:
             receive.arrived.setdefault(producer, set()).add(manifest.chunk)
         if receive.phase is _Phase.CLOSING:
+            if receive.held and not self._same_incarnation(receive, agent):
+                # A process that took over the agent's name never had this request: only the
+                # one that could copy into it (or its exit) settles it.
+                self._reject(agent, note, "an answer for a held request from a later P incarnation")
+                return []
             if note.kind is NotificationKind.DONE and producer not in receive.settled:
                 receive.write_in_flight = True  # it landed after the cancel went out
                 if manifest is not None and len(receive.arrived[producer]) < manifest.chunks:
@@ -573,6 +581,12 @@ class DecodeCore:
                 )
             return [Scatter(rid, producer, manifest, receive.meta.block_ids)]
         return self._count(rid, receive, producer, now)
+
+    def _same_incarnation(self, receive: _Receive, agent: str) -> bool:
+        """Whether ``agent``'s loaded incarnation is the one ``receive`` registered with."""
+        engine = self._engines.get(receive.engine_id)
+        info = engine.info if engine is not None else None
+        return info is not None and info.incarnations.get(agent) == receive.incarnations.get(agent)
 
     @staticmethod
     def _identity_problem(agent: str, receive: _Receive, note: Notification) -> str:

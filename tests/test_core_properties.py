@@ -129,6 +129,9 @@ class PProc(Proc):
     reports: dict[str, list[str]] = attrs.field(factory=dict)
     boom: set[str] = attrs.field(factory=set)
     """Keys whose planning raises (a third-party plugin failing)."""
+    hung: bool = False
+    """Its threads stopped (a process hung in the driver): it runs no timer, reads no message and
+    polls nothing, but is alive, and a copy it launched may still land."""
 
 
 @attrs.define(eq=False)
@@ -692,8 +695,8 @@ class CoreCluster(RuleBasedStateMachine):
 
     def _deliver(self, msg: Msg) -> None:
         proc = self._proc(msg.dst, msg.dst_inc)
-        if proc is None:
-            return  # the process it was sent to is gone
+        if proc is None or getattr(proc, "hung", False):
+            return  # the process it was sent to is gone (or reads nothing)
         note = wire.decode_notification(msg.data)
         assert note is not None
         if isinstance(proc, PProc):
@@ -761,7 +764,7 @@ class CoreCluster(RuleBasedStateMachine):
 
     def _tick(self, skip: PProc | None = None) -> None:
         for p in self.live_p():
-            if p is skip and self.t - p.last_tick <= P_LATENESS_S:
+            if p.hung or (p is skip and self.t - p.last_tick <= P_LATENESS_S):
                 continue
             p.last_tick = self.t
             self._run_p(p, p.core.handle_timer(self.now(p)))
@@ -870,7 +873,7 @@ class CoreCluster(RuleBasedStateMachine):
                 self._land(w, True)
                 progressed = True
         for p in self.live_p():
-            progressed |= self._poll(p)
+            progressed |= not p.hung and self._poll(p)
         return progressed
 
     def _drain(self) -> None:
@@ -1146,6 +1149,33 @@ def test_a_held_request_goes_back_once_the_process_that_could_copy_has_exited(fa
             break
     assert req.outcomes == ["failed"] and req.released
     assert d.core.stats["held_for_kernel_copies"] == 1 and d.core.stats["fences"] >= 1
+    machine.teardown()
+
+
+def test_a_replacement_under_the_same_name_cannot_release_what_the_hung_process_may_write() -> None:
+    """P hangs inside a copy; an operator starts a replacement under the same agent name while
+    the old process still exists (terminating). The replacement never had the request and
+    acknowledges D's cancel for it; that answer used to settle the request. Only the process
+    that could copy (its answer, or its exit) may: D holds until the old one is gone."""
+    machine, req = _pushing(kernel_copies=True)
+    (old,) = machine.p_procs
+    d = machine.d_procs[0]
+    (w,) = machine.writes.values()
+    old.hung = True
+    machine.p_procs.append(machine._new_p(old.rank, offset=old.offset + 7.0))
+    for _ in range(40):  # D finds the old process silent, fails the request, reconnects
+        machine.advance_clock(dt=5.0)
+        machine.pump(rounds=3, stall_writes=True)
+    assert req.outcomes == ["failed"] and not req.released
+    assert d.core.stats["held_for_kernel_copies"] == 1 and d.core.stats["rejected_notifications"] >= 1
+    machine._land(w, True)  # the hung process's copy ends: the blocks were still held (checked)
+    machine.pump(rounds=8, stall_writes=True)
+    assert not req.released, "nobody that could copy has answered, and the old process still exists"
+    old.alive = False  # it exits
+    for _ in range(10):
+        machine.advance_clock(dt=5.0)  # the next hold round probes the old process
+        machine.pump(rounds=3, stall_writes=False)
+    assert req.released
     machine.teardown()
 
 
