@@ -80,6 +80,8 @@ class RecvItem:
     kv_transfer_params: dict[str, Any]
     error: str | None = None
     """Why the request cannot be received (malformed kv_transfer_params): the worker fails it."""
+    num_tokens: int | None = None
+    """The prompt's length: the worker registers no kernel block past its last token."""
 
 
 @dataclass
@@ -92,6 +94,8 @@ class SendItem:
     """The D engine the router dispatched the other leg to, when it says so (binds the push)."""
     prompt_fingerprint: str | None = None
     """The prompt's fingerprint: P refuses a D registration stating another prompt's."""
+    num_tokens: int | None = None
+    """The prompt's length: the worker pushes no kernel block past its last token."""
 
 
 @dataclass
@@ -386,7 +390,12 @@ class _SchedulerSide:
                 send_params["prompt_fingerprint"] = own
         except ConfigError as err:  # a client's bad field fails its request, not the engine
             error = str(err)
-        self._recv[rid] = RecvItem(block_ids=block_ids, kv_transfer_params=send_params, error=error)
+        self._recv[rid] = RecvItem(
+            block_ids=block_ids,
+            kv_transfer_params=send_params,
+            error=error,
+            num_tokens=request.num_prompt_tokens,
+        )
         self.receiving.add(rid)
 
     # -------------------------------------------------------------- both
@@ -425,7 +434,11 @@ class _SchedulerSide:
             logger.warning("request %s: ignoring kv_transfer_params['decode_engine_id']=%r", rid, decode)
             decode = None
         self._send[rid] = SendItem(
-            block_ids=blocks, match_key=key, decode_engine_id=decode, prompt_fingerprint=fingerprint
+            block_ids=blocks,
+            match_key=key,
+            decode_engine_id=decode,
+            prompt_fingerprint=fingerprint,
+            num_tokens=request.num_prompt_tokens,
         )
         self.sending.add(rid)
         return True, out
@@ -518,6 +531,8 @@ class _WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.engine: Any = None
         self.ratios: tuple[int, ...] = ()
+        self.block_sizes: tuple[int, ...] = ()
+        """Scheduler block size (tokens) of each transfer group."""
         self._inflight: dict[str, BlockIds] = {}
         """D: requests added to the receiver and not reported yet (scheduler block ids)."""
         self._load_errors: set[int] = set()
@@ -560,6 +575,7 @@ class _WorkerSide:
             raise ConfigError("register_kv_caches got no attention KV caches to transfer")
         groups = getattr(self.kv_cache_config, "transfer_groups", self.kv_cache_config.kv_cache_groups)
         self.ratios = group_ratios(caches, len(groups))
+        self.block_sizes = tuple(int(group.kv_cache_spec.block_size) for group in groups)
         model_config = self.vllm_config.model_config
         parallel_config = self.vllm_config.parallel_config
         pp_rank, tp_rank = self.ranks()
@@ -623,10 +639,28 @@ class _WorkerSide:
     def handshake_metadata(self) -> KvpushHandshakeMetadata:
         return KvpushHandshakeMetadata(payload=self._started().handshake_payload())
 
-    def kernel_ids(self, block_ids: BlockIds) -> BlockIds:
+    def kernel_ids(self, block_ids: BlockIds, num_tokens: int | None = None) -> BlockIds:
+        """Kernel block ids of a request's scheduler blocks. With ``num_tokens`` (the prompt's
+        length; each group's last block holds its last token) the kernel blocks past the prompt's
+        end are left out: kvpush pairs P's and D's blocks from the end, and two engines whose
+        scheduler blocks differ in size (kernel blocks alike) end theirs at different tokens
+        (P's 40-token prompt in blocks of 32 ends at token 63, D's in blocks of 16 at 47: paired
+        from there, D would get tokens 16-63 as 0-47)."""
         from kvpush.layouts.vllm import expand_block_ids
 
-        return expand_block_ids(block_ids, self.ratios)
+        expanded = expand_block_ids(block_ids, self.ratios)
+        if num_tokens is None or num_tokens <= 0:
+            return expanded
+        out = []
+        for gid, ids in enumerate(expanded):
+            ratio = self.ratios[gid] if gid < len(self.ratios) else 1
+            size = self.block_sizes[gid] if gid < len(self.block_sizes) else 0
+            if ratio <= 1 or not size or not ids:
+                out.append(ids)
+                continue
+            past = ratio * -(-num_tokens // size) - -(-num_tokens // (size // ratio))
+            out.append(ids[: len(ids) - past] if 0 < past < len(ids) else ids)
+        return tuple(out)
 
     def start(self, meta: KvpushConnectorMetadata) -> None:
         engine = self._started()
@@ -637,7 +671,7 @@ class _WorkerSide:
                 try:
                     engine.request_finished(
                         rid,
-                        self.kernel_ids(item.block_ids),
+                        self.kernel_ids(item.block_ids, item.num_tokens),
                         match_key=item.match_key,
                         ready=ready,
                         prompt_fingerprint=item.prompt_fingerprint,
@@ -651,7 +685,9 @@ class _WorkerSide:
             try:
                 if item.error is not None:
                     raise ConfigError(item.error)
-                engine.add_request_params(rid, self.kernel_ids(item.block_ids), item.kv_transfer_params)
+                engine.add_request_params(
+                    rid, self.kernel_ids(item.block_ids, item.num_tokens), item.kv_transfer_params
+                )
             except Exception as err:  # a request kvpush cannot take fails; the engine goes on
                 logger.error("kvpush cannot receive request %s: %s", rid, err)
                 self._failed_now[rid] = str(err)

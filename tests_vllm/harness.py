@@ -93,6 +93,8 @@ class EngineSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     policy: str = "fail"
     num_blocks: int = 128
+    block_size: int = BLOCK_SIZE
+    """The scheduler's block size (``kernel_block_size`` may split it for the attention backend)."""
     max_tokens_per_step: int = 64
     kernel_block_size: int | None = None
     max_model_len: int = 1024
@@ -133,7 +135,7 @@ def vllm_config(spec: EngineSpec, rank: int = 0) -> Any:
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
         ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=spec.block_size, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvpushConnector",
             kv_connector_module_path="kvpush.engines.vllm",
@@ -162,15 +164,16 @@ def layer_specs(config: Any, pp_rank: int, sliding_layers: tuple[int, ...] = ())
     layers = model.get_total_num_hidden_layers()
     start, end = get_pp_indices(layers, pp_rank, config.parallel_config.pipeline_parallel_size)
     dtype = model.dtype if isinstance(model.dtype, torch.dtype) else getattr(torch, str(model.dtype))
+    block_size = config.cache_config.block_size
     specs = {}
     for layer in range(start, end):
         if model.use_mla:
             spec: Any = MLAAttentionSpec(
-                block_size=BLOCK_SIZE, num_kv_heads=1, head_size=model.get_head_size(), dtype=dtype
+                block_size=block_size, num_kv_heads=1, head_size=model.get_head_size(), dtype=dtype
             )
         else:
             heads = model.get_total_num_kv_heads() // config.parallel_config.tensor_parallel_size
-            shape = {"block_size": BLOCK_SIZE, "num_kv_heads": heads, "head_size": model.get_head_size()}
+            shape = {"block_size": block_size, "num_kv_heads": heads, "head_size": model.get_head_size()}
             if layer in sliding_layers:
                 spec = SlidingWindowSpec(**shape, dtype=dtype, sliding_window=SLIDING_WINDOW)
             else:
@@ -269,7 +272,8 @@ class _Worker:
         self.caches = allocate_kv_cache(
             kv_cache_config, torch.device("cpu"), KVCacheLayout[kv_cache_config.kv_cache_layout], kernel
         )
-        self.ratio = BLOCK_SIZE // (spec.kernel_block_size or BLOCK_SIZE)
+        self.block_size = spec.block_size
+        self.ratio = spec.block_size // (spec.kernel_block_size or spec.block_size)
         self.group_of = {
             name: gid
             for gid, group in enumerate(kv_cache_config.kv_cache_groups)
@@ -309,14 +313,15 @@ class _Worker:
     ) -> list[tuple[int, int, int]]:
         """``(position, kernel block, slot)`` of token positions in layer ``name``'s group, through
         the request's block table; positions in a null block (out of a sliding window) are left out."""
-        kernel = BLOCK_SIZE // self.ratio
+        size = self.block_size
+        kernel = size // self.ratio
         table = block_ids[self.group_of[name]]
         out = []
         for pos in positions:
-            if pos // BLOCK_SIZE >= len(table) or table[pos // BLOCK_SIZE] == 0:
+            if pos // size >= len(table) or table[pos // size] == 0:
                 continue
-            block = table[pos // BLOCK_SIZE]
-            within = pos % BLOCK_SIZE
+            block = table[pos // size]
+            within = pos % size
             out.append((pos, block * self.ratio + within // kernel, within % kernel))
         return out
 
@@ -397,6 +402,19 @@ class _Worker:
             changed.update(int(k) // self.ratio for k in torch.nonzero(diff).flatten())
         return changed
 
+    def leftovers(self) -> dict[str, list[str]]:
+        """The connector worker's per-request bookkeeping that is not empty (all of it should be
+        once every request ended)."""
+        side = self.connector._worker
+        state = {
+            "inflight": side._inflight,
+            "failing": side._failing,
+            "released": side._released,
+            "failed_now": side._failed_now,
+            "load_errors": side._load_errors,
+        }
+        return {name: sorted(map(str, value))[:5] for name, value in state.items() if value}
+
     def close(self) -> None:
         self.connector.shutdown()
 
@@ -468,7 +486,7 @@ class Engine:
             vllm_config=self.config,
             kv_cache_config=scheduler_config,
             structured_output_manager=StructuredOutputManager(self.config),
-            block_size=BLOCK_SIZE,
+            block_size=spec.block_size,
             log_stats=True,
         )
         self.connector = self.scheduler.get_kv_connector()
@@ -498,10 +516,23 @@ class Engine:
         return self.connector.settings.side_channel_port
 
     def add(self, request: Any) -> None:
+        if self.spec.block_size != BLOCK_SIZE:  # prefix-cache hashes per this engine's blocks
+            from vllm.utils.hashing import sha256
+            from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+            request._block_hasher = get_request_block_hasher(self.spec.block_size, sha256)
+            request.block_hashes = []
+            request.update_block_hashes()
         self.scheduler.add_request(request)
 
-    def step(self, on_scheduled: Callable[[Engine, Any], None] | None = None) -> Any:
-        """One engine step: schedule, workers, aggregate, update."""
+    def step(
+        self,
+        on_scheduled: Callable[[Engine, Any], None] | None = None,
+        before_update: Callable[[Engine, Any], None] | None = None,
+    ) -> Any:
+        """One engine step: schedule, workers, aggregate, update. ``before_update(engine, kv)``
+        runs between the workers' (aggregated) output and the scheduler's update, where vLLM's
+        engine core may process aborts under async scheduling."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         out = self.scheduler.schedule()
@@ -531,6 +562,8 @@ class Engine:
         ]
         merged = self.aggregator.aggregate(runner_outputs, 0)
         kv = merged.kv_connector_output
+        if before_update is not None:
+            before_update(self, kv)
         self.finished_recving |= set(kv.finished_recving or ())
         self.finished_sending |= set(kv.finished_sending or ())
         self.failed_recving |= set(kv.failed_recving or ())
@@ -650,3 +683,6 @@ def assert_scheduler_empty(engine: Engine) -> None:
         assert not manager.req_to_blocks and not manager.num_cached_block
     connector = engine.connector
     assert not connector.has_pending_push_work(), "the connector still reports push work"
+    for worker in engine.workers:
+        left = worker.call("leftovers")
+        assert not left, f"worker {worker.rank}'s connector still tracks ended requests: {left}"

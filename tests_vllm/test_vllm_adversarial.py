@@ -286,3 +286,168 @@ def test_d_given_another_prompts_p_params_fails_before_registering(engines: Any,
     assert other in d.failed_recving
     assert d.stats.get("push_regs_sent", 0) == regs_before
     drain(p, d, model)
+
+
+@pytest.mark.parametrize(
+    ("p_kwargs", "d_kwargs", "length", "d_cached"),
+    [
+        ({"block_size": 32, "kernel_block_size": 16}, {}, 40, 0),
+        ({}, {"block_size": 32, "kernel_block_size": 16}, 40, 0),
+        ({}, {"block_size": 32, "kernel_block_size": 16}, 70, 64),
+    ],
+    ids=["p-blocks-of-32", "d-blocks-of-32", "d-blocks-of-32-prefix-hit"],
+)
+def test_scheduler_blocks_of_different_sizes_pair_the_prompts_tokens(
+    engines: Any,
+    llama_dir: str,
+    p_kwargs: dict[str, Any],
+    d_kwargs: dict[str, Any],
+    length: int,
+    d_cached: int,
+) -> None:
+    """P and D schedule blocks of different sizes over kernel blocks of one size (the attention
+    backends agree, the engines' block sizes do not): the last scheduler block of each covers a
+    different stretch past the prompt's end, so pairing the kernel blocks each engine allocated
+    from the end shifts D's KV (P's 40-token prompt in 2 blocks of 32 = kernel blocks of tokens
+    0-63; D's 3 blocks of 16 hold tokens 0-47: its last three kernel blocks, tokens 16-63, are
+    not D's). With a prefix hit on D the shift would be silent even when D allocated more. D
+    must receive its own tokens' KV, byte for byte, or fail; never decode from shifted KV."""
+    p = engines(llama_dir, "kv_producer", **p_kwargs)
+    d = engines(llama_dir, "kv_consumer", **{"extra": {"push_registration_timeout": 10}, **d_kwargs})
+    model = PrefillModel()
+    tokens = prompt(76, length)
+    if d_cached:  # D computed the shared prefix itself (a local request), so it is a cache hit
+        local = f"cmpl-local-{suffix()}"
+        d.add(make_request(local, tokens[:d_cached] + prompt(77, 8), 1, None))
+        run_until([d], lambda: not d.busy(), "D's local request", kv_consumer=model)
+    before = d.workers[0].call("snapshot")
+    _, d_id = dispatch(p, d, "cmpl-bsz-0", tokens)
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to hear of {d_id}", kv_producer=model)
+    assert d_id not in d.failed_recving, "the engines' block sizes differ, their kernel blocks do not"
+    verify(d, d_id, tokens)
+    hits = d_cached // d.spec.block_size
+    assert d.workers[0].call("changed_blocks", before=before) == set(d.block_ids(d_id)[0][hits:])
+    drain(p, d, model)
+
+
+def test_d_params_missing_or_out_of_range_fail_at_once(engines: Any, llama_dir: str) -> None:
+    """A router omits P's coordinates, or sends them with a wrong type, out of range, or naming
+    another engine or another P shape: each D request fails at once (not at its registration
+    timeout) with nothing written into any of D's blocks, and the engine serves the next one."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 60})
+    model = PrefillModel()
+    base = d_params(p)
+    missing_host = {k: v for k, v in base.items() if k != "remote_host"}
+    bad = {
+        "no-remote_host": missing_host,
+        "no-remote_engine_id": {k: v for k, v in base.items() if k != "remote_engine_id"},
+        "port-as-string": {**base, "remote_port": str(p.port)},
+        "port-out-of-range": {**base, "remote_port": 70000},
+        "tp_size-zero": {**base, "tp_size": 0},
+        "tp_size-not-p's": {**base, "tp_size": 2},
+        "pp_size-not-p's": {**base, "pp_size": 2},
+        "another-engine-id": {**base, "remote_engine_id": "prefill-elsewhere"},
+    }
+    before = d.workers[0].call("snapshot")
+    started = time.monotonic()
+    ids = {}
+    for i, (name, params) in enumerate(bad.items()):
+        ids[name] = rid = f"cmpl-badp-{i}-{suffix()}"
+        d.add(make_request(rid, prompt(80 + i, 40), 3, {**params, "transfer_id": f"xfer-badp-{i}"}))
+    every = set(ids.values())
+    run_until([p, d], lambda: every <= d.finished_recving, "D to fail every bad request", kv_producer=model)
+    assert time.monotonic() - started < 30, "a bad request waited for its registration timeout"
+    assert set(ids.values()) <= d.failed_recving
+    assert d.workers[0].call("changed_blocks", before=before) == set(), "a bad request's blocks were written"
+    tokens = prompt(90, 50)
+    _, d_id = dispatch(p, d, "cmpl-badp-good", tokens, transfer_id="xfer-badp-good")
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to receive {d_id}", kv_producer=model)
+    assert d_id not in d.failed_recving
+    verify(d, d_id, tokens)
+    drain(p, d, model)
+    assert all(d.finish_reason(rid) == "error" for rid in ids.values())
+
+
+def test_d_abort_before_its_blocks_are_allocated_never_registers(engines: Any, llama_dir: str) -> None:
+    """The client aborts the D leg before D's scheduler allocated it (nothing registered): D frees
+    nothing it lent, P's finished blocks wait for the lease and are released, nothing is written
+    into D's cache, and a later request pairs as usual."""
+    p = engines(llama_dir, "kv_producer", extra={"kv_lease_duration": 3})
+    d = engines(llama_dir, "kv_consumer")
+    model = PrefillModel()
+    from vllm.v1.request import RequestStatus
+
+    p_id, d_id = dispatch(p, d, "cmpl-preabort-0", prompt(91, 40), transfer_id="xfer-preabort-0")
+    d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
+    assert d_id not in d.scheduler.requests, "nothing was registered: vLLM frees the request at once"
+    before = d.workers[0].call("snapshot")
+    run_until([p, d], lambda: p_id in p.finished_sending, "P's lease to expire", kv_producer=model)
+    assert d.workers[0].call("changed_blocks", before=before) == set()
+    assert d_id not in d.finished_recving
+    tokens = prompt(92, 45)
+    _, d_next = dispatch(p, d, "cmpl-preabort-1", tokens, transfer_id="xfer-preabort-1")
+    run_until([p, d], lambda: d_next in d.finished_recving, f"D to receive {d_next}", kv_producer=model)
+    verify(d, d_next, tokens)
+    drain(p, d, model)
+
+
+def test_d_abort_between_the_workers_done_and_the_schedulers_update(engines: Any, llama_dir: str) -> None:
+    """TP2 D: the workers report the request received, and the client's abort reaches the
+    scheduler before it processed that report (vLLM's engine core does so under async
+    scheduling). vLLM holds the blocks for the abort, frees them on the report, and the cancel
+    that follows reaches workers that already reported: nothing is reported twice, nothing is
+    left behind."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", tp=2)
+    model = PrefillModel()
+    from vllm.v1.request import RequestStatus
+
+    tokens = prompt(93, 56)
+    _, d_id = dispatch(p, d, "cmpl-late-abort-0", tokens, transfer_id="xfer-late-abort-0")
+    aborted: list[bool] = []
+
+    def abort_on_done(engine: Engine, kv: Any) -> None:
+        if not aborted and d_id in (kv.finished_recving or ()):
+            blocks = engine.block_ids(d_id)[0]
+            assert blocks
+            engine.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
+            assert d_id in engine.scheduler.requests, "vLLM freed blocks a receive still held"
+            aborted.append(True)
+
+    deadline = time.monotonic() + 60
+    while not aborted:
+        assert time.monotonic() < deadline, f"D never received {d_id}"
+        p.step(model)
+        d.step(before_update=abort_on_done)
+    assert d_id not in d.scheduler.requests, "the report freed the aborted request"
+    assert d_id not in d.failed_recving
+    step_for([p, d], 1.0, model)  # the stale cancel reaches both workers
+    assert not d.connector._scheduler.receiving
+    drain(p, d, model)
+
+
+@pytest.mark.parametrize("cached_on", ["p", "d", "both-differently"])
+def test_p_and_d_with_different_prefix_hits(engines: Any, llama_dir: str, cached_on: str) -> None:
+    """P and D start the prompt from different cache hits (each engine computed a different
+    prefix of it before, locally): P pushes the prompt's blocks whatever it computed itself, and
+    D registers, and gets written, exactly its blocks past its own hit, each holding its own
+    tokens' KV."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer")
+    model = PrefillModel()
+    tokens = prompt(94, 75)
+    p_hit, d_hit = {"p": (64, 0), "d": (0, 48), "both-differently": (16, 64)}[cached_on]
+    for engine, hit in ((p, p_hit), (d, d_hit)):
+        if hit:  # a local request (no transfer) leaves the prefix in the engine's cache
+            engine.add(make_request(f"cmpl-local-{suffix()}", tokens[:hit] + prompt(95, 7), 1, None))
+            step = {engine.spec.role: model}
+            run_until([engine], lambda e=engine: not e.busy(), "the local request", **step)
+    before = d.workers[0].call("snapshot")
+    _, d_id = dispatch(p, d, "cmpl-hits-0", tokens, transfer_id="xfer-hits-0")
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to receive {d_id}", kv_producer=model)
+    assert d_id not in d.failed_recving
+    verify(d, d_id, tokens)
+    blocks = d.block_ids(d_id)[0]
+    assert d.workers[0].call("changed_blocks", before=before) == set(blocks[d_hit // BLOCK_SIZE :])
+    drain(p, d, model)
