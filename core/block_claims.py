@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
+import numpy as np
 
 from kvpush.core.errors import ConfigError
 from kvpush.core.types import BlockIds, KVRegion
@@ -94,70 +95,106 @@ def group_spaces(regions: Sequence[KVRegion]) -> tuple[GroupSpace, ...]:
 
 
 class BlockClaims:
-    """The blocks each request in progress holds on one D rank, per id space."""
+    """The blocks each request in progress holds on one D rank, per id space.
+
+    Each id space keeps an array of owners (one slot per unit, 0 when free), so a claim or a
+    release costs one conversion of the ids and a few vectorised index operations, whatever
+    else is held."""
 
     def __init__(self, spaces: Sequence[GroupSpace] = ()) -> None:
         self._spaces = tuple(spaces)
-        self._claimed: dict[int, set[int]] = {}
-        """Id space -> claimed ids (units) in it."""
-        self._held: dict[str, list[tuple[int, Iterable[int]]]] = {}
-        """Request -> its (space, ids) pairs, for :meth:`release` and the error message."""
+        self._owner: dict[int, np.ndarray] = {}
+        """Id space -> owner slot of each unit (0: free)."""
+        self._held: dict[str, tuple[int, list[tuple[int, np.ndarray]]]] = {}
+        """Request -> (its slot, its (space, units) pairs)."""
+        self._names: dict[int, str] = {}
+        """Slot -> request."""
+        self._free_slots: list[int] = []
+        self._next_slot = 1
 
     @classmethod
     def for_regions(cls, regions: Sequence[KVRegion]) -> BlockClaims:
         return cls(group_spaces(regions))
 
     def _space(self, group: int) -> GroupSpace:
-        return self._spaces[group] if group < len(self._spaces) else GroupSpace(len(self._spaces) + group)
+        if group < len(self._spaces):
+            return self._spaces[group]
+        return GroupSpace(len(self._spaces) + group)  # unknown: a space of its own
 
-    def _units(self, block_ids: BlockIds) -> list[tuple[int, Iterable[int]]]:
-        out = []
-        for group, ids in enumerate(block_ids):
-            if not ids:
-                continue
-            space = self._space(group)
-            if space.units == 1:
-                out.append((space.space, ids))
-            else:
-                r = space.units
-                out.append((space.space, [u for b in ids for u in range(b * r, b * r + r)]))
-        return out
+    def _units(self, space: GroupSpace, ids: Sequence[int]) -> np.ndarray:
+        units = np.fromiter(ids, np.int64, len(ids))
+        if space.units != 1:
+            r = space.units
+            units = (units[:, None] * r + np.arange(r)).reshape(-1)
+        return units
+
+    def _owners(self, space: int, units: np.ndarray) -> np.ndarray:
+        owner = self._owner.get(space)
+        top = int(units.max()) + 1
+        if owner is None or owner.size < top:
+            grown = np.zeros(max(top, 2 * (0 if owner is None else owner.size), 64), np.int32)
+            if owner is not None:
+                grown[: owner.size] = owner
+            owner = self._owner[space] = grown
+        return owner
 
     def claim(self, request_id: str, block_ids: BlockIds) -> None:
         """Claim ``block_ids`` (normalised, no repeats within a group) for ``request_id``.
 
         Raises ``ConfigError`` naming the overlapping block ids and the requests holding them,
-        and claims nothing, when any is held by another request (or by this one, added twice)."""
-        units = self._units(block_ids)
-        claimed = self._claimed
-        for space, ids in units:
-            held = claimed.get(space)
-            if held and not held.isdisjoint(ids):
-                raise ConfigError(self._conflict(request_id, block_ids))
-        if len({space for space, _ in units}) < len(units):  # two groups share a space
-            per_space: dict[int, list[int]] = {}
-            for space, ids in units:
-                per_space.setdefault(space, []).extend(ids)
-            if any(len(set(ids)) != len(ids) for ids in per_space.values()):
-                raise ConfigError(
-                    f"block_ids of {request_id!r} name the same memory in two KV groups "
-                    f"({[list(g)[:8] for g in block_ids]}); those groups share one block pool"
-                )
-        for space, ids in units:
-            claimed.setdefault(space, set()).update(ids)
-        self._held[request_id] = units
+        and claims nothing, when any is held by another request or named twice (two KV groups
+        sharing memory), or when ``request_id`` holds blocks already."""
+        if request_id in self._held:
+            raise ConfigError(f"request {request_id!r} already holds blocks on this D rank")
+        slot = self._free_slots.pop() if self._free_slots else self._next_slot
+        if slot == self._next_slot:
+            self._next_slot += 1
+        taken: list[tuple[int, np.ndarray]] = []
+        error = ""
+        for group, ids in enumerate(block_ids):
+            if not ids:
+                continue
+            space = self._space(group)
+            units = self._units(space, ids)
+            owner = self._owners(space.space, units)
+            got = owner[units]
+            if got.any():
+                if (got == slot).any():
+                    error = (
+                        f"block_ids of {request_id!r} name the same memory in two KV groups "
+                        f"({[list(g)[:8] for g in block_ids]}); those groups share one block pool"
+                    )
+                else:
+                    error = "conflict"
+                break
+            owner[units] = slot
+            taken.append((space.space, units))
+        if error:
+            for space_index, units in taken:
+                self._owner[space_index][units] = 0
+            self._free_slots.append(slot)
+            raise ConfigError(self._conflict(request_id, block_ids) if error == "conflict" else error)
+        self._held[request_id] = (slot, taken)
+        self._names[slot] = request_id
 
     def release(self, request_id: str) -> None:
         """Give back ``request_id``'s blocks (done or released); unknown ids are ignored."""
-        units = self._held.pop(request_id, None)
-        if units is None:
+        held = self._held.pop(request_id, None)
+        if held is None:
             return
-        for space, ids in units:
-            self._claimed[space].difference_update(ids)
+        slot, taken = held
+        for space, units in taken:
+            self._owner[space][units] = 0
+        del self._names[slot]
+        self._free_slots.append(slot)
 
     def clear(self) -> None:
-        self._claimed.clear()
+        for owner in self._owner.values():
+            owner.fill(0)
         self._held.clear()
+        self._names.clear()
+        self._free_slots.clear()
+        self._next_slot = 1
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._held
@@ -169,7 +206,12 @@ class BlockClaims:
     @property
     def claimed_units(self) -> Mapping[int, frozenset[int]]:
         """Id space -> claimed units (a snapshot, for tests)."""
-        return {space: frozenset(ids) for space, ids in self._claimed.items() if ids}
+        out = {}
+        for space, owner in self._owner.items():
+            units = np.flatnonzero(owner)
+            if units.size:
+                out[space] = frozenset(int(u) for u in units)
+        return out
 
     def holders(self, block_ids: BlockIds) -> dict[str, list[tuple[int, list[int]]]]:
         """Request -> ``(group, block ids)`` of ``block_ids`` that request holds."""
@@ -178,12 +220,17 @@ class BlockClaims:
             if not ids:
                 continue
             space = self._space(group)
+            owner = self._owner.get(space.space)
+            if owner is None:
+                continue
             r = space.units
-            for holder, units in self._held.items():
-                theirs = set().union(*(set(u) for s, u in units if s == space.space))
-                hit = [b for b in ids if not theirs.isdisjoint(range(b * r, b * r + r))]
-                if hit:
-                    out.setdefault(holder, []).append((group, hit))
+            hits: dict[int, list[int]] = {}
+            for block in ids:
+                slots = owner[block * r : block * r + r]
+                for slot in {int(s) for s in slots if s}:
+                    hits.setdefault(slot, []).append(block)
+            for slot, blocks in hits.items():
+                out.setdefault(self._names[slot], []).append((group, blocks))
         return out
 
     def _conflict(self, request_id: str, block_ids: BlockIds) -> str:

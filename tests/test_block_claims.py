@@ -68,6 +68,17 @@ def test_release_gives_the_blocks_back_and_unknown_ids_are_ignored() -> None:
     assert len(claims) == 0 and claims.claimed_units == {}
 
 
+def test_a_refused_claim_keeps_nothing_of_its_other_groups_and_an_id_holds_one_claim() -> None:
+    claims = BlockClaims((GroupSpace(0), GroupSpace(1)))
+    claims.claim("a", ((), (4,)))
+    with pytest.raises(ConfigError, match=r"group 1 block ids \[4\] held by 'a'"):
+        claims.claim("b", ((1, 2), (4,)))  # group 0 was free: it must not stay claimed
+    assert claims.claimed_units == {1: frozenset({4})}
+    with pytest.raises(ConfigError, match="'a' already holds blocks"):
+        claims.claim("a", ((9,), ()))
+    claims.claim("b", ((1, 2), (5,)))
+
+
 def test_groups_on_their_own_memory_may_use_the_same_ids() -> None:
     claims = BlockClaims(group_spaces([region(0, 64, 16, 0), region(4096, 64, 16, 1, "L1")]))
     claims.claim("a", ((5,), (6,)))
