@@ -510,6 +510,8 @@ class Engine:
         self.stats: dict[str, float] = {}
         """kvpush's counters as vLLM's stats logger would sum them (get_kv_connector_stats)."""
         self.steps = 0
+        self.reported: dict[tuple[int, str], set[str]] = {}
+        """Request ids each worker reported in finished_sending / finished_recving."""
 
     @property
     def port(self) -> int:
@@ -542,6 +544,14 @@ class Engine:
         for worker in self.workers:
             worker.send("step", scheduler_output=out)
         kv_outputs = [worker._reply("step") for worker in self.workers]
+        for worker, kv in zip(self.workers, kv_outputs, strict=True):
+            # vLLM's aggregator counts reports, not workers: a second report of one request by one
+            # worker would stand for another worker's (P: blocks freed while another rank WRITEs).
+            for kind, ids in (("sending", kv.finished_sending), ("recving", kv.finished_recving)):
+                seen = self.reported.setdefault((worker.rank, kind), set())
+                again = seen & set(ids or ())
+                assert not again, f"worker {worker.rank} reported finished_{kind} twice: {sorted(again)}"
+                seen.update(ids or ())
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
