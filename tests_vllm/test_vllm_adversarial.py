@@ -451,3 +451,38 @@ def test_p_and_d_with_different_prefix_hits(engines: Any, llama_dir: str, cached
     blocks = d.block_ids(d_id)[0]
     assert d.workers[0].call("changed_blocks", before=before) == set(blocks[d_hit // BLOCK_SIZE :])
     drain(p, d, model)
+
+
+def test_p_engine_shut_down_while_its_write_is_in_flight(engines: Any, llama_dir: str) -> None:
+    """P's engine shuts down (its connector's shutdown, its worker processes exit) while its
+    WRITE into D's blocks is held in flight: D's request fails before its registration timeout
+    (P's shutdown tells D nothing: D notices P's silence after 20 s of unanswered heartbeats and
+    gets the blocks released some 25 s later, 44 s in all here), vLLM gets the blocks back only
+    then, and nothing lands in them afterwards."""
+    slow = {
+        "transport": "faulty",
+        "transport_options": {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 3.0},
+    }
+    p = engines(llama_dir, "kv_producer", extra=slow)
+    d = engines(llama_dir, "kv_consumer", extra={**FAULTY_NONE, "push_registration_timeout": 120})
+    model = PrefillModel()
+    _, d_id = dispatch(p, d, "cmpl-p-down-0", prompt(97, 64), transfer_id="xfer-p-down-0")
+    d.step()
+    blocks = d.block_ids(d_id)[0]
+    step_for([p, d], 1.0, model)  # P finished the prefill and posted the (held) WRITE
+    assert d_id not in d.finished_recving
+    p.close()
+    started = time.monotonic()
+    while d_id not in d.finished_recving:
+        assert time.monotonic() - started < 110, "D waited for its registration timeout"
+        d.step()
+        time.sleep(0.002)
+    assert d_id in d.failed_recving
+    for worker in d.workers:
+        worker.call("fill", block_ids=blocks, value=SENTINEL)
+    step_for([d], 4.0, model)
+    for worker in d.workers:
+        assert worker.call("holds", block_ids=blocks, value=SENTINEL), "a WRITE landed after the release"
+    run_until([d], lambda: not d.busy(), "D idle")
+    assert_scheduler_empty(d)
+    assert d.finish_reason(d_id) == "error"
