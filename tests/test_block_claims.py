@@ -114,6 +114,38 @@ def test_groups_with_other_block_widths_on_one_tensor_are_compared_by_bytes() ->
         claims.claim("d", ((4,), ()))
 
 
+def test_vllm_layout_groups_on_one_tensor_share_ids_by_bytes() -> None:
+    """The regions the vllm layout describes for a hybrid model (each tensor viewed by a full and
+    a sliding-window layer; the sliding group's kernel blocks half as big)."""
+    import torch
+
+    from kvpush.core.types import ModelSpec, ParallelConfig
+    from kvpush.layouts.vllm import VllmLayerCache, describe_vllm
+
+    kinds = ("full", "sliding_window", "full", "sliding_window")
+    model = ModelSpec(
+        name="hybrid", num_layers=4, num_kv_heads=4, head_dim=8, block_size=16,
+        layer_groups=(0, 1, 0, 1), layer_kinds=kinds,
+    )  # fmt: skip
+    tensors = [torch.zeros(64, 4, 16, 16), torch.zeros(64, 4, 16, 16)]
+    caches = {
+        f"model.layers.{i}.self_attn.attn": VllmLayerCache(
+            tensor=tensors[i // 2] if i % 2 == 0 else tensors[i // 2].view(128, 4, 8, 16),
+            group=i % 2,
+            attention_kind=kinds[i],
+            blocks_per_logical=1 + i % 2,
+        )
+        for i in range(4)
+    }
+    regions = describe_vllm(caches, ParallelConfig(tp_size=1, tp_rank=0, num_layers=4), model)
+    assert group_spaces(regions) == (GroupSpace(0, 2), GroupSpace(0, 1))
+    claims = BlockClaims.for_regions(regions)
+    claims.claim("a", ((3,), ()))
+    with pytest.raises(ConfigError, match=r"group 1 block ids \[7\] held by 'a'"):
+        claims.claim("b", ((), (5, 7)))
+    claims.claim("b", ((), (5, 8)))
+
+
 OPS = st.lists(
     st.one_of(
         st.tuples(
