@@ -390,6 +390,7 @@ class _SchedulerSide:
                 send_params["prompt_fingerprint"] = own
         except ConfigError as err:  # a client's bad field fails its request, not the engine
             error = str(err)
+        error = error or self._load_end_error(request, blocks)
         self._recv[rid] = RecvItem(
             block_ids=block_ids,
             kv_transfer_params=send_params,
@@ -397,6 +398,26 @@ class _SchedulerSide:
             num_tokens=request.num_prompt_tokens,
         )
         self.receiving.add(rid)
+
+    def _load_end_error(self, request: Request, blocks: KVCacheBlocks) -> str | None:
+        """Why D cannot receive this load, or None. kvpush pairs P's and D's blocks from the end,
+        and P pushes the blocks up to the prompt's last token: D's must end there too. A load
+        vLLM cut short (it computes the rest itself) would end a block or more earlier, and
+        every block D registered would get P's KV of later tokens, silently."""
+        num_tokens = request.num_prompt_tokens
+        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            if gid >= len(blocks.blocks):
+                break
+            size = group.kv_cache_spec.block_size
+            have, need = len(blocks.blocks[gid]), -(-num_tokens // size)
+            if have != need:
+                return (
+                    f"vLLM allocated the load of {request.request_id!r} {have} blocks of {size} tokens "
+                    f"in KV-cache group {gid}, the prompt's {num_tokens} tokens take {need}: kvpush "
+                    f"pairs blocks from the prompt's end, so the request fails rather than receive "
+                    f"another position's KV"
+                )
+        return None
 
     # -------------------------------------------------------------- both
 

@@ -486,3 +486,29 @@ def test_p_engine_shut_down_while_its_write_is_in_flight(engines: Any, llama_dir
     run_until([d], lambda: not d.busy(), "D idle")
     assert_scheduler_empty(d)
     assert d.finish_reason(d_id) == "error"
+
+
+def test_a_load_vllm_cuts_short_fails_rather_than_receive_shifted_kv(engines: Any, llama_dir: str) -> None:
+    """vLLM loads fewer tokens than the connector offered (as its bounded-replay path trims a load
+    to whole blocks and computes the rest itself): D's blocks then end before the prompt's last
+    block while P pushes up to it, and paired from the end every block D registered would get
+    P's KV of later tokens. The request must fail at once with nothing written."""
+    p = engines(llama_dir, "kv_producer", extra={"kv_lease_duration": 3})
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 30})
+    offered = d.connector.get_num_new_matched_tokens
+
+    def cut_short(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        count, is_async = offered(request, num_computed_tokens)
+        return (count - BLOCK_SIZE, is_async) if count and count > BLOCK_SIZE else (count, is_async)
+
+    d.connector.get_num_new_matched_tokens = cut_short  # type: ignore[method-assign]
+    model = PrefillModel()
+    before = d.workers[0].call("snapshot")
+    started = time.monotonic()
+    p_id, d_id = dispatch(p, d, "cmpl-cut-0", prompt(98, 40), transfer_id="xfer-cut-0")
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to hear of {d_id}", kv_producer=model)
+    assert d_id in d.failed_recving, "D took KV paired from the wrong end as its own"
+    assert time.monotonic() - started < 15, "D learnt of it only at its registration timeout"
+    assert d.workers[0].call("changed_blocks", before=before) == set()
+    drain(p, d, model)
+    assert p_id in p.finished_sending
