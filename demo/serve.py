@@ -431,6 +431,8 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
         conn.send(("error", traceback.format_exc()))
         return
     live: dict[str, tuple[int, list[list[int]], bool]] = {}
+    unreleased: dict[str, list[list[int]]] = {}
+    """Failed requests' blocks, held until the receiver reports them released."""
     raw_tags: dict[bytes, str] = {}
     got: Any = None  # results wait_finished already took from the receiver
     checks = DeferredChecks(lambda number, blocks: content.miss(number, blocks))
@@ -492,16 +494,22 @@ def _decode_main(w: Workload, port: int, conn: Connection) -> None:
             # A kvpush request ended when the receiver's writer reported it (its stamp; the
             # same CLOCK_MONOTONIC as time.monotonic here), not when this loop looked.
             ended = dict(got.completed_at)
+            released = list(got.released)
             got = None
             for rid, reason in finished:
                 number, blocks, verify = live.pop(rid, (0, [], False))
                 if reason is None and verify:  # checked once D is idle; its blocks held till then
                     checks.add(rid, number, blocks)
+                elif reason is not None:  # a WRITE may still land: back once kvpush released it
+                    unreleased[rid] = blocks
                 else:
                     for pool, ids_ in zip(pools, blocks):
                         pool.release(ids_)
                 state = "deferred" if reason is None and verify else None
                 conn.send(("done", rid, ended.get(rid, now), reason, state))
+            for rid in released:
+                for pool, ids_ in zip(pools, unreleased.pop(rid, [])):
+                    pool.release(ids_)
             if not finished:
                 if not live and checks:
                     checks.run_one(checked)  # nothing in flight: no request's clock is running

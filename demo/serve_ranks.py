@@ -141,6 +141,9 @@ class _ServeRank:
         self.kernel: Any = None
         self._keep: list[Any] = []  # kernel-ideal copy allocations
         self.notifs: dict[str, int] = {}
+        self.unreleased: dict[str, tuple[float, str]] = {}
+        """D: failed requests whose blocks kvpush has not released yet (reported once it has:
+        the driver gives the blocks back to its pool when a request is reported)."""
         self.expected = (
             0
             if self.prefill
@@ -384,7 +387,10 @@ class _ServeRank:
         for rid in got.done:
             self._done(rid, got.completed_at.get(rid, now), None)
         for rid, reason in got.failed.items():
-            self._done(rid, now, str(reason))
+            self.unreleased[rid] = (now, str(reason))
+        for rid in got.released:
+            if rid in self.unreleased:
+                self._done(rid, *self.unreleased.pop(rid))
         if self.raw is not None:
             for messages in self.raw.agent.get_new_notifs().values():
                 for tag in messages:
