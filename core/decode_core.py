@@ -272,6 +272,10 @@ class DecodeCore:
         self._timers.disarm(("hello", engine_id))
         self._timers.disarm(("hello_resend", engine_id))
 
+    def holds(self, request_id: str) -> bool:
+        """Whether this core has ``request_id`` (added and not yet ended)."""
+        return request_id in self._requests
+
     def state_sizes(self) -> dict[str, int]:
         """Counts of everything the core tracks (flat under load; tests assert it drains)."""
         return {

@@ -166,7 +166,7 @@ class PushReceiver(RankWorker):
                 self._claims = BlockClaims.for_regions(self.metadata.regions)
             self._claims.claim(rid, request.block_ids)  # ConfigError: blocks another request holds
             self._active.add(rid)
-        self.run_on_writer(lambda: self._guarded(rid, lambda now: self.core.add(request, now)))
+        self.run_on_writer(lambda: self._add_guarded(request))
 
     def add_request_params(
         self, request_id: str, block_ids: BlockIdsLike, kv_transfer_params: Mapping[str, Any]
@@ -238,6 +238,22 @@ class PushReceiver(RankWorker):
         except Exception as err:
             logger.exception("handling an event of %s failed", rid)
             actions = self._fail_safely(rid, err, now)
+        self._execute(actions)
+
+    def _add_guarded(self, request: RequestMetadata) -> None:
+        """Hand ``request`` to the core; an error fails it only. One that struck before the core
+        recorded it (nothing was sent for it) is reported failed and released here, or the
+        engine would never hear of it and its blocks stay claimed."""
+        assert self.core is not None
+        rid, now = request.request_id, lease_clock()
+        try:
+            actions = self.core.add(request, now)
+        except Exception as err:
+            logger.exception("adding %s failed", rid)
+            actions = self._fail_safely(rid, err, now)
+            if not self.core.holds(rid):
+                reason = f"internal error: {type(err).__name__}: {err}; nothing was sent for it"
+                actions = [*actions, Report(rid, "failed", reason), Release(rid)]
         self._execute(actions)
 
     def _fail_safely(self, rid: str, err: Exception, now: float) -> list[Any]:

@@ -72,6 +72,29 @@ def test_a_finish_that_raises_before_the_core_recorded_it_is_still_reported(deco
         assert_pushed(cluster, [2, 3], [20, 21])
 
 
+def test_an_add_that_raises_before_the_core_recorded_it_is_reported_and_its_blocks_released() -> None:
+    """The same on D: the core's add raising before it recorded the request left the engine
+    without a report and the blocks claimed for ever (a later request naming them refused)."""
+    with Cluster(request_timeout_s=60) as cluster:
+        core = cluster.receivers[0].core
+        add = core.add
+
+        def raising(request, now):  # type: ignore[no-untyped-def]
+            if request.request_id == "bad":
+                raise ZeroDivisionError("division by zero")
+            return add(request, now)
+
+        core.add = raising
+        cluster.add("bad", [[20, 21]], "x-bad")
+        reason = cluster.wait_decode("bad", timeout_s=5)[0]
+        assert reason is not None and "ZeroDivisionError" in reason
+        cluster.wait_released("bad")
+        cluster.add("good", [[20, 21]], "x-good")  # the same blocks: no longer claimed
+        cluster.finish("p-good", [[2, 3]], "x-good")
+        assert cluster.wait_decode("good") == {0: None}
+        assert_pushed(cluster, [2, 3], [20, 21])
+
+
 def test_planning_failure_and_a_good_request_to_the_same_unconnected_decode() -> None:
     """The concrete trigger on the old main: a planning failure's notif-only handshake merged
     with a good request's full handshake, and the good request was lost."""
