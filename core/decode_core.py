@@ -184,6 +184,9 @@ class _Receive:
     """The producers' incarnations when it registered: while held, only they can answer."""
     held: bool = False
     """Quarantined past its end, waiting for a producer whose copies no fence stops."""
+    settle_seq: int = -1
+    """The fence sequence number when its producers last stopped posting (settled, or the
+    quarantine ended): only a fence issued after that covers their WRITEs."""
     unknown_strikes: int = 0
     """Heartbeat answers in which a producer said it never heard of the request."""
     reason: str = ""
@@ -360,17 +363,23 @@ class DecodeCore:
         restarted = False
         if previous is not None:  # a reconnect: did P restart meanwhile?
             restarted = previous.incarnations != {a: info.incarnations.get(a) for a in previous.incarnations}
+            seq = self._fence_seq  # the old processes stopped posting before this handshake
+            gone = {a for a, inc in previous.incarnations.items() if info.incarnations.get(a) != inc}
             for rid in sorted(engine.requests):
                 receive = self._requests[rid]
                 if receive.phase is not _Phase.REGISTERED:
                     continue
                 if restarted:
-                    # The old processes are gone, but bytes their kernels queued may still be on
-                    # the way (TCP delivers them after the process died): fence before release.
-                    # Copies no fence stops are held until the old process is seen to have exited.
-                    if receive.writes_abortable:
-                        receive.unsettled |= receive.expected - receive.settled
-                        receive.settled |= receive.expected
+                    # The restarted ranks' old processes are gone, but bytes their kernels queued
+                    # may still be on the way (TCP delivers them after the process died): fence
+                    # before release. The ranks that did not restart still hold the request's
+                    # grant and may post: they settle as for any failure (an answer, or the
+                    # quarantine). Copies no fence stops are held until the old process exited.
+                    dead = {r for r in receive.expected - receive.settled if receive.agents.get(r) in gone}
+                    if receive.writes_abortable and dead:
+                        receive.unsettled |= dead
+                        receive.settled |= dead
+                        receive.settle_seq = seq
                     out += self._close(
                         rid, f"P engine {engine_id!r} restarted while this rank reconnected", now
                     )
@@ -567,11 +576,13 @@ class DecodeCore:
             if note.kind is not NotificationKind.DONE and note.unsettled:
                 receive.unsettled.add(producer)
             receive.settled.add(producer)
+            receive.settle_seq = self._fence_seq
             return self._maybe_release(rid, receive, now)
         if note.kind is NotificationKind.CANCEL_ACK:
             return []  # an ack for a request this rank never cancelled
         if note.kind is NotificationKind.FAILED:
             receive.settled.add(producer)
+            receive.settle_seq = self._fence_seq
             if note.unsettled:
                 receive.unsettled.add(producer)
             return self._close(rid, f"P rank {producer} reported: {note.reason}", now)
@@ -757,7 +768,14 @@ class DecodeCore:
         if not agents:  # no handshake, so nothing was ever written
             return self._finish_close(rid, receive, f"{why}; no connection to fence")
         for fence_id, fence in self._fences.items():
-            if fence.engine_id == receive.engine_id and fence.issued_at >= now and agents <= fence.agents:
+            # A pending fence covers this request's WRITEs only if it went out after its
+            # producers stopped posting (one issued at the same instant may predate that).
+            if (
+                fence.engine_id == receive.engine_id
+                and fence.issued_at >= now
+                and fence_id > receive.settle_seq
+                and agents <= fence.agents
+            ):
                 fence.waiting.add(rid)
                 receive.fence_id = fence_id
                 return []
@@ -903,6 +921,7 @@ class DecodeCore:
                 receive = self._requests[rid]
                 if receive.phase is _Phase.REGISTERED and agent in self._agents_of(receive):
                     receive.settled.update(r for r, a in engine.info.agents.items() if a == agent)
+                    receive.settle_seq = self._fence_seq
                     out += self._close(
                         rid, "P no longer holds this request (it failed, expired or P restarted)", now
                     )

@@ -1106,6 +1106,28 @@ def test_an_overdue_kernel_copy_is_waited_for_and_d_holds_its_blocks_until_it_en
     machine.teardown()
 
 
+def test_one_p_rank_restarting_does_not_settle_the_ranks_that_did_not() -> None:
+    """Found by the machine above (PP2 x TP2 -> TP2): one P rank restarted; D, reconnecting,
+    took the whole engine for restarted and settled every producer of its requests, joining a
+    fence issued before a live rank posted. That rank's WRITE landed after D released the
+    blocks. Now only the restarted ranks settle (their processes are gone); the others settle
+    as for any failure, and a pending fence is joined only if issued after they settled."""
+    machine = CoreCluster()
+    machine.start(topology=(2, 2, 2))
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="absent")
+    machine.prefill_finished(i=0, j=53, one_rank=True, bind=False, boom=False)
+    machine.pump(rounds=8, stall_writes=True)
+    machine.write_completes(i=0, ok=False)
+    machine.pump(rounds=3, stall_writes=False)
+    machine.delay_message(i=0)
+    machine.add_on_another_rank(i=0, j=0)
+    machine.add_on_another_rank(i=0, j=0)
+    machine.pump(rounds=8, stall_writes=False)
+    machine.fault(kind="prefill_rank_restarts", i=0, j=29)
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="absent", prefill_first=True)
+    machine.teardown()  # checks every landing: none after a release
+
+
 @pytest.mark.parametrize("kernel_copies", [False, True])
 def test_one_chunk_of_a_packed_push_does_not_settle_a_cancelled_request(kernel_copies: bool) -> None:
     """Found by the machine above: D cancelled a request whose packed push P had posted as two
