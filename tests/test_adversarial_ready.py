@@ -126,6 +126,7 @@ def test_a_second_finish_with_another_ready_is_refused_and_the_first_ready_gover
         _prefill_ends(cluster, 3, final)
         first.open()
         assert cluster.wait_decode("d-1") == {0: None} and _d_holds(cluster, 5, final)
+        assert cluster.wait_prefill("p-1")[P0] is None  # P's report ends the key (it may trail D's)
         # Finished once more after it was pushed: refused (the key ended), nothing posted.
         posted = sender.transport.counters.writes_posted
         sender.request_finished("p-1c", [[3]], match_key="x-1", ready=second)
