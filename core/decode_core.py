@@ -27,7 +27,8 @@ The rules it keeps (docs/reliability.md):
 - **Copies no fence stops.** A P whose transport copies with kernels (``cuda_ipc``) publishes
   ``writes_abortable: false``: neither its WRITE deadline nor D's fence stops a launched copy.
   Such a producer's requests are held, not fenced: their blocks go back only once it
-  acknowledged (P keeps waiting for an overdue copy and answers when it ended).
+  acknowledged (P keeps waiting for an overdue copy and answers when it ended) or its process
+  is seen to have exited.
 """
 
 from __future__ import annotations
@@ -185,8 +186,8 @@ class _Receive:
     held: bool = False
     """Quarantined past its end, waiting for a producer whose copies no fence stops."""
     settle_seq: int = -1
-    """The fence sequence number when its producers last stopped posting (settled, or the
-    quarantine ended): only a fence issued after that covers their WRITEs."""
+    """The fence sequence number when one of its producers last settled: only a fence issued
+    after that covers the WRITEs they may have posted until then."""
     unknown_strikes: int = 0
     """Heartbeat answers in which a producer said it never heard of the request."""
     reason: str = ""
@@ -644,11 +645,8 @@ class DecodeCore:
         out: list[Any] = []
         if not cancelled:
             out.append(Report(rid, "failed", reason))
-        info = engine.info if engine is not None else None
-        if info is not None:
-            message = wire.encode_cancel(receive.key, self._coordinates(rid, receive), self.s.tp_rank)
-            for rank in sorted(receive.expected - receive.settled):
-                out.append(Send(info.agents[rank], message))
+        if engine is not None:
+            out += self._cancels(rid, receive, engine, receive.expected - receive.settled)
         receive.reason = reason
         return out + self._maybe_release(rid, receive, now)
 
@@ -736,11 +734,19 @@ class DecodeCore:
         # (P loads this rank again at the HELLO; a restarted P acknowledges a key it never had).
         out += self._engine_wanted(receive.meta, now)
         engine = self._engines[receive.engine_id]
-        info = engine.info
-        if info is not None and engine.state is _EngineState.READY:
-            message = wire.encode_cancel(receive.key, self._coordinates(rid, receive), self.s.tp_rank)
-            out += [Send(info.agents[rank], message) for rank in sorted(silent) if rank in info.agents]
+        if engine.state is _EngineState.READY:
+            out += self._cancels(rid, receive, engine, silent)
         return out
+
+    def _cancels(
+        self, rid: str, receive: _Receive, engine: _Producer, ranks: set[RankKey] | frozenset[RankKey]
+    ) -> list[Any]:
+        """A CANCEL of ``rid`` to each of ``ranks`` whose agent the engine has loaded."""
+        info = engine.info
+        if info is None:
+            return []
+        message = wire.encode_cancel(receive.key, self._coordinates(rid, receive), self.s.tp_rank)
+        return [Send(info.agents[rank], message) for rank in sorted(ranks) if rank in info.agents]
 
     def producers_exited(self, rid: str, agents: Iterable[str], now: float) -> list[Any]:
         """The driver saw these producer processes of held request ``rid`` exit (``ProbeExit``):
