@@ -189,6 +189,8 @@ class PrefillCore:
         """Address -> the one engine id being handshaken there."""
         self._address_backoff: dict[tuple[str, int], tuple[float, int, str]] = {}
         """Address -> (not before, failures, last error) after failed handshakes."""
+        self._closing = ""
+        """Why this rank is shutting down ("" while it is not): see :meth:`shutdown`."""
         self.stats: dict[str, int] = {
             "pushes": 0,
             "bytes": 0,
@@ -280,6 +282,8 @@ class PrefillCore:
             ]
         if not any(blocks):
             return [Report(request_id, "sent", "no blocks to push", key)]
+        if self._closing:
+            return [Report(request_id, "failed", self._closing, key)]
         if request is None:
             request = self._requests[key] = _Request(key=key)
         self._timers.disarm(("stash", key))
@@ -315,6 +319,35 @@ class PrefillCore:
         if request is None or request.blocks is None:
             return []
         return self._fail_request(request, "aborted by the prefill engine", now)
+
+    def shutdown(self, reason: str, now: float) -> list[Any]:
+        """The worker is closing: nothing more is posted and every request fails with
+        ``reason``. A registration whose WRITE never went out is answered FAIL now (D may
+        release at once: P will never write); one whose WRITE is in flight hears once that
+        WRITE settled (its DONE, or FAIL saying it ended unsettled). Registrations and finishes
+        that arrive later are refused the same way."""
+        self._closing = reason
+        out: list[Any] = []
+        for request in list(self._requests.values()):
+            dests = request.dests
+            if dests and all(d.state in (_Dest.INFLIGHT, _Dest.DONE) for d in dests.values()):
+                continue  # every destination is written or being written: it may still end sent
+            out += self._fail_held(request, reason)
+            out += self._fail_request(request, reason, now)
+        return out
+
+    def _fail_held(self, request: _Request, reason: str) -> list[Any]:
+        """FAIL the registrations held for D engines the router may still name (the request is
+        not bound yet); nothing was posted for them."""
+        out: list[Any] = []
+        for engine_id, held in request.others.items():
+            engine = self._engines.get(engine_id)
+            for rank, entry in sorted(held.items()):
+                if engine is not None and engine.agents.get(rank) == entry.agent:
+                    message = wire.encode_failed(entry.reg.request_id, self.s.rank, reason, unsettled=False)
+                    out.append(Send(entry.agent, message))
+        request.others = {}
+        return out
 
     def fail(self, key: str, reason: str, now: float, *, request_id: str | None = None) -> list[Any]:
         """Fail whatever P holds for ``key`` (the driver caught an error while handling it).
@@ -381,6 +414,8 @@ class PrefillCore:
                 ]
             self.stats["duplicate_registrations"] += 1
             return []
+        if self._closing:
+            return self._refuse(reg, agent, self._closing, False, now)
         request = self._requests.get(key)
         if request is None:
             stashed = sum(
@@ -789,7 +824,7 @@ class PrefillCore:
             logger.warning("dropped a FAIL for %s of an unloaded D rank: %d held", reg.request_id, MAX_OWED)
             return []  # that D request ends at its registration timeout
         engine.owed.setdefault(rank, []).append((agent, message))
-        return self._connect(engine, rank, now)
+        return [] if self._closing else self._connect(engine, rank, now)
 
     def _reject_reg(self, request: _Request, rank: int, why: str) -> list[Any]:
         logger.warning("PUSH_REG of %s from D rank %s ignored: %s", request.key, rank, why)

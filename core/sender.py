@@ -20,7 +20,7 @@ import attrs
 
 from kvpush.core import notifications as wire
 from kvpush.core.actions import Abort, Connect, DropPeer, Post, Report, Send
-from kvpush.core.errors import ConfigError, KvpushError, TransferError
+from kvpush.core.errors import ConfigError, KvpushError, TransferError, WaitTimeout
 from kvpush.core.peers import PeerEngine
 from kvpush.core.planning import descriptor_id_grid, descriptor_ids, trim_for_prefix_hit
 from kvpush.core.prefill_core import PrefillCore, PrefillSettings
@@ -577,6 +577,29 @@ class PushSender(RankWorker):
     def _busy(self) -> bool:
         # A WRITE in flight belongs to a finished prefill, so busy() covers it too.
         return bool(self._unready) or (self.core is not None and self.core.busy())
+
+    def _before_stop(self) -> None:
+        """Tell D before going: the core stops posting and answers every registration FAIL,
+        at once where nothing was posted, else once the WRITE settled; this waits for WRITEs in
+        flight (at most ``close_timeout_s``) so that their outcome reaches D too."""
+        core = self.core
+        assert core is not None
+        deadline = time.monotonic() + self.config.close_timeout_s
+        reason = "the prefill worker closed before the push finished"
+        try:
+            self.call_on_writer(lambda: self._execute(core.shutdown(reason, lease_clock())))
+            while self.call_on_writer(lambda: len(core.inflight_handles())):
+                if time.monotonic() >= deadline:
+                    logger.warning(
+                        "%s closing with WRITEs still in flight after %gs: D decides their "
+                        "requests at its own deadline",
+                        self.agent_name,
+                        self.config.close_timeout_s,
+                    )
+                    return
+                time.sleep(0.002)
+        except WaitTimeout as err:
+            logger.warning("%s could not tell D it is closing: %s", self.agent_name, err)
 
     def _closed(self) -> None:
         """Report every prefill still held as failed: the engine may free its blocks."""

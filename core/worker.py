@@ -93,6 +93,10 @@ class WorkerConfig:
     greater one is a new peer, a message with a smaller one is a late one and is dropped."""
     engine_ttl_s: float = 3600.0
     """Remote engines idle this long (and with no request in progress) are evicted; <= 0 never."""
+    close_timeout_s: float = 5.0
+    """P: how long ``close()`` waits for WRITEs in flight to settle, so that D hears each one's
+    outcome (a registration with nothing in flight is answered FAIL at once). A WRITE still in
+    flight then is left to D's own deadline."""
     keepalive_s: float = 600.0
     """D: for this long after its last request to a P engine, an idle D keeps that engine's
     grants fresh (a keyless heartbeat once a stamp would be half ``fresh_s`` old by the next
@@ -127,6 +131,8 @@ class WorkerConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"WorkerConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if not self.close_timeout_s >= 0:
+            raise ConfigError(f"WorkerConfig.close_timeout_s must be >= 0, got {self.close_timeout_s!r}")
         if not self.keepalive_s >= 0:
             raise ConfigError(
                 f"WorkerConfig.keepalive_s must be >= 0 (0 turns it off), got {self.keepalive_s!r}"
@@ -518,6 +524,8 @@ class RankWorker:
         Memory is never released under a live writer: if the writer does not stop within 10 s,
         the transport is left open (and an error logged) rather than freed under it."""
         was_running = self._running
+        if was_running and self._thread is not None and self._thread.is_alive():
+            self._before_stop()
         self._running = False
         self._stop.set()
         self._signal()
@@ -531,6 +539,9 @@ class RankWorker:
         if was_running:
             self._closed()
         self._release_resources()
+
+    def _before_stop(self) -> None:
+        """Runs in ``close()`` while the writer still runs (bounded): tell peers we are going."""
 
     def _closed(self) -> None:
         """Report what is still pending as failed (the writer has stopped)."""

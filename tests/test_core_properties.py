@@ -92,6 +92,7 @@ FAULTS = [
     "prefill_rank_dies",
     "prefill_rank_restarts",
     "prefill_rank_restarts_behind",
+    "prefill_rank_closes",
     "decode_rank_dies",
     "decode_rank_restarts",
     "scatter_fails",
@@ -784,6 +785,9 @@ class CoreCluster(RuleBasedStateMachine):
             d = ds[j % len(ds)]
             if req.rid in d.requests:
                 self._run_d(d, d.core.fail(req.rid, "internal error: RuntimeError: boom", self.now(d)))
+        elif kind == "prefill_rank_closes" and ps:
+            p = ps[j % len(ps)]  # its worker's close(): the writer drains on, posting nothing more
+            self._run_p(p, p.core.shutdown("the prefill worker closed", self.now(p)))
         elif kind.startswith("prefill_rank_") and ps:
             p = ps[j % len(ps)]
             p.alive = False

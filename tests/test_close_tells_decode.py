@@ -1,0 +1,131 @@
+"""A P worker that closes tells D: each registration is answered FAIL at once when nothing of it
+was posted, and once its WRITE settled when one is in flight, so D neither waits for P's silence
+(tens of seconds) nor releases blocks a WRITE may still reach.
+
+Real NIXL between workers on 127.0.0.1, plus the pure core for the orderings a cluster cannot
+time (a registration arriving after the shutdown began).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from cluster import Cluster, kv_bytes, wait_until
+from test_protocol_safety import _note, _prefill_core, _registration
+
+from kvpush.core import notifications as wire
+from kvpush.core.actions import Post, Report, Send
+from kvpush.core.notifications import NotificationKind
+from kvpush.core.types import RankKey
+
+P0 = RankKey(0, 0)
+SLOW_SILENCE = {"request_timeout_s": 60, "heartbeat_interval_s": 5.0}
+"""D would take 20 s to call a silent P dead: anything faster was told."""
+
+
+def _connected(cluster: Cluster) -> None:
+    """Push one request so P has loaded D's rank (a later FAIL can reach it at once)."""
+    cluster.add("d-0", [[1]], "x-0")
+    cluster.finish("p-0", [[1]], "x-0")
+    assert cluster.wait_decode("d-0") == {0: None}
+
+
+def _wait_posted(sender) -> None:
+    wait_until(lambda: sender.call_on_writer(lambda: len(sender.core.inflight_handles())) == 1, what="post")
+
+
+def test_closing_p_fails_a_registration_it_never_wrote_at_once() -> None:
+    with Cluster(transport="nixl", **SLOW_SILENCE) as cluster:
+        _connected(cluster)
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[3]], "x-1")  # P never finishes it
+        wait_until(lambda: sender.call_on_writer(sender.core.state_sizes)["stashed"] == 1, what="P's stash")
+        closed_at = time.monotonic()
+        sender.close()
+        reason = cluster.wait_decode("d-1", timeout_s=5)[0]
+        cluster.wait_released("d-1", timeout_s=5)
+        assert reason is not None and "prefill worker closed" in reason
+        assert time.monotonic() - closed_at < 5  # told, not timed out
+
+
+def test_closing_p_lets_a_write_in_flight_land_and_d_finish() -> None:
+    """A WRITE in flight at close is waited for (bounded): its bytes and DONE reach D, and P
+    reports the push sent, not failed."""
+    options = {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 0.5}
+    with Cluster(transport="faulty", transport_options=options, **SLOW_SILENCE) as cluster:
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[3, 4]], "x-1")
+        cluster.finish("p-1", [[5, 6]], "x-1")
+        _wait_posted(sender)
+        sender.close()
+        assert cluster.wait_decode("d-1", timeout_s=5) == {0: None}
+        cluster.poll()
+        assert cluster.p_results[P0] == {"p-1": None}  # sent
+        for layer, tensor in cluster.d_caches[0].items():
+            src = kv_bytes(cluster.p_caches[P0][layer])
+            assert torch.equal(kv_bytes(tensor)[:, [3, 4]], src[:, [5, 6]]), layer
+
+
+def test_closing_p_with_a_write_past_close_timeout_leaves_d_its_own_deadline() -> None:
+    """close() waits at most ``close_timeout_s``; a WRITE still in flight then is not answered
+    FAIL (it may still land), so D keeps the blocks until its own deadline decides."""
+    options = {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 30.0}
+    with Cluster(
+        transport="faulty", transport_options=options, close_timeout_s=0.3, **SLOW_SILENCE
+    ) as cluster:
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[3]], "x-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        _wait_posted(sender)
+        started = time.monotonic()
+        sender.close()
+        assert time.monotonic() - started < 3
+        time.sleep(0.5)
+        cluster.poll()
+        assert "d-1" not in cluster.d_results[0] and "d-1" not in cluster.released[0]
+
+
+def _loaded_core():
+    core = _prefill_core()
+    core.notification("D-agent", _note(wire.encode_hello(_registration(), 0)), 100.0)
+    core.connected("D", 0, "D-agent", "d1", 1, "", 100.0)
+    return core
+
+
+def _fails(actions) -> list[str]:
+    return [
+        note.request_id
+        for a in actions
+        if isinstance(a, Send) and (note := _note(a.message)).kind is NotificationKind.FAILED
+    ]
+
+
+def test_a_registration_after_shutdown_is_answered_fail_and_never_written() -> None:
+    core = _loaded_core()
+    core.finished("x-1", "p-1", ((5,),), "", 100.0)
+    assert _fails(core.shutdown("closing", 100.0)) == []  # nothing registered yet
+    actions = core.notification("D-agent", _note(wire.encode_push_reg(_registration())), 100.1)
+    assert _fails(actions) == ["d-1"]
+    assert not any(isinstance(a, Post) for a in actions)
+
+
+def test_a_finish_after_shutdown_is_reported_failed() -> None:
+    core = _loaded_core()
+    core.shutdown("closing", 100.0)
+    (report,) = core.finished("x-2", "p-2", ((5,),), "", 100.1)
+    assert isinstance(report, Report) and report.outcome == "failed" and report.reason == "closing"
+
+
+def test_shutdown_answers_stashed_registrations_and_keeps_a_write_in_flight() -> None:
+    core = _loaded_core()
+    core.notification("D-agent", _note(wire.encode_push_reg(_registration())), 100.0)  # stashed
+    reg2 = _registration(request_id="d-2", match_key="x-2")
+    core.notification("D-agent", _note(wire.encode_push_reg(reg2)), 100.0)
+    (post,) = [a for a in core.finished("x-2", "p-2", ((6,),), "", 100.0) if isinstance(a, Post)]
+    assert core.confirm_post(post.key, post.dst, 100.0)
+    core.posted(post.key, post.dst, ["h"], 64, 100.0)
+    actions = core.shutdown("closing", 100.1)
+    assert _fails(actions) == ["d-1"]  # d-2's WRITE is in flight: it is not told yet
+    settled = core.write_settled("x-2", 0, "h", True, 100.2)
+    assert [a.outcome for a in settled if isinstance(a, Report)] == ["sent"]
