@@ -589,19 +589,20 @@ class _WorkerSide:
 
         from kvpush.core.types import ModelSpec, ParallelConfig
         from kvpush.core.worker import WorkerConfig
-        from kvpush.layouts.vllm import LAYOUT_NAME, group_ratios, layer_caches
+        from kvpush.layouts.vllm import LAYOUT_NAME, check_excluded_groups, group_ratios, layer_caches
 
-        caches = layer_caches(kv_caches, self.kv_cache_config)
-        if not caches:
-            raise ConfigError("register_kv_caches got no attention KV caches to transfer")
-        groups = getattr(self.kv_cache_config, "transfer_groups", self.kv_cache_config.kv_cache_groups)
-        self.ratios = group_ratios(caches, len(groups))
-        self.block_sizes = tuple(int(group.kv_cache_spec.block_size) for group in groups)
         model_config = self.vllm_config.model_config
         parallel_config = self.vllm_config.parallel_config
         pp_rank, tp_rank = self.ranks()
         num_layers = model_config.get_total_num_hidden_layers()
         start, end = get_pp_indices(num_layers, pp_rank, parallel_config.pipeline_parallel_size)
+        caches = layer_caches(kv_caches, self.kv_cache_config)
+        check_excluded_groups(kv_caches, self.kv_cache_config, caches, end - start)
+        if not caches:
+            raise ConfigError("register_kv_caches got no attention KV caches to transfer")
+        groups = getattr(self.kv_cache_config, "transfer_groups", self.kv_cache_config.kv_cache_groups)
+        self.ratios = group_ratios(caches, len(groups))
+        self.block_sizes = tuple(int(group.kv_cache_spec.block_size) for group in groups)
         parallel = ParallelConfig(
             tp_size=parallel_config.tensor_parallel_size,
             tp_rank=tp_rank,

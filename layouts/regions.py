@@ -169,7 +169,8 @@ def check_regions(
             f"({_names(flat)}) but the rank owns {parallel.num_local_layers} (layers "
             f"{parallel.start_layer}-{parallel.end_layer - 1}). layer_names must be the model "
             f"layer's name, the same for K and V of that layer (not one name per tensor such as "
-            f"'layers.0.k'/'layers.0.v')"
+            f"'layers.0.k'/'layers.0.v'), and every layer the rank owns needs a region (a layer "
+            f"left out, e.g. of a KV-cache group the engine does not transfer, gets no KV on D)"
         )
     keys = [natural_key(names[0]) for names in distinct]
     for i in range(1, len(keys)):

@@ -66,16 +66,37 @@ class VllmLayerCache:
     """Kernel blocks per scheduler (logical) block of the layer's group."""
 
 
-def _spec_kind(spec: Any) -> tuple[str, bool]:
-    """``(attention_kind, is_mla)`` of a vLLM ``KVCacheSpec``, read by class name."""
+def _names(names: Sequence[str], limit: int = 4) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def describe_group(gid: int, group: Any, layers: Sequence[str] | None = None) -> str:
+    """``kv_cache_groups[1] (SlidingWindowSpec, role default; layers 'a', 'b')``: a
+    ``KVCacheGroupSpec`` as errors name it (``layers``: the ones at issue, default all)."""
+    spec = group.kv_cache_spec
+    role = getattr(group, "role", None)
+    role_text = f", role {getattr(role, 'value', role)}" if role is not None else ""
+    shown = list(group.layer_names if layers is None else layers)
+    return f"kv_cache_groups[{gid}] ({type(spec).__name__}{role_text}; layers {_names(shown)})"
+
+
+def _spec_kind(spec: Any, where: str = "") -> tuple[str, bool]:
+    """``(attention_kind, is_mla)`` of a vLLM ``KVCacheSpec``, read by class name (``where``:
+    the group, as :func:`describe_group` names it, for errors)."""
     names = {cls.__name__ for cls in type(spec).__mro__}
+    what = where or f"a {type(spec).__name__} KV-cache group"
     if "MambaSpec" in names:
         raise ConfigError(
-            "the vllm layout transfers attention KV only; Mamba/SSM state groups are not supported "
-            "(serve the model without kv_transfer_config, or use vLLM's NixlPushConnector)"
+            f"{what} holds Mamba/SSM state; the vllm layout transfers attention KV only, Mamba/SSM "
+            f"state groups are not supported (serve the model without kv_transfer_config, or use "
+            f"vLLM's NixlPushConnector)"
         )
     if "AttentionSpec" not in names:
-        raise ConfigError(f"KV cache spec {type(spec).__name__} is not an attention spec; cannot transfer it")
+        raise ConfigError(
+            f"{what} has KV cache spec {type(spec).__name__}, which is not an attention spec: the "
+            f"vllm layout cannot transfer it (serve the model without kv_transfer_config)"
+        )
     kind = "sliding_window" if "SlidingWindowSpec" in names else "full"
     return kind, any("MLA" in name for name in names)
 
@@ -94,6 +115,7 @@ def layer_caches(
     every = list(kv_cache_config.kv_cache_groups)
     # Only groups that take part in KV transfer (vLLM >= 0.33); block ids are indexed by them.
     groups = list(getattr(kv_cache_config, "transfer_groups", every))
+    index = list(getattr(kv_cache_config, "transfer_group_ids", range(len(groups))))
     out: dict[str, VllmLayerCache] = {}
     for gid, group in enumerate(groups):
         spec = group.kv_cache_spec
@@ -102,7 +124,7 @@ def layer_caches(
             if name not in kv_caches:
                 continue  # a layer of another PP stage
             layer_spec = inner[name] if inner else spec
-            kind, mla = _spec_kind(layer_spec)
+            kind, mla = _spec_kind(layer_spec, describe_group(index[gid], group))
             tensor = kv_caches[name]
             if tensor.dim() != 4:
                 raise ConfigError(
@@ -130,6 +152,35 @@ def layer_caches(
             f"caches were allocated from"
         )
     return out
+
+
+def check_excluded_groups(
+    kv_caches: Mapping[str, Any], kv_cache_config: Any, transferred: Mapping[str, Any], num_local_layers: int
+) -> None:
+    """Refuse, naming each group, a rank that would transfer fewer layers than it owns because
+    vLLM excludes their KV-cache group from transfer (``KVCacheGroupSpec.enable_kv_transfer``
+    False). ``transferred``: what :func:`layer_caches` returned for ``kv_caches``. Excluded
+    groups whose layers are all transferred through another group (vLLM's device replicas of a
+    transferred group) are fine."""
+    if len(transferred) >= num_local_layers:
+        return
+    every = list(kv_cache_config.kv_cache_groups)
+    included = set(getattr(kv_cache_config, "transfer_group_ids", range(len(every))))
+    excluded = []
+    for gid, group in enumerate(every):
+        names = [n for n in group.layer_names if n in kv_caches and n not in transferred]
+        if gid not in included and names:
+            excluded.append(describe_group(gid, group, names))
+    if not excluded:
+        return
+    raise ConfigError(
+        f"kvpush cannot transfer this model's KV: vLLM excludes {'; '.join(excluded)} from KV "
+        f"transfer (KVCacheGroupSpec.enable_kv_transfer=False), and kvpush moves only the groups "
+        f"vLLM marks transferable (KVCacheConfig.transfer_groups): this rank would transfer "
+        f"{len(transferred)} of its {num_local_layers} layers, and D would decode the others "
+        f"from KV it never received. Serve this model without kv_transfer_config (no prefill/decode "
+        f"split), or turn off the vLLM feature that made the group non-transferable"
+    )
 
 
 def expand_block_ids(

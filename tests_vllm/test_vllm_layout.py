@@ -186,3 +186,61 @@ def test_matching_key() -> None:
     assert match_key("cmpl-abc-0-1a2b3c4d", {}) == "cmpl-abc-0"
     with pytest.raises(ConfigError, match="transfer_id"):
         match_key("x", {"transfer_id": 3})
+
+
+def _exclude(kv_config: Any, gid: int) -> Any:
+    """``kv_config`` with group ``gid`` marked non-transferable, as vLLM marks its device replicas."""
+    import dataclasses
+
+    groups = list(kv_config.kv_cache_groups)
+    groups[gid] = dataclasses.replace(groups[gid], enable_kv_transfer=False)
+    return dataclasses.replace(kv_config, kv_cache_groups=groups)
+
+
+def test_a_group_excluded_from_transfer_is_named_at_start_up(llama_dir: str) -> None:
+    """vLLM excludes a KV-cache group that holds model layers from transfer: the connector's
+    start-up refusal names the group (index, spec, layers), says why and what to do, instead of a
+    generic layout-rule error; nothing is started."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    config, kv_config, caches = allocate(llama_dir, sliding=(1, 3))
+    sliding = next(i for i, g in enumerate(kv_config.kv_cache_groups) if g.layer_names[0] == LAYER.format(1))
+    excluded = _exclude(kv_config, sliding)
+    connector = KvpushConnector(config, KVConnectorRole.WORKER, excluded)
+    with pytest.raises(ConfigError) as caught:
+        connector.register_kv_caches(caches)
+    message = str(caught.value)
+    assert f"kv_cache_groups[{sliding}] (SlidingWindowSpec" in message
+    assert repr(LAYER.format(1)) in message and repr(LAYER.format(3)) in message
+    assert "enable_kv_transfer=False" in message and "2 of its 4 layers" in message
+    assert "without kv_transfer_config" in message  # the fix
+    assert "layer_names rule" not in message
+    assert connector._worker is not None and connector._worker.engine is None  # nothing started
+    connector.shutdown()
+
+
+def test_an_excluded_replica_of_transferred_layers_is_not_refused(llama_dir: str) -> None:
+    """An excluded group whose layers all reach D through a transferred group (vLLM's device
+    replicas) leaves nothing untransferred: no refusal."""
+    from kvpush.layouts.vllm import check_excluded_groups
+
+    _, kv_config, caches = allocate(llama_dir, sliding=(1, 3))
+    transferred = layer_caches(caches, kv_config)
+    check_excluded_groups(caches, kv_config, transferred, 4)
+    sliding = _exclude(kv_config, 1)
+    with pytest.raises(ConfigError, match=r"kv_cache_groups\[1\]"):
+        check_excluded_groups(caches, sliding, layer_caches(caches, sliding), 4)
+
+
+def test_a_mamba_group_is_named(llama_dir: str) -> None:
+    """A Mamba/SSM state group is refused naming the group and its layers."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    _, kv_config, caches = allocate(llama_dir, sliding=(1, 3))
+    groups = list(kv_config.kv_cache_groups)
+    mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.float16,))
+    groups[1] = dataclasses.replace(groups[1], kv_cache_spec=mamba)
+    with pytest.raises(ConfigError, match=r"kv_cache_groups\[1\] \(MambaSpec.*layers.*Mamba/SSM"):
+        layer_caches(caches, dataclasses.replace(kv_config, kv_cache_groups=groups))
