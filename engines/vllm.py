@@ -106,6 +106,9 @@ class KvpushConnectorMetadata(KVConnectorMetadata):
     send: dict[str, SendItem] = field(default_factory=dict)
     cancel: list[str] = field(default_factory=list)
     """D requests aborted while receiving: cancel, report them once settled."""
+    abandon: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """P: request id -> (match key, why) of prefills that ended without a push (aborted on P):
+    D's registrations of the key are answered FAIL at once. Never reported back to vLLM."""
 
 
 @dataclass
@@ -317,6 +320,9 @@ class _SchedulerSide:
         self._recv: dict[str, RecvItem] = {}
         self._send: dict[str, SendItem] = {}
         self._cancel: list[str] = []
+        self._abandon: dict[str, tuple[str, str]] = {}
+        self._send_keys: dict[str, str] = {}
+        """P: request id -> match key of every push in ``sending`` (a key in use is never abandoned)."""
         self.receiving: set[str] = set()
         """D requests registered and not yet reported in finished_recving."""
         self.sending: set[str] = set()
@@ -438,17 +444,26 @@ class _SchedulerSide:
             return False, None
         from vllm.v1.request import RequestStatus
 
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-            return False, None  # aborted on P: nothing to push
         try:
             key = match_key(rid, params)
         except ConfigError as err:  # a client's bad field: no push, the engine goes on
             logger.error("request %s is not pushed: %s", rid, err)
             return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            # Aborted (client gone), errored or refused on P before its prefill finished: nothing
+            # will be pushed, so D's registration is failed now rather than at its timeout.
+            self._abandon_key(
+                rid,
+                key,
+                f"P's request {rid!r} ended {request.status.name} before its prefill finished: "
+                f"P pushes nothing for match key {key!r}",
+            )
+            return False, None
         blocks = _real_tail(self.clip(self._prompt_blocks(block_ids, request.num_prompt_tokens)))
         fingerprint = _fingerprint(request)
         out = self._transfer_params(rid, params, fingerprint)
         if not any(blocks):
+            self._abandon_key(rid, key, f"P holds none of the prompt's blocks of match key {key!r} any more")
             return False, out
         decode = params.get("decode_engine_id")
         if decode is not None and (not isinstance(decode, str) or not decode):
@@ -462,7 +477,19 @@ class _SchedulerSide:
             num_tokens=request.num_prompt_tokens,
         )
         self.sending.add(rid)
+        self._send_keys[rid] = key
         return True, out
+
+    def _abandon_key(self, rid: str, key: str, why: str) -> None:
+        """Stage telling every P rank that ``key`` will never be pushed by this engine (D's
+        registrations of it fail at once). Not when another request of this engine is pushing
+        the same key (a router that reused it): a FAIL must never reach a D that P may still
+        write to."""
+        owner = next((other for other, used in self._send_keys.items() if used == key), None)
+        if owner is not None:
+            logger.warning("request %s ended unpushed; its key %r stays with request %s", rid, key, owner)
+            return
+        self._abandon[rid] = (key, why)
 
     def _prompt_blocks(self, block_ids: Any, num_prompt_tokens: int) -> list[list[int]]:
         """Per KV-cache group, the blocks holding the prompt's KV. A P leg that decoded past the
@@ -498,18 +525,21 @@ class _SchedulerSide:
         return out
 
     def build_connector_meta(self) -> KvpushConnectorMetadata:
-        meta = KvpushConnectorMetadata(recv=self._recv, send=self._send, cancel=self._cancel)
-        self._recv, self._send, self._cancel = {}, {}, []
+        meta = KvpushConnectorMetadata(
+            recv=self._recv, send=self._send, cancel=self._cancel, abandon=self._abandon
+        )
+        self._recv, self._send, self._cancel, self._abandon = {}, {}, [], {}
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
             self.sending.discard(rid)
+            self._send_keys.pop(rid, None)
         for rid in output.finished_recving or ():
             self.receiving.discard(rid)
 
     def has_pending_work(self) -> bool:
-        return bool(self.sending or self._send or self._recv or self._cancel)
+        return bool(self.sending or self._send or self._recv or self._cancel or self._abandon)
 
     # -------------------------------------------------------------- side channel
 
@@ -566,6 +596,7 @@ class _WorkerSide:
         still land): vLLM hears of the failure only once they are released."""
         self._released: set[str] = set()
         """D: requests kvpush released before this worker saw their failure."""
+        self._abandon_missing_logged = False
 
     def ranks(self) -> tuple[int, int]:
         """``(pp_rank, tp_rank)`` of this worker."""
@@ -702,6 +733,8 @@ class _WorkerSide:
                 except Exception as err:  # e.g. a transfer_id already in use: release, go on
                     logger.error("kvpush cannot push request %s (its blocks are released): %s", rid, err)
                     self._failed_now[rid] = str(err)
+            for rid, (key, why) in meta.abandon.items():
+                self._abandon(rid, key, why)
             return
         for rid, item in meta.recv.items():
             try:
@@ -717,6 +750,25 @@ class _WorkerSide:
         for rid in meta.cancel:
             if rid in self._inflight and rid not in self._failed_now:
                 engine.cancel(rid)
+
+    def _abandon(self, rid: str, key: str, why: str) -> None:
+        """Tell the sender that ``key`` will never be finished here (``request_abandoned``):
+        it answers D's registrations of it FAIL. Nothing is reported to vLLM (the request's
+        blocks were freed). A sender without the call leaves D to its registration timeout."""
+        abandon = getattr(self.engine, "request_abandoned", None)
+        if abandon is None:
+            if not self._abandon_missing_logged:
+                self._abandon_missing_logged = True
+                logger.warning(
+                    "kvpush's PushSender has no request_abandoned(): a D request paired with a "
+                    "prefill aborted on P (first: %s) fails at D's push_registration_timeout",
+                    key,
+                )
+            return
+        try:
+            abandon(rid, match_key=key, reason=why)
+        except Exception as err:  # D's request then ends at its registration timeout
+            logger.error("kvpush could not tell D that %s will not be pushed: %s", key, err)
 
     def _kv_written(self) -> Any:
         """An event after everything this worker queued on its CUDA stream (the finished

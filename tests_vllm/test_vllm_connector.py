@@ -311,6 +311,80 @@ def test_p_abort_fails_d_at_its_registration_timeout(engines: Any, llama_dir: st
     assert d.finish_reason(d_id) == "error"
 
 
+@pytest.mark.xfail(
+    not hasattr(__import__("kvpush.core.sender", fromlist=["PushSender"]).PushSender, "request_abandoned"),
+    strict=True,
+    reason=(
+        "needs PushSender.request_abandoned(request_id, match_key, reason) in core: a key that will "
+        "never be finished is answered FAIL (held and later registrations); without it D waits for "
+        "push_registration_timeout"
+    ),
+)
+def test_p_abort_fails_d_at_once(engines: Any, llama_dir: str) -> None:
+    """P aborts two prefills (client gone): one before D registered, one after D's registration
+    reached P (P's prefill not finished). D's requests fail within seconds, far below their
+    registration timeout, nothing is written into D's blocks, and vLLM on P hears of neither
+    (their blocks were freed at the abort)."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 90})
+    model = PrefillModel()
+    from vllm.v1.request import RequestStatus
+
+    before = d.workers[0].call("snapshot")
+    early = dispatch(p, d, "cmpl-p-abort-1", prompt(14, 40), transfer_id="xfer-p-abort-1")
+    p.scheduler.finish_requests(early[0], RequestStatus.FINISHED_ABORTED)
+    late = dispatch(p, d, "cmpl-p-abort-2", prompt(15, 150), transfer_id="xfer-p-abort-2")
+    # Only D steps: it registers both (PUSH_REG sent), P's prefill does not advance.
+    run_until([d], lambda: d.stats.get("push_regs_sent", 0) >= 2, "D's two registrations")
+    time.sleep(0.5)  # the PUSH_REGs reach P's rank
+    p.scheduler.finish_requests(late[0], RequestStatus.FINISHED_ABORTED)
+    started = time.monotonic()
+    both = lambda: {early[1], late[1]} <= d.finished_recving  # noqa: E731
+    run_until([p, d], both, "D to learn both prefills were aborted on P", 20.0, kv_producer=model)
+    assert time.monotonic() - started < 20.0  # the registration timeout is 90 s
+    assert {early[1], late[1]} <= d.failed_recving
+    assert d.workers[0].call("changed_blocks", before=before) == set()
+    drain(p, d, model)
+    assert not {early[0], late[0]} & p.finished_sending
+    assert d.finish_reason(early[1]) == d.finish_reason(late[1]) == "error"
+
+
+def test_p_abort_is_staged_for_every_rank_unless_another_request_pushes_its_key(llama_dir: str) -> None:
+    """P's scheduler half: a prefill that ends without a push (aborted, or errored) is staged as
+    abandoned for the workers (its key, a reason naming the request and status); one whose key
+    another request of the engine is pushing is not (D may still receive that push)."""
+    from harness import EngineSpec, kv_cache_configs, vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
+
+    from kvpush.engines.vllm import KvpushConnector
+
+    config = vllm_config(EngineSpec(model_dir=llama_dir, role="kv_producer", engine_id="P", port=5600))
+    kv_config, _ = kv_cache_configs(config)
+    connector = KvpushConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+
+    def finish(rid: str, status: RequestStatus, transfer_id: str, blocks: list[int]) -> Any:
+        request = make_request(rid, prompt(16, 40), 1, {"do_remote_decode": True, "transfer_id": transfer_id})
+        request.status = status
+        return connector.request_finished_all_groups(request, (blocks,))
+
+    assert finish("a-1", RequestStatus.FINISHED_ABORTED, "xfer-a", []) == (False, None)
+    assert finish("b-1", RequestStatus.FINISHED_ERROR, "xfer-b", [1]) == (False, None)
+    assert finish("c-1", RequestStatus.FINISHED_LENGTH_CAPPED, "xfer-c", [1, 2, 3])[0]
+    assert finish("c-2", RequestStatus.FINISHED_ABORTED, "xfer-c", [])[0] is False  # key in use
+    assert connector.has_pending_push_work()
+    meta = connector.build_connector_meta(None)
+    assert set(meta.abandon) == {"a-1", "b-1"} and set(meta.send) == {"c-1"}
+    key, why = meta.abandon["a-1"]
+    assert key == "xfer-a" and "'a-1'" in why and "FINISHED_ABORTED" in why
+    connector.update_connector_output(KVConnectorOutput(finished_sending={"c-1"}))
+    assert not connector.has_pending_push_work()
+    finish("c-3", RequestStatus.FINISHED_ABORTED, "xfer-c", [])  # the key is free again
+    assert set(connector.build_connector_meta(None).abandon) == {"c-3"}
+    connector.shutdown()
+
+
 def test_many_requests_with_aborts_and_shared_prefixes(engines: Any, llama_dir: str) -> None:
     """PP2 -> TP2 under load: 12 requests, some sharing a prefix, three aborted on D at different
     points; every other request lands byte-exact, and nothing is left behind."""
