@@ -3,9 +3,12 @@
 Prefixes: ``PUSH_REG:``, ``DONE:``, ``FAIL:``, ``CANCEL:``, ``CANCEL_ACK:``, ``HB:`` and
 ``HELLO:``. Every body carries ``"v": [major, minor]``; a peer with another *major* version is
 refused with a ``WireError`` naming both, unknown fields are ignored (so one minor version apart
-interoperates). Every integer from a peer is range-checked here, when decoded, with an error
-naming the field: block ids below 2**31, ranks below the advertised sizes, sizes at most
-``MAX_PARALLEL``, staging offsets non-negative (or -1), reasons truncated to ``MAX_REASON``.
+interoperates). Every value from a peer is range-checked here, when decoded, with an error
+naming the field: block ids below 2**31, distinct within a group and not all groups empty;
+ranks below the advertised sizes (a DONE's producer TP rank below its stated TP size), sizes at
+most ``MAX_PARALLEL``, staging offsets non-negative (or -1); a packing manifest names at least
+one region and no region twice; clock values (stamps, grants, windows) finite and in
+``[0, MAX_CLOCK_S]``; reasons truncated to ``MAX_REASON``.
 
 Direction and meaning (docs/reliability.md):
 
@@ -40,13 +43,16 @@ from kvpush.core.types import (
     PushRegistration,
     RankKey,
 )
+from kvpush.core.wire import MAX_PARALLEL as WIRE_MAX_PARALLEL
 from kvpush.core.wire import pack, unpack
 
 NOTIF_VERSION = (2, 1)
 """(major, minor) of the notification format; only the major must match."""
 MAX_BLOCK_ID = (1 << 31) - 1
-MAX_PARALLEL = 4096
+MAX_PARALLEL = WIRE_MAX_PARALLEL
 """Largest TP or PP size a peer may state."""
+MAX_CLOCK_S = float(1 << 40)
+"""Largest stamp, grant or freshness window (seconds) a peer may state."""
 MAX_KEYS = 4096
 """Most match keys one heartbeat may carry."""
 MAX_ID_CHARS = 1024
@@ -233,8 +239,16 @@ def _float_field(body: Mapping[str, Any], name: str, what: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise WireError(f"{what} field {name!r} must be a finite number or absent, got {str(value)[:80]!r}")
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or not 0 <= value <= MAX_CLOCK_S
+    ):
+        raise WireError(
+            f"{what} field {name!r} must be a finite number of seconds in [0, 2**40] or absent, "
+            f"got {str(value)[:80]!r}"
+        )
     return float(value)
 
 
@@ -265,6 +279,8 @@ def _block_ids(value: Any, what: str) -> tuple[tuple[int, ...], ...]:
         if len(set(group)) != len(group):
             raise WireError(f"{what} field 'local_block_ids' repeats a block id within a group")
         groups.append(tuple(group))
+    if not any(groups):  # D reports a request with no blocks done at once, never registers it
+        raise WireError(f"{what} field 'local_block_ids' names no block in any group")
     return tuple(groups)
 
 
@@ -310,6 +326,8 @@ def _manifest(body: Mapping[str, Any], what: str) -> PackManifest | None:
             raise ValueError("too many chunks or regions")
         if not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 1 << 31 for r in regions):
             raise ValueError("region indices must be non-negative ints")
+        if not regions or len(set(regions)) != len(regions):
+            raise ValueError(f"regions must name at least one region and none twice, got {regions[:16]!r}")
         return PackManifest(
             staging_offset=offset, regions=regions, part=(index, count), chunk=chunk, chunks=chunks
         )
@@ -372,11 +390,19 @@ def decode_notification(message: bytes) -> Notification | None:
         raise WireError(f"{what} body must be a map, got {type(body).__name__}")
     _check_version(body, what)
     if kind is NotificationKind.DONE:
+        request_id = _str_field(body, "request_id", what)
+        producer = _producer(body, what)
+        tp_size = _int_field(body, "ptp", what, low=1, high=MAX_PARALLEL)
+        if producer.tp_rank >= tp_size:
+            raise WireError(
+                f"{what} field 'tp' ({producer.tp_rank}) must be below the producer's TP size "
+                f"(field 'ptp', {tp_size})"
+            )
         return Notification(
             kind=kind,
-            request_id=_str_field(body, "request_id", what),
-            producer=_producer(body, what),
-            producer_tp_size=_int_field(body, "ptp", what, low=1, high=MAX_PARALLEL),
+            request_id=request_id,
+            producer=producer,
+            producer_tp_size=tp_size,
             packing=_manifest(body, what),
         )
     if kind is NotificationKind.PUSH_REG:
@@ -499,8 +525,7 @@ def _direct_done(message: bytes) -> Notification | None:
         and type(tp) is int
         and type(ptp) is int
         and 0 <= pp < MAX_PARALLEL
-        and 0 <= tp < MAX_PARALLEL
-        and 1 <= ptp <= MAX_PARALLEL
+        and 0 <= tp < ptp <= MAX_PARALLEL
     ):
         # RankKey's own checks (non-negative plain ints) hold: skip its constructor
         producer = _new_rank(RankKey, (pp, tp))

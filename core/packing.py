@@ -37,14 +37,14 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
 from kvpush.core.block_order import slice_rows
-from kvpush.core.errors import ConfigError
+from kvpush.core.errors import ConfigError, WireError
 from kvpush.core.types import BlockIds, KVRegion, PackManifest, ReadSpec
 
 logger = logging.getLogger(__name__)
@@ -123,6 +123,12 @@ class StagingPool:
             else:
                 merged.append((start, size))
         self._free = merged
+
+    def reserved(self, offset: int) -> int | None:
+        """Bytes of the live allocation that starts at ``offset`` (None: no allocation starts
+        there; a range quarantined by ``free_later`` still counts until it is reclaimed)."""
+        with self._lock:
+            return self._used.get(offset)
 
     @property
     def bytes_in_use(self) -> int:
@@ -421,6 +427,30 @@ def chunk_regions(chunks: np.ndarray, mem_type: str) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in itertools.pairwise(edges) if hi > lo]
 
 
+def staging_area(extensions: Any, what: str) -> dict[str, int] | None:
+    """A peer's published staging area (``{"addr", "len", "dev"}``), checked: None when it
+    publishes none; ``WireError`` naming the field when an address, length or device is not
+    a plain int in range (a P must never compute WRITE targets from such values)."""
+    staging = extensions.get(STAGING_KEY) if isinstance(extensions, Mapping) else None
+    if staging is None:
+        return None
+    if not isinstance(staging, Mapping):
+        raise WireError(
+            f"{what}: metadata extension {STAGING_KEY!r} must be a map, got {str(staging)[:80]!r}"
+        )
+    fields = {"addr": staging.get("addr"), "len": staging.get("len"), "dev": staging.get("dev", 0)}
+    lows = {"addr": 0, "len": 1, "dev": 0}
+    for name, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or not lows[name] <= value < 1 << 64:
+            raise WireError(
+                f"{what}: metadata extension {STAGING_KEY!r} field {name!r} must be an int in "
+                f"[{lows[name]}, 2**64), got {str(value)[:80]!r}"
+            )
+    if fields["addr"] + fields["len"] > 1 << 64:
+        raise WireError(f"{what}: staging area {STAGING_KEY!r} ends past the 64-bit address space")
+    return fields
+
+
 def post_packed(
     *,
     transport: Any,
@@ -443,7 +473,7 @@ def post_packed(
     for this request, or this rank's pool has no room. Raises ``KvpushError`` when a WRITE
     cannot be posted, after the chunks already posted settled and everything was released.
     """
-    staging = peer_meta.extensions.get(STAGING_KEY)
+    staging = staging_area(peer_meta.extensions, f"D agent {peer_agent}")
     if staging is None or decode_offset < 0:
         return None
     d_regions = peer_meta.regions
@@ -514,6 +544,95 @@ def _settle_quietly(transport: Any, posted: list[PackedWrite], timeout_s: float)
         transport.release_list(write.remote_list)
 
 
+def scatter_plan(
+    regions: Sequence[KVRegion],
+    block_ids: BlockIds,
+    manifest: PackManifest,
+    reserved: int,
+    reserved_bytes: int,
+) -> list[int]:
+    """D: where in staging each region a packed DONE names starts (``offsets[i]`` for
+    ``manifest.regions[i]``), after checking the manifest against D's own state: every region
+    index is one of this rank's, none named twice, the byte slice cuts each region's blocks on
+    a row boundary, the manifest's offset is D's reservation for the request (``reserved``),
+    and every byte scattered lies inside ``[reserved, reserved + reserved_bytes)``.
+
+    Raises ``WireError`` naming the field; nothing is scattered then."""
+    count_regions = len(regions)
+    if manifest.staging_offset != reserved or reserved < 0:
+        raise WireError(
+            f"packing manifest offset {manifest.staging_offset} is not D's reservation {reserved} "
+            f"for this request"
+        )
+    seen: set[int] = set()
+    for j in manifest.regions:
+        if not isinstance(j, int) or isinstance(j, bool) or not 0 <= j < count_regions:
+            raise WireError(f"packing manifest names region {j!r}; this rank has {count_regions}")
+        if j in seen:
+            raise WireError(f"packing manifest names region {j} twice")
+        seen.add(j)
+    area, total = staging_layout(regions, block_ids)
+    if total > reserved_bytes:
+        raise WireError(f"the request's {total} packed bytes exceed D's reservation of {reserved_bytes}")
+    index, count = manifest.part
+    offsets = []
+    for j in manifest.regions:
+        region = regions[j]
+        try:
+            slice_rows(region, manifest.part)  # ConfigError: the slice does not fall on a row
+        except ConfigError as err:
+            raise WireError(f"packing manifest part {manifest.part}: {err}") from None
+        blocks = len(block_ids[region.kv_group]) if region.kv_group < len(block_ids) else 0
+        share = region.block_len // count * blocks
+        start = reserved + int(area[j]) + index * share
+        if not (reserved <= start and start + share <= reserved + reserved_bytes):
+            raise WireError(
+                f"packing manifest region {j} part {manifest.part} covers staging bytes "
+                f"[{start}, {start + share}), outside D's reservation "
+                f"[{reserved}, {reserved + reserved_bytes})"
+            )
+        offsets.append(start)
+    return offsets
+
+
+def check_chunks(manifests: Sequence[PackManifest]) -> None:
+    """D: the packed DONEs one producer sent for one request agree with each other: the same
+    staging offset, byte slice and chunk count, no chunk index stated twice with different
+    regions (an identical repeat is a duplicate, not an error), and no D region in two chunks
+    (their staging bytes would overlap, and a region left out would never be written, yet
+    the producer would be counted once its announced chunks arrived).
+
+    Raises ``WireError`` naming the disagreeing chunk; call it with every manifest so far."""
+    if not manifests:
+        return
+    first = manifests[0]
+    by_chunk: dict[int, PackManifest] = {}
+    regions_seen: dict[int, int] = {}
+    for manifest in manifests:
+        for name in ("staging_offset", "part", "chunks"):
+            if getattr(manifest, name) != getattr(first, name):
+                raise WireError(
+                    f"packed chunk {manifest.chunk} states {name} {getattr(manifest, name)!r}, "
+                    f"chunk {first.chunk} of the same producer stated {getattr(first, name)!r}"
+                )
+        earlier = by_chunk.get(manifest.chunk)
+        if earlier is not None:
+            if earlier != manifest:
+                raise WireError(
+                    f"packed chunk {manifest.chunk} of {manifest.chunks} announced twice with different "
+                    f"regions ({list(earlier.regions)} and {list(manifest.regions)})"
+                )
+            continue  # a duplicate DONE
+        by_chunk[manifest.chunk] = manifest
+        for j in manifest.regions:
+            if j in regions_seen:
+                raise WireError(
+                    f"packed chunks {regions_seen[j]} and {manifest.chunk} both name D region {j}: "
+                    f"their staging bytes overlap"
+                )
+            regions_seen[j] = manifest.chunk
+
+
 def unpack(
     packer: Packer,
     pool: StagingPool,
@@ -521,17 +640,14 @@ def unpack(
     block_ids: BlockIds,
     manifest: PackManifest,
 ) -> int:
-    """D: scatter one producer's packed bytes from the staging area into the blocks."""
-    for j in manifest.regions:
-        if not 0 <= j < len(regions):
-            raise ConfigError(f"packing manifest names region {j}; this rank has {len(regions)}")
-    area, total = staging_layout(regions, block_ids)
-    if manifest.staging_offset + total > pool.size:
-        raise ConfigError(f"packing manifest offset {manifest.staging_offset} is outside the staging area")
-    index, count = manifest.part
+    """D: scatter one producer's packed bytes from the staging area into the blocks, after
+    :func:`scatter_plan` checked the manifest against the live reservation that starts at its
+    offset (``WireError`` if not: nothing is scattered)."""
+    reserved_bytes = pool.reserved(manifest.staging_offset)
+    if reserved_bytes is None:
+        raise WireError(
+            f"packing manifest offset {manifest.staging_offset} is not a reservation in D's staging area"
+        )
+    offsets = scatter_plan(regions, block_ids, manifest, manifest.staging_offset, reserved_bytes)
     chosen = [regions[j] for j in manifest.regions]
-    offsets = [
-        manifest.staging_offset + int(area[j]) + index * (r.block_len // count) * len(block_ids[r.kv_group])
-        for j, r in zip(manifest.regions, chosen)
-    ]
     return packer.copy(pool.tensor, offsets, chosen, block_ids, manifest.part, gather=False)

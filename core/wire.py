@@ -189,6 +189,7 @@ def decode_metadata(
     if expected_hash is not None and outer.get("compat_hash") != expected_hash:
         raise HandshakeError(_mismatch(outer, expected_hash, source, local or _HASHED.get(expected_hash)))
     inner = unpack(outer.get("meta", b""), f"agent metadata from {source}")
+    _check_inner(inner, f"agent metadata from {source}")
     try:
         return AgentMetadata(
             engine_id=inner["engine_id"],
@@ -207,6 +208,57 @@ def decode_metadata(
         raise WireError(f"agent metadata from {source} is malformed: {err}") from None
 
 
+MAX_PARALLEL = 4096
+"""Largest TP or PP size a peer may publish (the notifications' bound too)."""
+MAX_LAYERS = 1 << 16
+MAX_NAME_CHARS = 1024
+_NAMES = ("engine_id", "layout", "transport", "agent_name")
+_SIZES = {"tp_size": MAX_PARALLEL, "pp_size": MAX_PARALLEL, "num_layers": MAX_LAYERS}
+
+
+def _check_inner(inner: Any, what: str) -> None:
+    """Types and ranges of a peer's metadata fields, before anything is built from them: a
+    name must be a string, the blob bytes, the extensions a map with string keys, and every
+    parallel or model int a plain int within bounds (a TP size of 2**40 would make the peer's
+    rank mapping allocate without end). Raises ``WireError`` naming the field."""
+    if not isinstance(inner, Mapping):
+        raise WireError(f"{what} must be a map, got {type(inner).__name__}")
+    for name in _NAMES:
+        value = inner.get(name)
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:
+            raise WireError(
+                f"{what}: field {name!r} must be a string of 1 to {MAX_NAME_CHARS} chars, "
+                f"got {str(value)[:80]!r}"
+            )
+    incarnation = inner.get("incarnation", "")
+    if not isinstance(incarnation, str) or len(incarnation) > MAX_NAME_CHARS:
+        raise WireError(f"{what}: field 'incarnation' must be a string, got {str(incarnation)[:80]!r}")
+    if not isinstance(inner.get("agent_blob"), bytes):
+        raise WireError(f"{what}: field 'agent_blob' must be bytes")
+    extensions = inner.get("extensions", {})
+    if not isinstance(extensions, Mapping) or not all(isinstance(k, str) for k in extensions):
+        raise WireError(f"{what}: field 'extensions' must be a map with string keys")
+    for section, cls in (("parallel", ParallelConfig), ("model", ModelSpec)):
+        fields = inner.get(section)
+        if not isinstance(fields, Mapping):
+            raise WireError(f"{what}: field {section!r} must be a map")
+        for field in attrs.fields(cls):
+            value = fields.get(field.name)
+            high = _SIZES.get(field.name, 1 << 31)
+            if field.type == "int" and field.name in fields and not _plain_int(value, -1, high):
+                raise WireError(
+                    f"{what}: field {section}.{field.name} must be an int in [-1, {high}], "
+                    f"got {str(value)[:80]!r}"
+                )
+    groups = inner["model"].get("layer_groups", [])
+    if not isinstance(groups, list) or not all(_plain_int(g, 0, MAX_PARALLEL - 1) for g in groups):
+        raise WireError(f"{what}: field model.layer_groups must be a list of ints in [0, {MAX_PARALLEL})")
+
+
+def _plain_int(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
 def _known(cls: type, fields: Any) -> dict[str, Any]:
     """The fields of ``cls`` in a peer's map. Fields a newer minor release added are ignored, so
     peers one minor version apart interoperate; a field that changes what the bytes mean comes
@@ -219,7 +271,11 @@ def _known(cls: type, fields: Any) -> dict[str, Any]:
 
 def _decode_regions(value: Any, what: str) -> tuple[KVRegion, ...]:
     if isinstance(value, list):  # the map-per-region form of earlier payloads
-        return tuple(KVRegion(**_known(KVRegion, r)) for r in value)
+        if len(value) > region_codec.MAX_REGIONS:
+            raise WireError(f"{what}: {len(value)} regions, over {region_codec.MAX_REGIONS}")
+        regions = tuple(KVRegion(**_known(KVRegion, r)) for r in value)
+        region_codec.check_regions(regions, what)
+        return regions
     return region_codec.decode_regions(value, what)
 
 

@@ -1,0 +1,416 @@
+"""Values from the wire that would make a receiver act unsafely are refused, never acted on.
+
+Each test drives one out-of-range or inconsistent value through the real path it would take:
+the decoder, then D's core and the packed scatter exactly as :class:`PushReceiver` runs them
+(:class:`PackedD`: real KV regions, a real staging pool and packer), or a real worker pair on
+the loopback transport (P plans and posts for real). Every refusal names the value, and the KV
+blocks (and the staging bytes) are checked unchanged: nothing was scattered or written.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import pytest
+import torch
+from cluster import Cluster, kv_bytes, settle
+
+from kvpush.core import notifications as wire
+from kvpush.core import packing
+from kvpush.core.actions import FreeStaging, Report, Scatter, Send
+from kvpush.core.decode_core import DecodeCore, DecodeSettings, ProducerInfo
+from kvpush.core.errors import WireError
+from kvpush.core.packing import Packer, StagingPool, check_chunks, scatter_plan, staging_layout
+from kvpush.core.types import (
+    ModelSpec,
+    Notification,
+    NotificationKind,
+    PackManifest,
+    ParallelConfig,
+    PushRegistration,
+    RankKey,
+    RequestMetadata,
+    TransferParams,
+)
+from kvpush.core.worker import lease_clock
+from kvpush.layouts.uniform import allocate_kv_caches, describe_uniform
+
+P0 = RankKey(0, 0)
+P_AGENT = "P-agent-0"
+MODEL = ModelSpec(name="bounds", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+BLOCKS = ((3, 9, 5),)
+STALE = 0x5A
+"""What D's staging reservation holds before any producer wrote: scattering it is wrong KV."""
+
+
+def _note(message: bytes) -> Notification:
+    note = wire.decode_notification(message)
+    assert note is not None
+    return note
+
+
+def _done(manifest: PackManifest | None, producer: RankKey = P0, tp_size: int = 1, rid: str = "r1") -> bytes:
+    return wire.encode_done(rid, producer, tp_size, manifest)
+
+
+class PackedD:
+    """D's core with real CPU KV regions, staging pool and packer. ``Scatter`` runs
+    :func:`kvpush.core.packing.unpack` and reports back as ``PushReceiver._scatter`` does."""
+
+    def __init__(self) -> None:
+        parallel = ParallelConfig(tp_size=1, num_layers=MODEL.num_layers)
+        self.caches = allocate_kv_caches(MODEL, parallel, 16)
+        self.regions = describe_uniform(self.caches, parallel, MODEL)
+        self.pool = StagingPool(1 << 16)
+        self.packer = Packer(self.regions)
+        settings = DecodeSettings(engine_id="D", incarnation="d1", tp_rank=0, tp_size=1, host="d", port=1)
+        self.core = DecodeCore(settings, reserve_staging=self._reserve)
+        self.reports: list[Report] = []
+        self.scattered = 0
+        self.freed: list[int] = []
+        self.offsets: dict[str, int] = {}
+        self.ready = False
+
+    def _reserve(self, request: RequestMetadata) -> int:
+        _, total = staging_layout(self.regions, request.block_ids)
+        offset = self.pool.alloc(total)
+        assert offset is not None
+        self.offsets[request.request_id] = offset
+        self.pool.tensor[offset : offset + total] = STALE
+        return offset
+
+    def run(self, actions: list[Any]) -> list[Any]:
+        out = list(actions)
+        for action in actions:
+            if isinstance(action, Report):
+                self.reports.append(action)
+            elif isinstance(action, FreeStaging):
+                self.freed.append(action.offset)
+                self.pool.free(action.offset)
+            elif isinstance(action, Scatter):
+                error = ""
+                try:
+                    self.scattered += packing.unpack(
+                        self.packer, self.pool, self.regions, action.block_ids, action.manifest
+                    )
+                except Exception as err:  # as PushReceiver._scatter
+                    error = f"{type(err).__name__}: {err}"
+                m = action.manifest
+                done = self.core.scattered(action.request_id, action.producer, m.chunk, m.chunks, error, 1.0)
+                out += self.run(done)
+        return out
+
+    def register(self, rid: str = "r1", key: str = "k1") -> None:
+        """Add a request and bring it to REGISTERED (P's engine handshaken and HELLO answered)."""
+        params = {"remote_engine_id": "P", "remote_host": "p", "remote_port": 5600, "transfer_id": key}
+        meta = RequestMetadata(request_id=rid, block_ids=BLOCKS, params=TransferParams.from_dict(params))
+        sent = self.run(self.core.add(meta, 0.0))
+        if not self.ready:
+            info = ProducerInfo(
+                prefill_pp=1,
+                prefill_tp=1,
+                agents={P0: P_AGENT},
+                incarnations={P_AGENT: "p1"},
+                write_deadline_s=10.0,
+            )
+            self.run(self.core.connected("P", info, "", 0.0))
+            answer = wire.encode_heartbeat_answer(P0, 0.0, "p1")
+            sent = self.run(self.core.notification(P_AGENT, _note(answer), 0.0))
+            self.ready = True
+        regs = [_note(a.message) for a in sent if isinstance(a, Send)]
+        assert [n.kind for n in regs] == [NotificationKind.PUSH_REG] and rid in self.offsets
+
+    def deliver(self, message: bytes, agent: str = P_AGENT) -> list[Any]:
+        return self.run(self.core.notification(agent, _note(message), 0.5))
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: kv_bytes(t).clone() for name, t in self.caches.items()}
+
+    def unchanged(self, before: dict[str, torch.Tensor]) -> bool:
+        return all(torch.equal(kv_bytes(self.caches[n]), t) for n, t in before.items())
+
+    def manifest(self, rid: str = "r1", **fields: Any) -> PackManifest:
+        values: dict[str, Any] = {"staging_offset": self.offsets[rid], "regions": range(len(self.regions))}
+        return PackManifest(**{**values, **fields})
+
+
+@pytest.fixture
+def d() -> PackedD:
+    node = PackedD()
+    node.register()
+    for tensor in node.caches.values():
+        kv_bytes(tensor).zero_()
+    return node
+
+
+def _outcomes(node: PackedD) -> list[tuple[str, str]]:
+    return [(r.outcome, r.reason or "") for r in node.reports]
+
+
+# ------------------------------------------------------------------ packed manifests, real scatter
+
+
+def test_a_valid_manifest_scatters_every_region(d: PackedD) -> None:
+    """The harness itself: a correct packed DONE scatters the reservation and counts P."""
+    d.deliver(_done(d.manifest()))
+    assert _outcomes(d) == [("done", "")]
+    _, total = staging_layout(d.regions, BLOCKS)
+    assert d.scattered == total
+    assert d.freed == [d.offsets["r1"]]
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"regions": [0, 99]}, "names region 99; this rank has 4"),
+        ({"part": (0, 3)}, "part \\(0, 3\\).*cannot be cut|part \\(0, 3\\)"),
+    ],
+    ids=["region-out-of-range", "part-not-on-a-row"],
+)
+def test_a_manifest_d_cannot_scatter_fails_the_request_before_any_byte_moves(
+    d: PackedD, fields: dict[str, Any], match: str
+) -> None:
+    before = d.snapshot()
+    d.deliver(_done(d.manifest(**fields)))
+    [(outcome, reason)] = _outcomes(d)
+    assert outcome == "failed" and "WireError" in reason
+    assert re.search(match, reason), reason
+    assert d.scattered == 0 and d.unchanged(before)
+
+
+def test_a_manifest_outside_the_reservation_is_refused(d: PackedD) -> None:
+    """P packs at an offset that is not D's reservation for this request (another request's,
+    or no reservation at all): D never scatters from it."""
+    before = d.snapshot()
+    d.register("r2", "k2")
+    d.deliver(_done(d.manifest(staging_offset=d.offsets["r2"])))  # r2's range, in r1's DONE
+    d.deliver(_done(d.manifest(rid="r2", staging_offset=d.offsets["r2"] + 256), rid="r2"))
+    reasons = {r.request_id: r.reason for r in d.reports}
+    assert "staging range D did not reserve" in reasons["r1"]
+    assert "staging range D did not reserve" in reasons["r2"]
+    assert d.scattered == 0 and d.unchanged(before)
+
+
+@pytest.mark.parametrize(
+    ("pk", "match"),
+    [
+        ([0, [0, 0], 0, 1, 0, 1], "none twice"),
+        ([0, [], 0, 1, 0, 1], "at least one region"),
+        ([0, [0], 1, 1, 0, 1], "bad offset, part or chunk"),
+        ([0, [0], 0, 1, 1, 1], "bad offset, part or chunk"),
+        ([-256, [0], 0, 1, 0, 1], "bad offset, part or chunk"),
+        ([0, [-1], 0, 1, 0, 1], "non-negative ints"),
+        ([0, [True], 0, 1, 0, 1], "non-negative ints"),
+        ([0, [0], 0, 0, 0, 1], "bad offset, part or chunk"),
+        ([0, [0], 0, 1, 0, 2**21], "too many chunks"),
+    ],
+    ids=[
+        "dup-region",
+        "no-region",
+        "index>=count",
+        "chunk>=chunks",
+        "neg-offset",
+        "neg-region",
+        "bool",
+        "count0",
+        "chunks",
+    ],
+)
+def test_the_decoder_refuses_a_malformed_manifest_naming_it(pk: list[Any], match: str) -> None:
+    body = {"request_id": "r1", "pp": 0, "tp": 0, "ptp": 1, "v": list(wire.NOTIF_VERSION), "pk": pk}
+    with pytest.raises(WireError, match=f"'pk'.*{match}"):
+        wire.decode_notification(wire.DONE_PREFIX + wire.pack(body))
+
+
+def test_a_duplicate_region_from_a_decoder_plugin_is_still_refused_by_the_scatter(d: PackedD) -> None:
+    """Another decoder plugin may hand D a manifest kvpush's decoder would refuse: the scatter
+    plan checks it again."""
+    before = d.snapshot()
+    manifest = d.manifest(regions=[1, 1])
+    note = Notification(
+        kind=NotificationKind.DONE, request_id="r1", producer=P0, producer_tp_size=1, packing=manifest
+    )
+    d.run(d.core.notification(P_AGENT, note, 0.5))
+    [(outcome, reason)] = _outcomes(d)
+    assert outcome == "failed" and "names region 1 twice" in reason
+    assert d.unchanged(before)
+
+
+def test_the_scatter_plan_keeps_every_byte_inside_the_reservation(d: PackedD) -> None:
+    regions, offset = d.regions, d.offsets["r1"]
+    _, total = staging_layout(regions, BLOCKS)
+    plan = scatter_plan(regions, BLOCKS, d.manifest(part=(1, 2)), offset, total)
+    share = regions[0].block_len // 2 * len(BLOCKS[0])
+    assert plan == [offset + j * 2 * share + share for j in range(len(regions))]
+    with pytest.raises(WireError, match="exceed D's reservation"):
+        scatter_plan(regions, BLOCKS, d.manifest(), offset, total - 1)
+    with pytest.raises(WireError, match="not D's reservation"):
+        scatter_plan(regions, BLOCKS, d.manifest(staging_offset=offset + 256), offset, total)
+    with pytest.raises(WireError, match="not a reservation in D's staging area"):
+        packing.unpack(d.packer, d.pool, regions, BLOCKS, d.manifest(staging_offset=offset + 256))
+
+
+@pytest.mark.parametrize(
+    ("chunks", "match"),
+    [
+        ([(0, 2, [0, 1], (0, 1)), (1, 2, [1, 2], (0, 1))], "both name D region 1"),
+        ([(0, 2, [0], (0, 1)), (1, 3, [1], (0, 1))], "states chunks 3"),
+        ([(0, 2, [0], (0, 1)), (1, 2, [1], (1, 2))], "states part"),
+        ([(0, 2, [0], (0, 1)), (0, 2, [1], (0, 1))], "announced twice with different regions"),
+    ],
+    ids=["overlap", "chunk-count", "part", "chunk-twice"],
+)
+def test_a_producers_chunks_must_agree(chunks: list[Any], match: str) -> None:
+    manifests = [
+        PackManifest(staging_offset=0, regions=r, part=p, chunk=c, chunks=n) for c, n, r, p in chunks
+    ]
+    with pytest.raises(WireError, match=match):
+        check_chunks(manifests)
+    check_chunks([manifests[0], manifests[0]])  # an identical repeat is a duplicate DONE
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="decode_core does not check one producer's chunks against each other yet "
+    "(packing.check_chunks; change proposed in the report)",
+)
+def test_overlapping_chunks_fail_the_request_instead_of_leaving_regions_unwritten(d: PackedD) -> None:
+    """P says its push is two chunks, both naming region 1: regions 2 and 3 would never be
+    written, yet D would count the producer once both chunks arrived (wrong KV, silently)."""
+    d.deliver(_done(d.manifest(regions=[0, 1], chunk=0, chunks=2)))
+    d.deliver(_done(d.manifest(regions=[1], chunk=1, chunks=2)))
+    [(outcome, reason)] = _outcomes(d)
+    assert outcome == "failed" and "both name D region 1" in reason
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="decode_core counts a direct DONE from a producer whose packed chunks are still "
+    "outstanding (change proposed in the report)",
+)
+def test_a_direct_done_after_a_packed_chunk_does_not_count_the_producer(d: PackedD) -> None:
+    """Chunk 0 of 2 arrived; a direct DONE from the same producer must not end the request:
+    chunk 1's WRITE is still landing in the staging range, which the end would free."""
+    d.deliver(_done(d.manifest(regions=[0, 1], chunk=0, chunks=2)))
+    d.deliver(_done(None))
+    assert d.offsets["r1"] not in d.freed, "the staging range was freed with chunk 1 in flight"
+    assert [o for o, _ in _outcomes(d)] == ["failed"]
+
+
+# ------------------------------------------------------------------ producers and D's counting
+
+
+def test_a_done_from_a_rank_beyond_the_producers_tp_size_is_refused() -> None:
+    """Decoder: a producer TP rank at or past its stated TP size, on the hot path and the
+    packed path alike."""
+    for manifest in (None, PackManifest(staging_offset=0, regions=[0])):
+        with pytest.raises(WireError, match="'tp' \\(2\\) must be below the producer's TP size"):
+            wire.decode_notification(_done(manifest, RankKey(0, 2), 2))
+
+
+def test_a_done_stating_another_tp_size_or_an_unexpected_rank_counts_nothing(d: PackedD) -> None:
+    """D: producers are counted only as P published them (TP size, ranks, agents)."""
+    before = d.snapshot()
+    rejected = d.core.stats["rejected_notifications"]
+    d.deliver(_done(None, RankKey(0, 1), 2))  # in range for the stated size, not P's
+    d.deliver(_done(None, RankKey(1, 0), 1))  # a PP rank P does not have
+    d.deliver(_done(None), agent="P-agent-other")  # P0 through another agent
+    assert d.core.stats["rejected_notifications"] == rejected + 3
+    assert d.reports == [] and d.unchanged(before)
+
+
+# ------------------------------------------------------------------ registrations on a real P
+
+
+def _forged_registration(cluster: Cluster, key: str, block_ids: Any) -> PushRegistration:
+    return PushRegistration(
+        request_id=f"forged-{key}",
+        match_key=key,
+        decode_engine_id="D",
+        decode_host="127.0.0.1",
+        decode_port=cluster.d_server.port,
+        decode_tp_size=1,
+        block_ids=block_ids,
+        remote_engine_id="P",
+        decode_incarnation=cluster.receivers[0].incarnation,
+        grant=lease_clock(),
+        fresh_s=30.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "match"),
+    [
+        ([[3, 64]], "block id 64 of group 0 is outside the region's 64 blocks"),
+        ([[3, 2**31 - 1]], "outside the region's 64 blocks"),
+        ([[3, 4, 7]], "D registered 3 blocks in group 0 but P computed only 2"),
+        ([[3], [4]], "P has 1 KV-cache groups, D registered 2"),
+    ],
+    ids=["id-at-capacity", "id-max", "more-blocks-than-p", "more-groups"],
+)
+def test_p_refuses_a_registration_its_blocks_cannot_match_and_writes_nothing(
+    block_ids: Any, match: str
+) -> None:
+    """A PUSH_REG that passes the decoder (ids in [0, 2**31)) but names blocks D does not have,
+    or more blocks or groups than P prefilled: P fails the request naming it, posts nothing."""
+    with Cluster(num_blocks=64, staging_bytes=0, request_timeout_s=30) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-0", [[1]], "x-0")  # a real request: P and D know each other
+        cluster.finish("p-0", [[1]], "x-0")
+        assert cluster.wait_decode("d-0") == {0: None}
+        before = {n: kv_bytes(t).clone() for n, t in cluster.d_caches[0].items()}
+        posted = sender.transport.counters.writes_posted
+        forged = wire.encode_push_reg(_forged_registration(cluster, "x-1", block_ids))
+        settle(sender)
+        sender.transport.inject(receiver.agent_name, forged)
+        cluster.finish("p-1", [[5, 6]], "x-1")
+        reason = cluster.wait_prefill("p-1", timeout_s=10)[P0]
+        assert reason is not None and match in reason, reason
+        assert sender.transport.counters.writes_posted == posted
+        for name, tensor in cluster.d_caches[0].items():
+            assert torch.equal(kv_bytes(tensor), before[name]), f"D's {name} was written"
+
+
+def test_a_registration_with_a_future_grant_is_refused_by_the_decoder_only_past_2_40() -> None:
+    """Clock values are bounded and non-negative at decode; NaN and inf never pass."""
+    base = {
+        "request_id": "r",
+        "match_key": "k",
+        "decode_engine_id": "D",
+        "decode_host": "h",
+        "decode_port": 1,
+        "decode_tp_size": 1,
+        "block_ids": [[1]],
+        "remote_engine_id": "P",
+    }
+    for name, bad in (("grant", -1.0), ("grant", math.inf), ("fresh_s", -0.5), ("grant", 2.0**41)):
+        with pytest.raises(WireError, match="seconds in \\[0, 2\\*\\*40\\]"):
+            wire.decode_notification(wire.encode_push_reg(PushRegistration(**{**base, name: bad})))
+    for stamp in (math.nan, -1.0, math.inf, 1e300):
+        with pytest.raises(WireError, match="'stamp'"):
+            wire.decode_notification(wire.encode_heartbeat_answer(P0, stamp, "p1"))
+
+
+def test_a_push_reg_with_no_block_or_a_repeated_block_is_refused() -> None:
+    reg = {
+        "request_id": "r",
+        "match_key": "k",
+        "decode_engine_id": "D",
+        "decode_host": "h",
+        "decode_port": 1,
+        "decode_tp_size": 2,
+        "remote_engine_id": "P",
+    }
+    for blocks, match in (
+        ([[]], "names no block"),
+        ([[], []], "names no block"),
+        ([[4, 4]], "repeats a block id"),
+    ):
+        with pytest.raises(WireError, match=match):
+            wire.decode_notification(wire.encode_push_reg(PushRegistration(**reg, block_ids=blocks)))
+    with pytest.raises(WireError, match="'tp' must be an int in \\[0, 1\\]"):
+        wire.decode_notification(
+            wire.encode_push_reg(PushRegistration(**reg, block_ids=[[1]], decode_tp_rank=2))
+        )
