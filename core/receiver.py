@@ -486,14 +486,47 @@ class PushReceiver(RankWorker):
     def _busy(self) -> bool:
         return self.core is not None and (self.core.pending > 0 or bool(self._fences))
 
+    def _before_stop(self) -> None:
+        """Tell P before going: every pending request fails (its producers are sent CANCEL, as
+        for any failure) and this waits up to ``close_timeout_s`` for each to be released, i.e.
+        for every producer that may write to acknowledge or settle."""
+        core = self.core
+        assert core is not None
+        reason = "the decode worker closed before the request finished"
+        deadline = time.monotonic() + self.config.close_timeout_s
+
+        def fail_pending() -> None:
+            for rid in sorted(self._active):
+                self._guarded(rid, lambda now, rid=rid: core.fail(rid, reason, now))
+
+        try:
+            self.call_on_writer(fail_pending)
+        except WaitTimeout as err:
+            logger.warning("%s could not tell P it is closing: %s", self.agent_name, err)
+            return
+        with self._results_ready:
+            self._results_ready.wait_for(lambda: not self._active, max(0.0, deadline - time.monotonic()))
+
     def _closed(self) -> None:
-        """Report every request still pending as failed and released (the agent is going away,
-        so nothing more can land)."""
+        """Report every request still pending as failed. Its blocks are *not* released: a
+        producer that never acknowledged may still write into them while this process lives
+        (a copy made by P's process on this host), so the engine must not reuse them."""
         with self._results_ready:
             pending = sorted(self._active)
+            if pending:
+                logger.error(
+                    "%s closed with %d request(s) whose producers never acknowledged; their blocks "
+                    "are not released (a late WRITE may land in them): %s",
+                    self.agent_name,
+                    len(pending),
+                    pending[:10],
+                )
             for rid in pending:
-                self._failed.setdefault(rid, "the decode worker closed before the request finished")
-                self._released.append(rid)
+                self._failed.setdefault(
+                    rid,
+                    "the decode worker closed before the request finished; its blocks are NOT "
+                    "released (P never acknowledged: do not reuse them while P may write)",
+                )
             self._active.clear()
             if self._claims is not None:
                 self._claims.clear()

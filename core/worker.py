@@ -94,9 +94,11 @@ class WorkerConfig:
     engine_ttl_s: float = 3600.0
     """Remote engines idle this long (and with no request in progress) are evicted; <= 0 never."""
     close_timeout_s: float = 5.0
-    """P: how long ``close()`` waits for WRITEs in flight to settle, so that D hears each one's
-    outcome (a registration with nothing in flight is answered FAIL at once). A WRITE still in
-    flight then is left to D's own deadline."""
+    """How long ``close()`` waits to part cleanly. P: for WRITEs in flight to settle, so that D
+    hears each one's outcome (a registration with nothing in flight is answered FAIL at once); a
+    WRITE still in flight then is left to D's own deadline. D: for the producers of its pending
+    requests to acknowledge their CANCEL; a request still unacknowledged then is reported failed
+    and *not* released."""
     keepalive_s: float = 600.0
     """D: for this long after its last request to a P engine, an idle D keeps that engine's
     grants fresh (a keyless heartbeat once a stamp would be half ``fresh_s`` old by the next
@@ -179,7 +181,7 @@ class RankWorker:
         self._thread: threading.Thread | None = None
         self._local_lists: dict[tuple[int, int], int] = {}
         self._running = False
-        self._released = False
+        self._transport_closed = False
         self._next_eviction = 0.0
         self.core: Any = None
         self.incarnation = config.incarnation or new_incarnation()
@@ -549,8 +551,8 @@ class RankWorker:
     def _release_resources(self) -> None:
         if self.peers is not None:
             self.peers.close()
-        if self.transport is not None and not self._released:
-            self._released = True
+        if self.transport is not None and not self._transport_closed:
+            self._transport_closed = True
             self.transport.close()
 
     def __enter__(self) -> RankWorker:

@@ -129,3 +129,52 @@ def test_shutdown_answers_stashed_registrations_and_keeps_a_write_in_flight() ->
     assert _fails(actions) == ["d-1"]  # d-2's WRITE is in flight: it is not told yet
     settled = core.write_settled("x-2", 0, "h", True, 100.2)
     assert [a.outcome for a in settled if isinstance(a, Report)] == ["sent"]
+
+
+# ---------------------------------------------------------------------------- D closes
+
+
+def test_closing_d_cancels_its_pending_requests_and_p_never_writes_them() -> None:
+    with Cluster(transport="nixl", **SLOW_SILENCE) as cluster:
+        _connected(cluster)
+        receiver = cluster.receivers[0]
+        cluster.add("d-1", [[3]], "x-1")
+        wait_until(lambda: receiver.stats["push_regs_sent"] == 2, what="D's PUSH_REG")
+        receiver.close()
+        results = receiver.get_finished()
+        assert "decode worker closed" in results.failed["d-1"] and "d-1" in results.released
+        cluster.finish("p-1", [[5]], "x-1")  # P acknowledged the cancel: the key is refused
+        reason = cluster.wait_prefill("p-1")[P0]
+        assert reason is not None and "x-1" in reason
+        assert cluster.senders[P0].stats["writes"] == 1  # d-0's only
+
+
+def test_closing_d_releases_a_request_only_after_its_write_in_flight_settled() -> None:
+    options = {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 0.6}
+    with Cluster(transport="faulty", transport_options=options, **SLOW_SILENCE) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[3]], "x-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        _wait_posted(sender)
+        started = time.monotonic()
+        receiver.close()
+        results = receiver.get_finished()
+        assert time.monotonic() - started > 0.3  # it waited for P's acknowledgement
+        assert "d-1" in results.released and "d-1" not in results.done
+
+
+def test_closing_d_does_not_release_what_an_unacknowledged_producer_may_still_write() -> None:
+    """A kernel copy stalled past D's ``close_timeout_s``: the request is reported failed, its
+    blocks are not released (the engine must not reuse them while P's process may copy; an
+    engine frees a failed request's blocks only when ``released`` names it)."""
+    options = {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 30.0, "kernel_copies": True}
+    with Cluster(
+        transport="faulty", transport_options=options, close_timeout_s=0.3, **SLOW_SILENCE
+    ) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[3]], "x-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        _wait_posted(sender)
+        receiver.close()
+        results = receiver.get_finished()
+        assert "decode worker closed" in results.failed["d-1"] and "d-1" not in results.released

@@ -5,7 +5,7 @@ once."""
 from __future__ import annotations
 
 import pytest
-from cluster import MHA, Cluster
+from cluster import MHA, Cluster, wait_until
 
 import kvpush.transports.loopback as loopback
 from kvpush import hookimpl
@@ -51,6 +51,25 @@ def test_close_reports_every_pending_request_failed() -> None:
         receiver.add_request_params("d-3", [[1]], cluster.params("x-3"))
     with pytest.raises(ConfigError, match="which is closed"):
         sender.request_finished("p-3", [[1]])
+
+
+def test_close_closes_the_transport_after_requests_were_released() -> None:
+    """The worker's "transport closed" flag shared its name with D's list of released requests:
+    a D that had released a request never closed its transport, and one that had not broke
+    ``get_finished()`` after close."""
+    cluster = Cluster(request_timeout_s=60)
+    try:
+        receiver = cluster.receivers[0]
+        cluster.add("d-1", [[1]], "x-1")
+        receiver.cancel("d-1")
+        cluster.wait_released("d-1")
+        cluster.add("d-2", [[2]], "x-2")
+        receiver.cancel("d-2")
+        wait_until(lambda: receiver.pending_requests == 0, what="d-2 released")
+    finally:
+        cluster.close()
+    assert receiver.agent_name not in loopback._AGENTS
+    assert receiver.get_finished().released == ("d-2",)
 
 
 def test_empty_requests_complete_at_once() -> None:
