@@ -36,6 +36,7 @@ import msgpack
 
 from kvpush.core.errors import WireError
 from kvpush.core.fingerprint import MAX_FINGERPRINT_CHARS
+from kvpush.core.region_codec import MAX_KV_GROUPS
 from kvpush.core.types import (
     Notification,
     NotificationKind,
@@ -264,8 +265,10 @@ def _str_list(body: Mapping[str, Any], name: str, what: str) -> tuple[str, ...]:
 
 
 def _block_ids(value: Any, what: str) -> tuple[tuple[int, ...], ...]:
-    if not isinstance(value, list) or not value:
-        raise WireError(f"{what} field 'local_block_ids' must be a non-empty list of per-group lists")
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_KV_GROUPS:
+        raise WireError(
+            f"{what} field 'local_block_ids' must be a list of 1 to {MAX_KV_GROUPS} per-group lists"
+        )
     groups = []
     for group in value:
         if not isinstance(group, list):

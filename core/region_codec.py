@@ -26,18 +26,27 @@ import attrs
 from kvpush.core.errors import WireError
 from kvpush.core.types import KVRegion
 
-__all__ = ["FIELD_BOUNDS", "MAX_REGIONS", "check_regions", "decode_regions", "encode_regions"]
+__all__ = [
+    "FIELD_BOUNDS",
+    "MAX_KV_GROUPS",
+    "MAX_REGIONS",
+    "check_regions",
+    "decode_regions",
+    "encode_regions",
+]
 
 MAX_REGIONS = 1 << 16
 """Most regions one rank may publish (80 layers x 64 regions per layer use 5120)."""
 MAX_ADDRESS = (1 << 64) - 1
+MAX_KV_GROUPS = 1 << 12
+"""Most KV-cache groups a peer may state (regions' ``kv_group`` and registrations' block lists)."""
 FIELD_BOUNDS: dict[str, tuple[int, int]] = {
     "base_addr": (0, MAX_ADDRESS),
     "block_len": (1, 1 << 40),
     "block_stride": (1, 1 << 40),
     "num_blocks": (1, 1 << 31),
     "device_id": (0, 1 << 16),
-    "kv_group": (0, 1 << 12),
+    "kv_group": (0, MAX_KV_GROUPS - 1),
     "num_heads": (1, 1 << 20),
     "block_tokens": (0, 1 << 20),
 }
