@@ -325,6 +325,8 @@ class _SchedulerSide:
         """P: request id -> match key of every push in ``sending`` (a key in use is never abandoned)."""
         self.receiving: set[str] = set()
         """D requests registered and not yet reported in finished_recving."""
+        self._recv_keys: dict[str, str] = {}
+        """D: match key -> the request in ``receiving`` registered under it."""
         self.sending: set[str] = set()
         """P requests handed to the workers and not yet reported in finished_sending."""
         self._window_blocks = self._sliding_window_blocks()
@@ -384,6 +386,14 @@ class _SchedulerSide:
         error = None
         try:
             send_params["transfer_id"] = key = match_key(rid, params)
+            holder = self._recv_keys.get(key)
+            if holder is not None and holder in self.receiving:
+                raise ConfigError(
+                    f"match key {key!r} is already being received by request {holder!r} on this "
+                    f"engine: a router gave two decode requests one transfer_id (or X-Request-Id); "
+                    f"this one fails rather than race the other for P's one push"
+                )
+            self._recv_keys[key] = rid
             own = _fingerprint(request)
             given = params.get("prompt_fingerprint")
             if own is not None and given is not None and given != own:
@@ -537,6 +547,9 @@ class _SchedulerSide:
             self._send_keys.pop(rid, None)
         for rid in output.finished_recving or ():
             self.receiving.discard(rid)
+        if output.finished_recving:
+            done = set(output.finished_recving)
+            self._recv_keys = {k: r for k, r in self._recv_keys.items() if r not in done}
 
     def has_pending_work(self) -> bool:
         return bool(self.sending or self._send or self._recv or self._cancel or self._abandon)

@@ -693,6 +693,9 @@ def assert_scheduler_empty(engine: Engine) -> None:
         assert not manager.req_to_blocks and not manager.num_cached_block
     connector = engine.connector
     assert not connector.has_pending_push_work(), "the connector still reports push work"
+    side = connector._scheduler
+    left = {"receiving": side.receiving, "recv_keys": side._recv_keys, "send_keys": side._send_keys}
+    assert not any(left.values()), f"the connector's scheduler half still tracks ended requests: {left}"
     for worker in engine.workers:
         left = worker.call("leftovers")
         assert not left, f"worker {worker.rank}'s connector still tracks ended requests: {left}"

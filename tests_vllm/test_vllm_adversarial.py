@@ -512,3 +512,181 @@ def test_a_load_vllm_cuts_short_fails_rather_than_receive_shifted_kv(engines: An
     assert d.workers[0].call("changed_blocks", before=before) == set()
     drain(p, d, model)
     assert p_id in p.finished_sending
+
+
+def test_d_preemption_pressure_never_takes_the_blocks_of_a_request_being_pushed(
+    engines: Any, llama_dir: str
+) -> None:
+    """D's pool is too small for a decoding request to grow while another request's KV is being
+    pushed (WRITEs held 2 s): vLLM preempts the decoding one, never the receiving one; the
+    receiving request keeps its blocks (no other request is given one of them) until kvpush
+    reports it, and lands byte-exact."""
+    slow = {
+        "transport": "faulty",
+        "transport_options": {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 2.0},
+    }
+    p = engines(llama_dir, "kv_producer", extra=slow)
+    d = engines(llama_dir, "kv_consumer", extra=FAULTY_NONE, num_blocks=10, max_model_len=144)
+    model = PrefillModel()
+    first_tokens = prompt(300, 48)
+    first = f"cmpl-press-0-{suffix()}"
+    p.add(make_request(f"cmpl-press-0-{suffix()}", first_tokens, 1, {"do_remote_decode": True}))
+    d.add(make_request(first, first_tokens, 90, d_params(p)))
+    run_until([p, d], lambda: first in d.finished_recving, "D to receive the first", kv_producer=model)
+    verify(d, first, first_tokens)
+    tokens = prompt(301, 48)
+    _, second = dispatch(p, d, "cmpl-press-1", tokens, transfer_id="xfer-press-1")
+    preempted: set[str] = set()
+    held: list[int] = []
+
+    def watch(engine: Engine, out: Any) -> None:
+        preempted.update(out.preempted_req_ids or ())
+        request = engine.scheduler.requests.get(second)
+        if request is None or second in engine.finished_recving:
+            return
+        from vllm.v1.request import RequestStatus
+
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            blocks = engine.block_ids(second)[0]
+            held[:] = held or blocks
+            assert blocks == held, "the receiving request's blocks changed"
+            for rid in engine.scheduler.requests:
+                if rid != second:
+                    other = set(engine.block_ids(rid)[0])
+                    assert not other & set(held), f"{rid} was given blocks of the receiving request"
+
+    run_until(
+        [p, d],
+        lambda: second in d.finished_recving,
+        "D to receive the second",
+        kv_producer=model,
+        kv_consumer=watch,
+    )
+    assert held, "the second request never waited for its KV"
+    assert second not in d.failed_recving and second not in preempted
+    verify(d, second, tokens)
+    run_until(
+        [p, d],
+        lambda: not p.busy() and not d.busy(),
+        "both engines idle",
+        kv_producer=model,
+        kv_consumer=watch,
+    )
+    assert first in preempted, "the pool was meant to force a preemption on D"
+    assert_scheduler_empty(p)
+    assert_scheduler_empty(d)
+
+
+@pytest.mark.parametrize("length", [48, 40])
+def test_d_with_the_whole_prompt_cached_receives_only_what_vllm_recomputes(
+    engines: Any, llama_dir: str, length: int
+) -> None:
+    """D already holds the whole prompt in its prefix cache (the same prompt again): vLLM still
+    computes the prompt's last block, so D loads that block alone; P writes only it, byte-exact."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer")
+    model = PrefillModel()
+    tokens = prompt(310 + length, length)
+    _, first = dispatch(p, d, "cmpl-whole-0", tokens, transfer_id=f"xfer-whole-{length}-0")
+    run_until([p, d], lambda: first in d.finished_recving, "D to receive the prompt", kv_producer=model)
+    drain(p, d, model)
+    before = d.workers[0].call("snapshot")
+    p_id, again = dispatch(p, d, "cmpl-whole-1", tokens, transfer_id=f"xfer-whole-{length}-1")
+    run_until([p, d], lambda: again in d.finished_recving, "D to receive the prompt again", kv_producer=model)
+    assert again not in d.failed_recving
+    verify(d, again, tokens)
+    blocks = d.block_ids(again)[0]
+    assert d.workers[0].call("changed_blocks", before=before) <= {blocks[-1]}
+    drain(p, d, model)
+    assert p_id in p.finished_sending
+
+
+def test_d_params_naming_p_block_ids_are_ignored_or_refused(engines: Any, llama_dir: str) -> None:
+    """kv_transfer_params carrying ``remote_block_ids`` (P's blocks, a pull-mode field): more
+    blocks than the prompt needs, or ids past any cache, change nothing (D registers its own
+    blocks, P pushes its own); malformed ids fail the request at once, nothing written."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 60})
+    model = PrefillModel()
+    cases = {
+        "too-many": [list(range(1, 40))],
+        "out-of-range": [[10_000, 10_001, 10_002]],
+    }
+    received = []
+    for i, (name, ids) in enumerate(cases.items()):
+        tokens = prompt(320 + i, 40)
+        legs = dispatch(p, d, f"cmpl-rbi-{name}", tokens, transfer_id=f"xfer-rbi-{i}", remote_block_ids=ids)
+        received.append((legs, tokens))
+    before = d.workers[0].call("snapshot")
+    bad = f"cmpl-rbi-bad-{suffix()}"
+    d.add(
+        make_request(
+            bad, prompt(329, 40), 3, d_params(p, transfer_id="xfer-rbi-bad", remote_block_ids=[[-1]])
+        )
+    )
+    started = time.monotonic()
+    run_until([p, d], lambda: bad in d.finished_recving, "D to refuse the malformed ids", kv_producer=model)
+    assert time.monotonic() - started < 30 and bad in d.failed_recving
+    for (_, d_id), tokens in received:
+        run_until(
+            [p, d], lambda d_id=d_id: d_id in d.finished_recving, f"D to receive {d_id}", kv_producer=model
+        )
+        assert d_id not in d.failed_recving
+        verify(d, d_id, tokens)
+    written = d.workers[0].call("changed_blocks", before=before)
+    assert not written & set(d.block_ids(bad)[0]), "the refused request's blocks were written"
+    drain(p, d, model)
+
+
+def test_d_blocks_past_its_cache_fail_the_request_at_once(engines: Any, llama_dir: str) -> None:
+    """The worker is handed block ids past its cache (a scheduler and worker that disagree on the
+    pool): the request fails at once with nothing written, the engine goes on."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 60})
+    model = PrefillModel()
+    tokens = prompt(330, 40)
+    _, d_id = dispatch(p, d, "cmpl-range-0", tokens, transfer_id="xfer-range-0")
+
+    def past_the_cache(engine: Engine, out: Any) -> None:
+        item = out.kv_connector_metadata.recv.get(d_id)
+        if item is not None:
+            item.block_ids = ((d.spec.num_blocks + 5, d.spec.num_blocks + 6, d.spec.num_blocks + 7),)
+
+    before = d.workers[0].call("snapshot")
+    started = time.monotonic()
+    run_until(
+        [p, d],
+        lambda: d_id in d.finished_recving,
+        "D to fail it",
+        kv_producer=model,
+        kv_consumer=past_the_cache,
+    )
+    assert time.monotonic() - started < 30 and d_id in d.failed_recving
+    assert d.workers[0].call("changed_blocks", before=before) == set()
+    drain(p, d, model)
+
+
+@pytest.mark.parametrize("same_prompt", [True, False])
+def test_one_transfer_id_on_two_d_requests_at_once(engines: Any, llama_dir: str, same_prompt: bool) -> None:
+    """A router gives two concurrent D requests the same transfer_id (one P leg): at most one is
+    paired with P's push and receives its own prompt's KV byte-exact; the other fails at once
+    (not at its registration timeout), nothing written into its blocks."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 60})
+    model = PrefillModel()
+    tokens = prompt(340, 40)
+    other = tokens if same_prompt else prompt(341, 40)
+    p_id, first = dispatch(p, d, "cmpl-twin-0", tokens, transfer_id="xfer-twin")
+    second = f"cmpl-twin-1-{suffix()}"
+    d.add(make_request(second, other, 3, d_params(p, transfer_id="xfer-twin")))
+    before = d.workers[0].call("snapshot")
+    started = time.monotonic()
+    both = lambda: {first, second} <= d.finished_recving  # noqa: E731
+    run_until([p, d], both, "both D requests to end", kv_producer=model)
+    assert time.monotonic() - started < 30, "one waited for its registration timeout"
+    assert second in d.failed_recving and first not in d.failed_recving
+    verify(d, first, tokens)
+    written = d.workers[0].call("changed_blocks", before=before)
+    assert written <= set(d.block_ids(first)[0]), "P wrote outside the paired request's blocks"
+    drain(p, d, model)
+    assert p_id in p.finished_sending
