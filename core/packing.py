@@ -625,6 +625,8 @@ def check_chunks(manifests: Sequence[PackManifest]) -> None:
             continue  # a duplicate DONE
         by_chunk[manifest.chunk] = manifest
         for j in manifest.regions:
+            if regions_seen.get(j) == manifest.chunk:
+                raise WireError(f"packed chunk {manifest.chunk} names D region {j} twice")
             if j in regions_seen:
                 raise WireError(
                     f"packed chunks {regions_seen[j]} and {manifest.chunk} both name D region {j}: "
