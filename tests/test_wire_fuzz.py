@@ -611,3 +611,71 @@ def test_mac_envelopes_refuse_anything_not_sealed_with_the_secret(frame: bytes, 
     sealed = notif_auth.seal(key, "a", "b", "i", frame)
     assert notif_auth.unseal(key, "a", "b", "i", sealed) == frame
     assert notif_auth.unseal(key, "a", "b", "other", sealed) is None
+
+
+# ------------------------------------------------------------------ a router's kv_transfer_params
+
+_PARAM_KEYS = (
+    "remote_engine_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+    "pp_size",
+    "remote_block_ids",
+    "remote_request_id",
+    "transfer_id",
+    "prompt_fingerprint",
+)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=16,
+)
+
+
+def _iterable_groups(value: Any) -> bool:
+    """What ``to_block_ids`` handles today: None, or a list (see the xfail below)."""
+    return value is None or isinstance(value, (list, dict, str))
+
+
+@FUZZ
+@given(
+    st.fixed_dictionaries(
+        {"remote_engine_id": names, "remote_host": names, "remote_port": st.integers(1, 65535)}
+    ),
+    st.dictionaries(st.sampled_from(_PARAM_KEYS), json_values, max_size=4),
+)
+def test_kv_transfer_params_from_a_router_validate_or_raise_config_error(
+    base: dict[str, Any], overrides: dict[str, Any]
+) -> None:
+    """A router's JSON reaches D as ``kv_transfer_params``: a valid object, or ConfigError."""
+    from kvpush.core.errors import ConfigError
+    from kvpush.core.types import TransferParams
+
+    params = {**base, **overrides}
+    if not _iterable_groups(params.get("remote_block_ids")):
+        return  # a number: the xfail below
+    try:
+        parsed = TransferParams.from_dict(params)
+    except ConfigError:
+        return
+    assert 1 <= parsed.remote_port <= 65535
+    for size in (parsed.tp_size, parsed.pp_size):
+        assert size is None or 1 <= size <= 4096
+    for group in parsed.remote_block_ids or ():
+        assert all(type(b) is int and b >= 0 for b in group)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="types.to_block_ids calls list() on a number (TypeError) and iterates bytes as ids "
+    "(change proposed in the report)",
+)
+@pytest.mark.parametrize("blocks", [5, 1.5, b"\x03\x04"], ids=["int", "float", "bytes"])
+def test_remote_block_ids_that_are_not_a_list_raise_config_error(blocks: Any) -> None:
+    from kvpush.core.errors import ConfigError
+    from kvpush.core.types import TransferParams
+
+    params = {"remote_engine_id": "P", "remote_host": "h", "remote_port": 1, "remote_block_ids": blocks}
+    with pytest.raises(ConfigError, match="remote_block_ids"):
+        TransferParams.from_dict(params)
