@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from cluster import Cluster, kv_bytes, settle
+from cluster import Cluster, kv_bytes, settle, wait_until
 
 from kvpush.core import notifications as wire
 from kvpush.core import packing
@@ -455,3 +455,72 @@ def test_p_does_not_take_a_grant_from_its_own_future_as_fresh() -> None:
     actions = p.notification("D-agent", _note(wire.encode_push_reg(future)), 120.0)
     assert not any(isinstance(a, Post) for a in actions), "P wrote on a grant from its future"
     assert p.stats["stale_registrations"] == 1
+
+
+# ------------------------------------------------------------------ packed DONEs on real workers
+
+
+@pytest.mark.parametrize("transport", ["loopback", "nixl"])
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"regions": [0, 99]}, "names region 99"),
+        ({"part": (0, 3)}, "part \\(0, 3\\)"),
+        ({"offset": 256}, "staging range D did not reserve"),
+    ],
+    ids=["region-out-of-range", "part-off-the-rows", "offset-not-reserved"],
+)
+def test_a_forged_packed_done_from_ps_own_agent_moves_no_byte_into_ds_blocks(
+    transport: str, change: dict[str, Any], match: str
+) -> None:
+    """Real workers: D registered a request (its staging range reserved); P's own agent then
+    sends a packed DONE D cannot honour. D fails the request naming why, scatters nothing, and
+    gives the range back only once P settled (its CANCEL_ACK)."""
+    with Cluster(transport=transport, num_blocks=64, request_timeout_s=30) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[3, 9, 5]], "x-1")
+        wait_until(lambda: receiver.stats["push_regs_sent"] > 0, what="D's PUSH_REG")
+        settle(receiver)
+        [offset] = receiver.call_on_writer(lambda: list(receiver.staging._used))
+        before = {n: kv_bytes(t).clone() for n, t in cluster.d_caches[0].items()}
+        regions = len(receiver.metadata.regions)
+        fields: dict[str, Any] = {
+            "staging_offset": offset + change.get("offset", 0),
+            "regions": range(regions),
+        }
+        fields.update({k: v for k, v in change.items() if k != "offset"})
+        forged = wire.encode_done("d-1", P0, 1, PackManifest(**fields))
+        sender.call_on_writer(lambda: sender.transport.send_notif(receiver.agent_name, forged))
+        reason = cluster.wait_decode("d-1", timeout_s=15)[0]
+        assert reason is not None and re.search(match, reason), reason
+        cluster.wait_released("d-1", timeout_s=15)
+        for name, tensor in cluster.d_caches[0].items():
+            assert torch.equal(kv_bytes(tensor), before[name]), f"D's {name} was written"
+        assert receiver.call_on_writer(lambda: receiver.staging.bytes_in_use) == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="decode_core does not check a producer's packed DONEs against each other yet "
+    "(packing.check_chunks; change proposed in the report)",
+)
+@pytest.mark.parametrize("second", ["overlapping-chunk", "direct-done"])
+def test_real_workers_count_no_producer_whose_chunks_disagree(second: str) -> None:
+    """Real workers: P's agent says chunk 0 of 2 holds regions 0 and 1, then either chunk 1
+    naming region 1 again (regions 2 and 3 never written) or a direct DONE (chunk 1 may still
+    be landing). D must fail the request, not report it done."""
+    with Cluster(num_blocks=64, request_timeout_s=30) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[3, 9, 5]], "x-1")
+        wait_until(lambda: receiver.stats["push_regs_sent"] > 0, what="D's PUSH_REG")
+        settle(receiver)
+        [offset] = receiver.call_on_writer(lambda: list(receiver.staging._used))
+        first = PackManifest(staging_offset=offset, regions=[0, 1], chunk=0, chunks=2)
+        then = PackManifest(staging_offset=offset, regions=[1], chunk=1, chunks=2)
+        for message in (
+            wire.encode_done("d-1", P0, 1, first),
+            wire.encode_done("d-1", P0, 1, then if second == "overlapping-chunk" else None),
+        ):
+            sender.call_on_writer(lambda m=message: sender.transport.send_notif(receiver.agent_name, m))
+        reason = cluster.wait_decode("d-1", timeout_s=15)[0]
+        assert reason is not None, "D reported the request done"
