@@ -524,3 +524,28 @@ def test_real_workers_count_no_producer_whose_chunks_disagree(second: str) -> No
             sender.call_on_writer(lambda m=message: sender.transport.send_notif(receiver.agent_name, m))
         reason = cluster.wait_decode("d-1", timeout_s=15)[0]
         assert reason is not None, "D reported the request done"
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [[[3, 3]], [[]], [[], []], [[-1]], [[2**31]], [[True]], [[3.0]]],
+    ids=["repeated", "empty", "all-groups-empty", "negative", "2**31", "bool", "float"],
+)
+def test_a_registration_the_decoder_refuses_never_reaches_ps_core(blocks: Any) -> None:
+    """Real P: a PUSH_REG with repeated, negative, huge or non-int block ids, or no block at
+    all, is dropped at decode (counted, logged with the field); P never plans or posts from it."""
+    with Cluster(num_blocks=64, staging_bytes=0, request_timeout_s=30) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-0", [[1]], "x-0")
+        cluster.finish("p-0", [[1]], "x-0")
+        assert cluster.wait_decode("d-0") == {0: None}
+        valid = wire.encode_push_reg(_forged_registration(cluster, "x-1", [[3]]))
+        body = wire.unpack(valid[len(wire.PUSH_REG_PREFIX) :], "test")
+        forged = wire.PUSH_REG_PREFIX + wire.pack({**body, "local_block_ids": blocks})
+        dropped, posted = sender.dropped_notifications, sender.transport.counters.writes_posted
+        sender.transport.inject(receiver.agent_name, forged)
+        cluster.finish("p-1", [[5]], "x-1")
+        wait_until(lambda: sender.dropped_notifications > dropped, what="P dropping the PUSH_REG")
+        settle(sender)
+        assert sender.call_on_writer(lambda: sender.core.state_sizes())["requests"] >= 1  # p-1 waits
+        assert sender.transport.counters.writes_posted == posted
