@@ -5,10 +5,11 @@ Prefixes: ``PUSH_REG:``, ``DONE:``, ``FAIL:``, ``CANCEL:``, ``CANCEL_ACK:``, ``H
 refused with a ``WireError`` naming both, unknown fields are ignored (so one minor version apart
 interoperates). Every value from a peer is range-checked here, when decoded, with an error
 naming the field: block ids below 2**31, distinct within a group and not all groups empty;
-ranks below the advertised sizes (a DONE's producer TP rank below its stated TP size), sizes at
-most ``MAX_PARALLEL``, staging offsets non-negative (or -1); a packing manifest names at least
-one region and no region twice; clock values (stamps, grants, windows) finite and in
-``[0, MAX_CLOCK_S]``; reasons truncated to ``MAX_REASON``.
+ranks below the advertised sizes, sizes at most ``MAX_PARALLEL``, staging offsets non-negative
+(or -1); a packing manifest names at least one region and no region twice; clock values
+(stamps, grants, windows) finite and in ``[0, MAX_CLOCK_S]``; reasons truncated to
+``MAX_REASON``. A DONE's producer is checked against the producers P published by D's core
+(which counts the refusal), not here.
 
 Direction and meaning (docs/reliability.md):
 
@@ -393,19 +394,11 @@ def decode_notification(message: bytes) -> Notification | None:
         raise WireError(f"{what} body must be a map, got {type(body).__name__}")
     _check_version(body, what)
     if kind is NotificationKind.DONE:
-        request_id = _str_field(body, "request_id", what)
-        producer = _producer(body, what)
-        tp_size = _int_field(body, "ptp", what, low=1, high=MAX_PARALLEL)
-        if producer.tp_rank >= tp_size:
-            raise WireError(
-                f"{what} field 'tp' ({producer.tp_rank}) must be below the producer's TP size "
-                f"(field 'ptp', {tp_size})"
-            )
         return Notification(
             kind=kind,
-            request_id=request_id,
-            producer=producer,
-            producer_tp_size=tp_size,
+            request_id=_str_field(body, "request_id", what),
+            producer=_producer(body, what),
+            producer_tp_size=_int_field(body, "ptp", what, low=1, high=MAX_PARALLEL),
             packing=_manifest(body, what),
         )
     if kind is NotificationKind.PUSH_REG:
@@ -528,7 +521,8 @@ def _direct_done(message: bytes) -> Notification | None:
         and type(tp) is int
         and type(ptp) is int
         and 0 <= pp < MAX_PARALLEL
-        and 0 <= tp < ptp <= MAX_PARALLEL
+        and 0 <= tp < MAX_PARALLEL
+        and 1 <= ptp <= MAX_PARALLEL
     ):
         # RankKey's own checks (non-negative plain ints) hold: skip its constructor
         producer = _new_rank(RankKey, (pp, tp))

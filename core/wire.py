@@ -238,6 +238,7 @@ def _check_inner(inner: Any, what: str) -> None:
     extensions = inner.get("extensions", {})
     if not isinstance(extensions, Mapping) or not all(isinstance(k, str) for k in extensions):
         raise WireError(f"{what}: field 'extensions' must be a map with string keys")
+    _check_extensions(extensions, what)
     for section, cls in (("parallel", ParallelConfig), ("model", ModelSpec)):
         fields = inner.get(section)
         if not isinstance(fields, Mapping):
@@ -253,6 +254,47 @@ def _check_inner(inner: Any, what: str) -> None:
     groups = inner["model"].get("layer_groups", [])
     if not isinstance(groups, list) or not all(_plain_int(g, 0, MAX_PARALLEL - 1) for g in groups):
         raise WireError(f"{what}: field model.layer_groups must be a list of ints in [0, {MAX_PARALLEL})")
+
+
+def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
+    """kvpush's own metadata extensions, which a peer's safety decisions rest on: P's WRITE
+    deadline (D's quarantine: NaN or inf would end it at once, or never), whether P's WRITEs
+    can be aborted (a bool), P's process identity (D gives held blocks back once that process
+    exited: a pid that is not a positive int would read as exited) and D's staging area."""
+    from kvpush.core.packing import staging_area
+    from kvpush.core.worker import PROCESS_KEY, WRITE_DEADLINE_KEY, WRITES_ABORTABLE_KEY
+
+    deadline = extensions.get(WRITE_DEADLINE_KEY)
+    if deadline is not None and (
+        not isinstance(deadline, (int, float))
+        or isinstance(deadline, bool)
+        or not 0 < deadline <= _MAX_SECONDS
+    ):
+        raise WireError(
+            f"{what}: extension {WRITE_DEADLINE_KEY!r} must be a number of seconds in (0, 2**40], "
+            f"got {str(deadline)[:80]!r}"
+        )
+    abortable = extensions.get(WRITES_ABORTABLE_KEY)
+    if abortable is not None and not isinstance(abortable, bool):
+        raise WireError(
+            f"{what}: extension {WRITES_ABORTABLE_KEY!r} must be a bool, got {str(abortable)[:80]!r}"
+        )
+    process = extensions.get(PROCESS_KEY)
+    if process is not None and not (
+        isinstance(process, Mapping)
+        and isinstance(process.get("host"), str)
+        and isinstance(process.get("pidns"), str)
+        and _plain_int(process.get("pid"), 1, 1 << 31)
+        and _plain_int(process.get("start"), -1, 1 << 62)
+    ):
+        raise WireError(
+            f"{what}: extension {PROCESS_KEY!r} must be a map of host and pidns strings, a pid in "
+            f"[1, 2**31] and a start time (int), got {str(process)[:120]!r}"
+        )
+    staging_area(extensions, what)
+
+
+_MAX_SECONDS = float(1 << 40)
 
 
 def _plain_int(value: Any, low: int, high: int) -> bool:

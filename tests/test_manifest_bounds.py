@@ -302,22 +302,16 @@ def test_a_direct_done_after_a_packed_chunk_does_not_count_the_producer(d: Packe
 # ------------------------------------------------------------------ producers and D's counting
 
 
-def test_a_done_from_a_rank_beyond_the_producers_tp_size_is_refused() -> None:
-    """Decoder: a producer TP rank at or past its stated TP size, on the hot path and the
-    packed path alike."""
-    for manifest in (None, PackManifest(staging_offset=0, regions=[0])):
-        with pytest.raises(WireError, match="'tp' \\(2\\) must be below the producer's TP size"):
-            wire.decode_notification(_done(manifest, RankKey(0, 2), 2))
-
-
 def test_a_done_stating_another_tp_size_or_an_unexpected_rank_counts_nothing(d: PackedD) -> None:
     """D: producers are counted only as P published them (TP size, ranks, agents)."""
     before = d.snapshot()
     rejected = d.core.stats["rejected_notifications"]
+    d.deliver(_done(None, RankKey(0, 2), 1))  # a TP rank at or past the stated TP size
+    d.deliver(_done(PackManifest(staging_offset=d.offsets["r1"], regions=[0]), RankKey(0, 2), 1))
     d.deliver(_done(None, RankKey(0, 1), 2))  # in range for the stated size, not P's
     d.deliver(_done(None, RankKey(1, 0), 1))  # a PP rank P does not have
     d.deliver(_done(None), agent="P-agent-other")  # P0 through another agent
-    assert d.core.stats["rejected_notifications"] == rejected + 3
+    assert d.core.stats["rejected_notifications"] == rejected + 5
     assert d.reports == [] and d.unchanged(before)
 
 
@@ -549,3 +543,33 @@ def test_a_registration_the_decoder_refuses_never_reaches_ps_core(blocks: Any) -
         settle(sender)
         assert sender.call_on_writer(lambda: sender.core.state_sizes())["requests"] >= 1  # p-1 waits
         assert sender.transport.counters.writes_posted == posted
+
+
+# ------------------------------------------------------------------ P's published safety facts
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("write_deadline_s", math.nan),
+        ("write_deadline_s", math.inf),
+        ("process", {"host": "h", "pidns": "n", "pid": -5, "start": 1}),
+    ],
+    ids=["deadline-nan", "deadline-inf", "pid-negative"],
+)
+def test_d_refuses_a_p_whose_published_safety_facts_are_out_of_range(name: str, value: Any) -> None:
+    """D's quarantine rests on P's WRITE deadline (NaN ended it at once: ``max(now, nan)`` is
+    ``now``; inf never) and its held blocks on P's process identity (a pid of -5 reads as an
+    exited process): a P publishing such values is refused at the handshake, naming the field."""
+    import attrs
+
+    from kvpush.core import wire as handshake
+
+    with Cluster(num_blocks=64, request_timeout_s=30) as cluster:
+        sender = cluster.senders[P0]
+        assert sender.metadata is not None
+        tampered = attrs.evolve(sender.metadata, extensions={**sender.metadata.extensions, name: value})
+        cluster.p_server.publish(P0, handshake.encode_metadata(tampered))
+        cluster.add("d-1", [[3]], "x-1")
+        reason = cluster.wait_decode("d-1", timeout_s=15)[0]
+        assert reason is not None and f"extension {name!r}" in reason, reason

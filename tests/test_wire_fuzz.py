@@ -171,9 +171,8 @@ def assert_sane(note: Notification | None) -> None:
         assert type(note.producer) is RankKey
         assert all(type(r) is int and 0 <= r < notes.MAX_PARALLEL for r in note.producer)
     if note.kind is NotificationKind.DONE:
-        assert (
-            note.producer is not None and note.producer.tp_rank < note.producer_tp_size <= notes.MAX_PARALLEL
-        )
+        # a producer at or past its stated TP size is refused by D's core (not one P published)
+        assert note.producer is not None and 1 <= note.producer_tp_size <= notes.MAX_PARALLEL
     manifest = note.packing
     if manifest is not None:
         index, count = manifest.part
@@ -526,6 +525,13 @@ def test_region_bombs_are_refused_before_anything_is_expanded(encoded: dict[str,
         ("regions", "device_id", -1, "field 'device_id' must be an int"),
         ("regions", "replicate", "yes", "field 'replicate' must be a bool"),
         ("regions", "layer_names", "abc", "'layer_names' must be a list"),
+        ("extensions", "write_deadline_s", math.nan, "'write_deadline_s' must be a number of seconds"),
+        ("extensions", "write_deadline_s", math.inf, "'write_deadline_s' must be a number of seconds"),
+        ("extensions", "write_deadline_s", True, "'write_deadline_s' must be a number of seconds"),
+        ("extensions", "writes_abortable", "yes", "'writes_abortable' must be a bool"),
+        ("extensions", "process", {"host": "h", "pidns": "n", "pid": -5, "start": 1}, "'process' must be"),
+        ("extensions", "kvpush.staging", {"addr": -1, "len": 4096}, "field 'addr' must be an int"),
+        ("extensions", "kvpush.staging", {"addr": 2**64 - 4096, "len": 8192}, "ends past the 64-bit"),
     ],
 )
 def test_metadata_fields_a_peer_would_act_on_are_typed_and_bounded(
@@ -534,6 +540,8 @@ def test_metadata_fields_a_peer_would_act_on_are_typed_and_bounded(
     inner = copy.deepcopy(_INNER)
     if section == "regions":
         inner["regions"]["cols"][field] = {"v": [value, inner["regions"]["n"]]}
+    elif section == "extensions":
+        inner["extensions"] = {**inner["extensions"], field: value}
     elif section is not None:
         inner[section][field] = value
     else:
