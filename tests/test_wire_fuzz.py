@@ -687,3 +687,68 @@ def test_remote_block_ids_that_are_not_a_list_raise_config_error(blocks: Any) ->
     params = {"remote_engine_id": "P", "remote_host": "h", "remote_port": 1, "remote_block_ids": blocks}
     with pytest.raises(ConfigError, match="remote_block_ids"):
         TransferParams.from_dict(params)
+
+
+_EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["accept", "handshake", "disconnect", "request", "enforce", "idle"]),
+        st.integers(0, 12),
+    ),
+    max_size=60,
+)
+
+
+@FUZZ
+@given(_EVENTS, st.integers(1, 5))
+def test_the_connection_tracker_stays_within_its_cap_whatever_the_events(events: list[Any], cap: int) -> None:
+    """Socket-monitor events and requests in any order (fds reused, events for unknown fds,
+    requests before accepts): after ``enforce`` at most ``cap`` connections are tracked,
+    connections that never asked go first, and no fd is shut down twice without a new accept."""
+    import logging
+
+    from kvpush.core import sidechannel_bounds as bounds
+
+    warnings = bounds.RateLimitedWarnings(logging.getLogger("fuzz"), "fuzz: ")
+    tracker = bounds.ConnectionTracker(port=1, max_connections=cap, idle_timeout_s=60.0, warnings=warnings)
+    shut: list[int] = []
+    open_fds: set[int] = set()
+    asked: set[int] = set()
+    clock = [1000.0]
+
+    def shut_down(fd: int) -> bool:
+        assert fd in open_fds, f"fd {fd} shut down but not open"
+        open_fds.discard(fd)
+        shut.append(fd)
+        return True
+
+    with (
+        mock.patch.object(tracker, "_shut_down", shut_down),
+        mock.patch.object(bounds.time, "monotonic", lambda: clock[0]),
+    ):
+        for kind, fd in events:
+            if kind == "accept":
+                if fd in open_fds:
+                    continue  # the kernel does not hand out an open fd twice
+                open_fds.add(fd)
+                asked.discard(fd)
+                tracker.on_event(bounds.zmq.EVENT_ACCEPTED, fd)
+            elif kind == "handshake":
+                tracker.on_event(bounds.zmq.EVENT_HANDSHAKE_SUCCEEDED, fd)
+            elif kind == "disconnect":
+                tracker.on_event(bounds.zmq.EVENT_DISCONNECTED, fd)
+                open_fds.discard(fd)
+            elif kind == "request":
+                tracker.touch(fd, request=True)
+                if fd in open_fds:
+                    asked.add(fd)
+            elif kind == "idle":
+                clock[0] += 61.0
+            else:
+                waiting_before = open_fds - asked
+                shut.clear()
+                tracker.enforce()
+                assert len(tracker) <= cap
+                if clock[0] == 1000.0 and any(f in asked for f in shut):  # over the cap, none idle
+                    assert not waiting_before & open_fds, "one that asked went before one that never did"
+            tracked = set(tracker._waiting) | set(tracker._asked)
+            assert tracked == open_fds and set(tracker._asked) == asked & open_fds
