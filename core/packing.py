@@ -564,32 +564,46 @@ def scatter_plan(
             f"packing manifest offset {manifest.staging_offset} is not D's reservation {reserved} "
             f"for this request"
         )
-    seen: set[int] = set()
-    for j in manifest.regions:
-        if not isinstance(j, int) or isinstance(j, bool) or not 0 <= j < count_regions:
-            raise WireError(f"packing manifest names region {j!r}; this rank has {count_regions}")
-        if j in seen:
-            raise WireError(f"packing manifest names region {j} twice")
-        seen.add(j)
+    chosen = manifest.regions
+    if not all(type(j) is int for j in chosen) or (
+        chosen and not 0 <= min(chosen) <= max(chosen) < count_regions
+    ):
+        bad = next(j for j in chosen if type(j) is not int or not 0 <= j < count_regions)
+        raise WireError(f"packing manifest names region {bad!r}; this rank has {count_regions}")
+    if len(set(chosen)) != len(chosen):
+        twice = next(j for i, j in enumerate(chosen) if j in chosen[:i])
+        raise WireError(f"packing manifest names region {twice} twice")
     area, total = staging_layout(regions, block_ids)
     if total > reserved_bytes:
         raise WireError(f"the request's {total} packed bytes exceed D's reservation of {reserved_bytes}")
     index, count = manifest.part
+    starts = area.tolist()
+    cut: dict[tuple[Any, ...], None] = {}  # region shapes whose slice was checked
     offsets = []
-    for j in manifest.regions:
+    end = reserved + reserved_bytes
+    for j in chosen:
         region = regions[j]
-        try:
-            slice_rows(region, manifest.part)  # ConfigError: the slice does not fall on a row
-        except ConfigError as err:
-            raise WireError(f"packing manifest part {manifest.part}: {err}") from None
+        if count > 1 or index:
+            shape = (
+                region.block_len,
+                region.block_order,
+                region.block_tokens,
+                region.num_heads,
+                region.replicate,
+            )
+            if shape not in cut:
+                try:
+                    slice_rows(region, manifest.part)  # ConfigError: the slice does not fall on a row
+                except ConfigError as err:
+                    raise WireError(f"packing manifest part {manifest.part}: {err}") from None
+                cut[shape] = None
         blocks = len(block_ids[region.kv_group]) if region.kv_group < len(block_ids) else 0
         share = region.block_len // count * blocks
-        start = reserved + int(area[j]) + index * share
-        if not (reserved <= start and start + share <= reserved + reserved_bytes):
+        start = reserved + starts[j] + index * share
+        if not (reserved <= start and start + share <= end):
             raise WireError(
                 f"packing manifest region {j} part {manifest.part} covers staging bytes "
-                f"[{start}, {start + share}), outside D's reservation "
-                f"[{reserved}, {reserved + reserved_bytes})"
+                f"[{start}, {start + share}), outside D's reservation [{reserved}, {end})"
             )
         offsets.append(start)
     return offsets
