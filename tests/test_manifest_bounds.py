@@ -573,3 +573,25 @@ def test_d_refuses_a_p_whose_published_safety_facts_are_out_of_range(name: str, 
         cluster.add("d-1", [[3]], "x-1")
         reason = cluster.wait_decode("d-1", timeout_s=15)[0]
         assert reason is not None and f"extension {name!r}" in reason, reason
+
+
+# ------------------------------------------------------------------ late notifications
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="D matches P's DONE to a request by D's request id alone: a DONE of an earlier "
+    "registration under the same id counts for the next one (fix proposed in the report)",
+)
+def test_a_late_done_of_an_earlier_registration_does_not_complete_a_reused_request_id(d: PackedD) -> None:
+    """r1 (key k1) is cancelled, P acknowledges, the blocks go back; the engine then reuses the
+    id r1 for another prompt (key k2). A DONE of the k1 push that arrives now (late: it was
+    overtaken by the acknowledgement, or duplicated) must not report r1 done: P never pushed
+    k2, so D would read blocks nobody wrote."""
+    d.run(d.core.cancel("r1", 0.2))
+    d.run(d.core.notification(P_AGENT, _note(wire.encode_cancel_ack("r1", P0, False, False)), 0.3))
+    assert [r.outcome for r in d.reports] == ["cancelled"]
+    d.reports.clear()
+    d.register("r1", "k2")
+    d.deliver(_done(None))  # the k1 push's DONE, late
+    assert [r.outcome for r in d.reports] != ["done"], "a DONE of the earlier registration counted"
