@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
+import struct
 import tracemalloc
 from typing import Any
 from unittest import mock
@@ -752,3 +754,46 @@ def test_the_connection_tracker_stays_within_its_cap_whatever_the_events(events:
                     assert not waiting_before & open_fds, "one that asked went before one that never did"
             tracked = set(tracker._waiting) | set(tracker._asked)
             assert tracked == open_fds and set(tracker._asked) == asked & open_fds
+
+
+# ------------------------------------------------------------------ transports' agent blobs
+
+
+@FUZZ
+@given(st.binary(max_size=200) | st.builds(lambda v: json.dumps(v).encode(), json_values))
+def test_a_peers_blob_header_unframes_or_raises_transfer_error(header: bytes) -> None:
+    """The NIXL transport's header (UCX TCP listeners the fence connects to) and cuda_ipc's:
+    the inner blob and a JSON object, or ``TransferError``."""
+    from kvpush.core.errors import TransferError
+    from kvpush.transports import framing
+    from kvpush.transports.nixl import _listeners
+
+    blob = b"MAGC" + struct.pack("<I", len(header)) + header + b"inner"
+    try:
+        inner, info = framing.unframe(b"MAGC", blob, "fuzz")
+        listeners = _listeners(info)
+    except TransferError:
+        return
+    assert inner == b"inner" and isinstance(info, dict)
+    assert listeners is None or all(isinstance(h, str) and 0 < p < 65536 for h, p in listeners)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="transports/framing.unframe and cuda_ipc.decode_blob catch ValueError only: a deeply "
+    "nested JSON header raises RecursionError (change proposed in the report)",
+)
+@pytest.mark.parametrize("decoder", ["nixl", "cuda_ipc"])
+def test_a_deeply_nested_blob_header_raises_transfer_error(decoder: str) -> None:
+    from kvpush.core.errors import TransferError
+    from kvpush.transports import cuda_ipc, framing
+
+    header = b"[" * 100_000
+    if decoder == "nixl":
+        blob = b"MAGC" + struct.pack("<I", len(header)) + header
+        with pytest.raises(TransferError):
+            framing.unframe(b"MAGC", blob, "fuzz")
+    else:
+        blob = cuda_ipc.MAGIC + struct.pack("<I", len(header)) + header
+        with pytest.raises(TransferError):
+            cuda_ipc.decode_blob(blob)
