@@ -363,6 +363,23 @@ class PrefillCore:
             return []
         return self._fail_request(request, reason, now)
 
+    def unreachable(self, agent: str, error: str, now: float) -> list[Any]:
+        """Sending to ``agent`` raised: its endpoint is broken (D died, or D fenced this rank's
+        connections while this rank was stopped), and stays so. Its engine's requests fail (D
+        cannot be told) and the engine is forgotten once no WRITE of it is in flight, so that
+        D's next HELLO or registration handshakes afresh instead of being answered through
+        the broken endpoint for ever."""
+        engine = next((e for e in self._engines.values() if agent in e.agents.values()), None)
+        if engine is None:
+            return []
+        reason = f"D agent {agent} is unreachable: {error}"
+        self.stats["dead_engines"] += 1
+        out: list[Any] = []
+        for request in list(self._requests.values()):
+            if request.engine_id == engine.engine_id:
+                out += self._fail_request(request, reason, now, tell_decode=False)
+        return out + self._drop_engine(engine, reason, now)
+
     # ------------------------------------------------------------------ notifications
 
     def notification(self, agent: str, note: Notification, now: float) -> list[Any]:

@@ -38,7 +38,7 @@ from kvpush.core.block_claims import BlockClaims
 from kvpush.core.decode_core import DecodeCore, DecodeSettings, ProducerInfo
 from kvpush.core.errors import ConfigError, HandshakeError, WaitTimeout
 from kvpush.core.peers import PeerEngine
-from kvpush.core.process_identity import has_exited
+from kvpush.core.process_identity import has_exited, host_identity
 from kvpush.core.types import (
     AgentMetadata,
     BlockIdsLike,
@@ -376,27 +376,37 @@ class PushReceiver(RankWorker):
                 f"P engine {engine.engine_id!r} publishes no WRITE deadline ({WRITE_DEADLINE_KEY!r}); "
                 f"run the same kvpush release on both sides"
             )
+        processes = {
+            engine.ranks[r].agent: identity
+            for r in wanted
+            if isinstance(identity := engine.ranks[r].meta.extensions.get(PROCESS_KEY), Mapping)
+        }
+        agents = [engine.ranks[r].agent for r in wanted]
         return ProducerInfo(
             prefill_pp=first.parallel.pp_size,
             prefill_tp=first.parallel.tp_size,
             agents={r: engine.ranks[r].agent for r in wanted},
             incarnations={engine.ranks[r].agent: engine.ranks[r].meta.incarnation for r in wanted},
             write_deadline_s=float(deadline),
-            writes_abortable=self._writes_abortable(
-                first.extensions, [engine.ranks[r].agent for r in wanted]
-            ),
-            processes={
-                engine.ranks[r].agent: identity
-                for r in wanted
-                if isinstance(identity := engine.ranks[r].meta.extensions.get(PROCESS_KEY), Mapping)
-            },
+            writes_abortable=self._writes_abortable(first.extensions, agents, processes),
+            processes=processes,
         )
 
-    def _writes_abortable(self, extensions: Mapping[str, Any], agents: Iterable[str]) -> bool:
-        """Whether a fence stops every WRITE of these producers: yes when P says so, or when
-        this rank's transport can tell none of its agents may copy into this process (another
-        host). Otherwise (P says no, or does not say) its failed requests' blocks are held until
-        it acknowledges or its process exited, never released on a fence alone."""
+    def _writes_abortable(
+        self, extensions: Mapping[str, Any], agents: Iterable[str], processes: Mapping[str, Any]
+    ) -> bool:
+        """Whether a fence stops every WRITE of these producers. No when one of them may copy
+        into this process's memory by itself: a process on this host, where this rank's
+        transport takes same-host copies (NIXL over UCX shared memory or CMA: P's process
+        writes, no connection carries it). Else yes when P says so, or when this rank's
+        transport can tell none of its agents may copy in. Otherwise (P says no, or does not
+        say) its failed requests' blocks are held until it acknowledges or its process exited,
+        never released on a fence alone."""
+        agents = list(agents)
+        if bool(getattr(self.transport, "same_host_copies", True)):
+            here = host_identity()
+            if any(processes.get(agent, {}).get("host") == here for agent in agents):
+                return False
         if extensions.get(WRITES_ABORTABLE_KEY) is True:
             return True
         may_copy_in = getattr(self.transport, "may_copy_in", None)

@@ -310,7 +310,9 @@ class PushSender(RankWorker):
     def _run(self, action: Any) -> None:
         assert self.core is not None and self.peers is not None
         if isinstance(action, Send):
-            self._send(action.agent, action.message)
+            error = self._send(action.agent, action.message)
+            if error:
+                self._execute(self.core.unreachable(action.agent, error, lease_clock()))
         elif isinstance(action, Post):
             self._post(action)
         elif isinstance(action, Report):

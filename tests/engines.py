@@ -47,7 +47,7 @@ class Engines:
             "transport": transport,
             "transport_options": dict(transport_options or {}),
             "worker_options": worker_options,
-            "log_level": "ERROR",
+            "log_level": os.environ.get("KVPUSH_TEST_RANK_LOG", "ERROR"),
         }
         self.p_specs = [
             RankSpec(

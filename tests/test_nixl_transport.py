@@ -329,3 +329,26 @@ def test_released_remote_lists_are_forgotten(local: tuple[Transport, Any], peer:
     name, _local_list, remote_list = _connect(transport, src, peer)
     transport.release_list(remote_list)
     assert transport._remote_lists[name] == set()
+
+
+@pytest.mark.parametrize(
+    ("tls", "takes"),
+    [
+        (None, True),
+        ("", True),
+        ("all", True),
+        ("tcp,cma", True),
+        ("sm,tcp", True),
+        ("^tcp", True),
+        ("cuda_ipc,rc", True),
+        ("tcp", False),
+        ("rc_x,ud_x,self", False),
+        ("tcp,cuda_copy", False),
+    ],
+)
+def test_same_host_copies_follow_ucx_tls(tls: str | None, takes: bool) -> None:
+    """Whether a process on this host may copy into this agent's memory by itself (D then
+    holds a same-host P's failed requests instead of releasing them on a fence)."""
+    from kvpush.transports.nixl import ucx_takes_same_host_copies
+
+    assert ucx_takes_same_host_copies(tls) is takes

@@ -408,6 +408,11 @@ class CudaIpcTransport:
         return bool(self.inner.fenced(peer))
 
     @property
+    def same_host_copies(self) -> bool:
+        """The wrapped transport's (IPC copies are answered by ``may_copy_in``)."""
+        return bool(getattr(self.inner, "same_host_copies", True))
+
+    @property
     def writes_abortable(self) -> bool:
         """Published in this rank's metadata: False while IPC is on, because a WRITE to a peer
         reached by IPC is a launched kernel that nothing takes back; a D then holds this P's

@@ -219,6 +219,11 @@ class FaultyTransport:
         self.inner.send_notif(peer, message)
 
     @property
+    def same_host_copies(self) -> bool:
+        """The inner transport's (see :attr:`kvpush.transports.nixl.NixlTransport.same_host_copies`)."""
+        return bool(getattr(self.inner, "same_host_copies", True))
+
+    @property
     def writes_abortable(self) -> bool:
         """Published in the rank's metadata (see ``kernel_copies``)."""
         return not self.kernel_copies and bool(getattr(self.inner, "writes_abortable", True))

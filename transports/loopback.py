@@ -30,6 +30,8 @@ _IDS = itertools.count(1)
 
 class LoopbackTransport:
     name = "loopback"
+    same_host_copies = False
+    """Its copies complete inside ``post_write``: none lands after a fence."""
 
     def __init__(self, config: TransportConfig) -> None:
         self._agent_name = config.agent_name

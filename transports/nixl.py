@@ -142,6 +142,43 @@ def ucx_settings(options: Any) -> dict[str, str]:
     return env
 
 
+NETWORK_ONLY_TLS = frozenset(
+    {
+        "tcp",
+        "self",
+        "cuda_copy",
+        "rocm_copy",
+        "ze_copy",
+        "ib",
+        "rc",
+        "rc_v",
+        "rc_x",
+        "rc_verbs",
+        "rc_mlx5",
+        "ud",
+        "ud_v",
+        "ud_x",
+        "ud_verbs",
+        "ud_mlx5",
+        "dc",
+        "dc_x",
+        "dc_mlx5",
+    }
+)
+"""UCX transports that reach another process only through a connection (or stay in this
+process); any other name (``sm``, ``shm``, ``posix``, ``sysv``, ``cma``, ``knem``, ``xpmem``,
+``cuda_ipc``, ``all``, an alias, a negated list) may let a same-host peer copy in by itself."""
+
+
+def ucx_takes_same_host_copies(tls: str | None) -> bool:
+    """Whether UCX with ``UCX_TLS=tls`` (None: not set, UCX's default of all) may take copies a
+    process on this host makes into this process's memory by itself (conservative)."""
+    if not tls or tls.startswith("^"):
+        return True
+    names = {name.strip().split(":")[0] for name in tls.split(",") if name.strip()}
+    return not names or not names <= NETWORK_ONLY_TLS
+
+
 @contextlib.contextmanager
 def _environment(env: dict[str, str]) -> Iterator[None]:
     """Set ``env`` for the duration of the block, then restore what was there."""
@@ -219,6 +256,10 @@ class NixlTransport:
                     f"{err}; available plugins: {sorted(self._agent.get_plugin_list())}"
                 ) from err
         self._agent_name = config.agent_name
+        self.same_host_copies = ucx_takes_same_host_copies(ucx_env.get("UCX_TLS", os.environ.get("UCX_TLS")))
+        """Whether a peer process on this host may copy into this agent's memory by itself
+        (UCX shared memory, CMA, CUDA IPC: no connection carries it, so no fence stops it). D
+        then holds a same-host P's failed requests until it acknowledges or exits."""
         self._tcp_listeners = sorted(
             (tcp_fence.own_listeners() - listeners_before) if tcp_fence.supported() else set()
         )
