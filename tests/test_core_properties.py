@@ -339,10 +339,16 @@ class CoreCluster(RuleBasedStateMachine):
 
     def _send(self, src: Proc, agent: str, data: bytes) -> None:
         inc = self._loaded_inc(src, agent)
-        if inc is None:  # the transport refuses: the agent is not loaded
+        why = "agent not loaded" if inc is None else ""
+        if inc is not None and self._proc(agent, inc) is None:
+            why = "NIXL_ERR_REMOTE_DISCONNECT"  # the loaded process is gone: the send raises
+        if why:
             if isinstance(src, DProc):
-                self._run_d(src, src.core.unreachable(agent, "agent not loaded", self.now(src)))
+                self._run_d(src, src.core.unreachable(agent, why, self.now(src)))
+            elif isinstance(src, PProc):
+                self._run_p(src, src.core.unreachable(agent, why, self.now(src)))
             return
+        assert inc is not None
         self.net.append(Msg(src.agent, agent, inc, data))
 
     # ------------------------------------------------------------------ executing actions
