@@ -421,7 +421,11 @@ class _SchedulerSide:
         vLLM cut short (it computes the rest itself) would end a block or more earlier, and
         every block D registered would get P's KV of later tokens, silently."""
         num_tokens = request.num_prompt_tokens
-        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+        groups = self.kv_cache_config.kv_cache_groups
+        # Only the groups kvpush transfers pair from the end; vLLM sizes an excluded group (a
+        # device replica) its own way.
+        for gid in getattr(self.kv_cache_config, "transfer_group_ids", range(len(groups))):
+            group = groups[gid]
             if gid >= len(blocks.blocks):
                 break
             size = group.kv_cache_spec.block_size

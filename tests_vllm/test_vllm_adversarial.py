@@ -699,3 +699,48 @@ def test_one_transfer_id_on_two_d_requests_at_once(engines: Any, llama_dir: str,
     assert written <= set(d.block_ids(first)[0]), "P wrote outside the paired request's blocks"
     drain(p, d, model)
     assert p_id in p.finished_sending
+
+
+def test_d_load_checks_only_the_groups_kvpush_transfers(llama_dir: str) -> None:
+    """D's scheduler half with a KV-cache group vLLM excludes from transfer (a device replica,
+    sized its own way): the load-end check and the staged block ids cover the transferred groups
+    only, so the replica's block count neither fails the load nor reaches the workers."""
+    import dataclasses
+
+    from harness import EngineSpec, kv_cache_configs, vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvpush.engines.vllm import KvpushConnector
+
+    spec = EngineSpec(
+        model_dir=llama_dir, role="kv_consumer", engine_id="D", port=5600, sliding_layers=(1, 3)
+    )
+    config = vllm_config(spec)
+    kv_config, _ = kv_cache_configs(config, (1, 3))
+    groups = list(kv_config.kv_cache_groups)
+    groups[1] = dataclasses.replace(groups[1], enable_kv_transfer=False)
+    kv_config = dataclasses.replace(kv_config, kv_cache_groups=groups)
+    connector = KvpushConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    tokens = prompt(350, 40)  # 3 blocks of 16
+    request = make_request(
+        f"cmpl-replica-{suffix()}", tokens, 3, {**d_params_of("P", 5601), "transfer_id": "x"}
+    )
+    full = [KVCacheBlock(i) for i in (4, 5, 6)]
+    replica = [KVCacheBlock(i) for i in (7, 8)]  # a replica sized its own way
+    connector.update_state_after_alloc(request, KVCacheBlocks((full, replica)), len(tokens))
+    item = connector.build_connector_meta(None).recv[request.request_id]
+    assert item.error is None, item.error
+    assert item.block_ids == ((4, 5, 6),)
+    connector.shutdown()
+
+
+def d_params_of(engine_id: str, port: int) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": port,
+    }
