@@ -744,3 +744,21 @@ def d_params_of(engine_id: str, port: int) -> dict[str, Any]:
         "remote_host": "127.0.0.1",
         "remote_port": port,
     }
+
+
+@pytest.mark.parametrize("length", [1, BLOCK_SIZE, BLOCK_SIZE + 1])
+def test_shortest_prompts_are_received_byte_exact(engines: Any, llama_dir: str, length: int) -> None:
+    """A one-token prompt, a prompt of exactly one block and one token past it: D loads the whole
+    prompt, P pushes its blocks, D holds P's KV byte-exact and nothing outside its blocks."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer")
+    model = PrefillModel()
+    tokens = prompt(360 + length, length)
+    before = d.workers[0].call("snapshot")
+    p_id, d_id = dispatch(p, d, f"cmpl-short-{length}", tokens, transfer_id=f"xfer-short-{length}")
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to receive {d_id}", kv_producer=model)
+    assert d_id not in d.failed_recving
+    verify(d, d_id, tokens)
+    assert d.workers[0].call("changed_blocks", before=before) <= set(d.block_ids(d_id)[0])
+    drain(p, d, model)
+    assert p_id in p.finished_sending
