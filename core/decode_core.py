@@ -53,7 +53,14 @@ from kvpush.core.actions import (
     Send,
 )
 from kvpush.core.deadlines import Deadlines, RateLimit, RecentIds
-from kvpush.core.types import Notification, NotificationKind, PushRegistration, RankKey, RequestMetadata
+from kvpush.core.types import (
+    Notification,
+    NotificationKind,
+    PackManifest,
+    PushRegistration,
+    RankKey,
+    RequestMetadata,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +174,8 @@ class _Receive:
     chunks: dict[RankKey, set[int]] = attrs.field(factory=dict)
     arrived: dict[RankKey, set[int]] = attrs.field(factory=dict)
     """Packed chunks whose DONE arrived, per producer (scattered or not)."""
+    manifests: dict[RankKey, list[PackManifest]] = attrs.field(factory=dict)
+    """Each producer's packed DONEs so far, checked against each other (``check_chunks``)."""
     staging_offset: int = -1
     last_grant: float | None = None
     """When D last sent a message carrying a grant for this request (D's clock)."""
@@ -428,6 +437,7 @@ class DecodeCore:
                 and receive.phase is _REGISTERED
                 and receive.agents.get(producer) == agent  # in the set, from its own agent
                 and note.producer_tp_size == receive.prefill_tp
+                and producer not in receive.arrived  # after packed chunks: checked below
             ):
                 reported = receive.reported
                 if producer in reported:
@@ -558,6 +568,14 @@ class DecodeCore:
             return []
         assert producer is not None
         manifest = note.packing if note.kind is NotificationKind.DONE else None
+        if note.kind is NotificationKind.DONE:
+            problem = self._packing_problem(receive, producer, manifest)
+            if problem and receive.phase is _Phase.CLOSING:
+                # settled only by its CANCEL_ACK or the quarantine: its bytes may still land
+                self._reject(agent, note, problem)
+                return []
+            if problem:
+                return self._close(rid, f"P rank {producer} {problem}", now)
         if manifest is not None:
             receive.arrived.setdefault(producer, set()).add(manifest.chunk)
         if receive.phase is _Phase.CLOSING:
@@ -603,6 +621,26 @@ class DecodeCore:
         engine = self._engines.get(receive.engine_id)
         info = engine.info if engine is not None else None
         return info is not None and info.incarnations.get(agent) == receive.incarnations.get(agent)
+
+    @staticmethod
+    def _packing_problem(receive: _Receive, producer: RankKey, manifest: PackManifest | None) -> str:
+        """Why a producer's DONE disagrees with its earlier packed DONEs ("" when it does not):
+        a direct DONE after packed chunks (the rest may still be landing in the staging range),
+        or chunks that disagree or overlap (:func:`kvpush.core.packing.check_chunks`)."""
+        earlier = receive.manifests.get(producer)
+        if manifest is None:
+            return "sent a direct DONE after packed chunks (the others may still land)" if earlier else ""
+        if earlier and manifest in earlier:
+            return ""  # a duplicate DONE
+        from kvpush.core.errors import WireError
+        from kvpush.core.packing import check_chunks
+
+        try:
+            check_chunks([*(earlier or ()), manifest])
+        except WireError as err:
+            return f"sent inconsistent packed chunks: {err}"
+        receive.manifests.setdefault(producer, []).append(manifest)
+        return ""
 
     @staticmethod
     def _identity_problem(agent: str, receive: _Receive, note: Notification) -> str:

@@ -472,10 +472,10 @@ class PrefillCore:
             return self._decode_restarted(engine, reg, agent, note, now)
         if candidate:  # not bound yet: hold it, the router may name this engine at finish
             held = request.others.setdefault(reg.decode_engine_id, {})
-            held[rank] = _Reg(reg, agent, self._fresh_until(reg))
+            held[rank] = _Reg(reg, agent, self._fresh_until(reg, now))
             return [] if rank in engine.agents else self._connect(engine, rank, now)
         if request.blocks is not None and _differs(request.fingerprint, reg):
-            return self._prompts_differ(request, [_Reg(reg, agent, self._fresh_until(reg))], now)
+            return self._prompts_differ(request, [_Reg(reg, agent, self._fresh_until(reg, now))], now)
         old = request.regs.get(rank)
         if request.blocks is None and old is not None and _differs(old.reg.prompt_fingerprint, reg):
             # Two prompts registered under one key before P finished: P decides at the finish.
@@ -491,7 +491,7 @@ class PrefillCore:
                 _Dest.WAIT_FRESH,
             ):
                 return []
-        request.regs[rank] = _Reg(reg, agent, self._fresh_until(reg))
+        request.regs[rank] = _Reg(reg, agent, self._fresh_until(reg, now))
         out: list[Any] = []
         if rank not in engine.agents:
             out += self._connect(engine, rank, now)
@@ -520,7 +520,7 @@ class PrefillCore:
             return self._decode_restarted(engine, reg, agent, note, now)
         failed, want, unknown = [], [], []
         out: list[Any] = []
-        fresh = self._fresh_until(reg)
+        fresh = self._fresh_until(reg, now)
         for key in note.request_ids:
             request = self._requests.get(key)
             if request is None:
@@ -535,7 +535,7 @@ class PrefillCore:
             if request.engine_id != engine.engine_id:
                 held = request.others.get(engine.engine_id, {}).get(rank)
                 if held is not None:  # a candidate for an unbound key: keep its registration
-                    held.fresh_until = max(held.fresh_until, self._fresh_until(reg))
+                    held.fresh_until = max(held.fresh_until, self._fresh_until(reg, now))
                     self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
                 elif request.engine_id:  # bound to another D engine: this one was refused
                     failed.append(key)
@@ -1136,8 +1136,10 @@ class PrefillCore:
 
     # ------------------------------------------------------------------ helpers
 
-    def _fresh_until(self, reg: PushRegistration) -> float:
-        if reg.grant is None or reg.fresh_s <= 0:
+    def _fresh_until(self, reg: PushRegistration, now: float) -> float:
+        """Until when ``reg`` may be written: its grant plus D's window; never for a grant P
+        could not have issued (later than P's clock now: not one of P's stamps)."""
+        if reg.grant is None or reg.fresh_s <= 0 or reg.grant > now:
             return float("-inf")
         return reg.grant + reg.fresh_s
 

@@ -14,9 +14,11 @@ the staging area, and reports results to the engine:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -37,6 +39,7 @@ from kvpush.core.actions import (
 from kvpush.core.block_claims import BlockClaims
 from kvpush.core.decode_core import DecodeCore, DecodeSettings, ProducerInfo
 from kvpush.core.errors import ConfigError, HandshakeError, WaitTimeout
+from kvpush.core.notifications import MAX_ID_CHARS
 from kvpush.core.peers import PeerEngine
 from kvpush.core.process_identity import has_exited, host_identity
 from kvpush.core.types import (
@@ -52,6 +55,13 @@ from kvpush.core.types import (
 from kvpush.core.worker import PROCESS_KEY, WRITE_DEADLINE_KEY, WRITES_ABORTABLE_KEY, RankWorker, lease_clock
 
 logger = logging.getLogger(__name__)
+
+ID_MEMORY = 65536
+"""How many request ids a D rank remembers having registered: a reused one is registered under a
+fresh alias (``rid#n``), so that a late or duplicated DONE of its earlier registration, which
+names the plain id, cannot complete the new one."""
+ALIAS_CHARS = 24
+"""Characters an alias may add to a request id (``#`` and a serial)."""
 
 FENCE_WARN_S = 1.0
 """A fence the transport has not confirmed is logged this often (its blocks stay held)."""
@@ -97,6 +107,13 @@ class PushReceiver(RankWorker):
         """Request ids added and not yet done or released (a second add is refused)."""
         self._claims: BlockClaims | None = None
         """The blocks of the requests in ``_active`` (an add naming one of them is refused)."""
+        self._used_ids: OrderedDict[str, None] = OrderedDict()
+        """Request ids registered on this rank, most recent last (at most ``ID_MEMORY``)."""
+        self._alias_of: dict[str, str] = {}
+        """Engine request id -> the id its latest registration carries (reused ids only)."""
+        self._engine_id_of: OrderedDict[str, str] = OrderedDict()
+        """Alias -> the engine's request id (the core and the wire know only aliases)."""
+        self._aliases = itertools.count(1)
         self._done: list[str] = []
         self._completed_at: dict[str, float] = {}
         self._failed: dict[str, str] = {}
@@ -150,6 +167,11 @@ class PushReceiver(RankWorker):
         if not isinstance(request, RequestMetadata):
             raise ConfigError(f"add_request needs a RequestMetadata, got {type(request).__name__}")
         rid = request.request_id
+        if not isinstance(rid, str) or not rid or len(rid) > MAX_ID_CHARS - ALIAS_CHARS:
+            raise ConfigError(
+                f"request_id must be a non-empty string of at most {MAX_ID_CHARS - ALIAS_CHARS} "
+                f"chars, got {rid!r:.80}"
+            )
         self._check_blocks(rid, request.block_ids, "block_ids")
         request.params.match_key  # raises ConfigError naming the missing fields  # noqa: B018
         self._check_advertised(request.params)  # a loopback address for a remote P is refused
@@ -166,7 +188,38 @@ class PushReceiver(RankWorker):
                 self._claims = BlockClaims.for_regions(self.metadata.regions)
             self._claims.claim(rid, request.block_ids)  # ConfigError: blocks another request holds
             self._active.add(rid)
+            request = self._registered_as(request)
         self.run_on_writer(lambda: self._add_guarded(request))
+
+    def _registered_as(self, request: RequestMetadata) -> RequestMetadata:
+        """``request`` under the id its registration carries: its own the first time, a fresh
+        alias when the engine reuses the id (caller holds the results lock)."""
+        rid = request.request_id
+        used = rid in self._used_ids or rid in self._engine_id_of  # or an alias of another id
+        self._used_ids[rid] = None
+        self._used_ids.move_to_end(rid)
+        if len(self._used_ids) > ID_MEMORY:
+            self._used_ids.popitem(last=False)
+        if not used:
+            self._alias_of.pop(rid, None)
+            return request
+        alias = f"{rid}#{next(self._aliases)}"
+        while alias in self._used_ids or alias in self._engine_id_of:  # an id the engine used
+            alias = f"{rid}#{next(self._aliases)}"
+        self._alias_of[rid] = alias
+        self._engine_id_of[alias] = rid
+        if len(self._engine_id_of) > ID_MEMORY:
+            self._engine_id_of.popitem(last=False)
+        return attrs.evolve(request, request_id=alias)
+
+    def _core_id(self, rid: str) -> str:
+        """The id the core knows the engine's request ``rid`` by."""
+        with self._results_lock:
+            return self._alias_of.get(rid, rid)
+
+    def _engine_id(self, core_id: str) -> str:
+        """The engine's request id for an id of the core (an alias maps back)."""
+        return self._engine_id_of.get(core_id, core_id)
 
     def add_request_params(
         self, request_id: str, block_ids: BlockIdsLike, kv_transfer_params: Mapping[str, Any]
@@ -191,7 +244,8 @@ class PushReceiver(RankWorker):
         WRITE deadline have passed and P's connection was dropped. Free the blocks only then.
         A request already done is not affected."""
         self._check_running("cancel")
-        self.run_on_writer(lambda: self._guarded(request_id, lambda now: self.core.cancel(request_id, now)))
+        core_id = self._core_id(request_id)
+        self.run_on_writer(lambda: self._guarded(core_id, lambda now: self.core.cancel(core_id, now)))
 
     def get_finished(self) -> ReceiveResults:
         """Requests done, failed, cancelled and released since the last call."""
@@ -293,10 +347,11 @@ class PushReceiver(RankWorker):
             self._report(action)
         elif isinstance(action, Release):
             with self._results_ready:
-                self._released.append(action.request_id)
-                self._active.discard(action.request_id)
+                rid = self._engine_id(action.request_id)
+                self._released.append(rid)
+                self._active.discard(rid)
                 if self._claims is not None:
-                    self._claims.release(action.request_id)
+                    self._claims.release(rid)
                 self._results_ready.notify_all()
         elif isinstance(action, Scatter):
             self._scatter(action)
@@ -318,7 +373,7 @@ class PushReceiver(RankWorker):
 
     def _report(self, report: Report) -> None:
         with self._results_ready:
-            rid = report.request_id
+            rid = self._engine_id(report.request_id)
             if report.outcome == "done":
                 self._done.append(rid)
                 self._completed_at[rid] = time.perf_counter()
@@ -507,7 +562,8 @@ class PushReceiver(RankWorker):
 
         def fail_pending() -> None:
             for rid in sorted(self._active):
-                self._guarded(rid, lambda now, rid=rid: core.fail(rid, reason, now))
+                core_id = self._core_id(rid)
+                self._guarded(core_id, lambda now, core_id=core_id: core.fail(core_id, reason, now))
 
         try:
             self.call_on_writer(fail_pending)

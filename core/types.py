@@ -39,6 +39,8 @@ def to_block_ids(value: Any) -> BlockIds:
             _CHECKED.clear()
         _CHECKED[id(value)] = value  # the entry holds the tuple, so its id is not reused
         return value
+    if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Iterable):
+        raise ConfigError(f"block ids must be a list of ints or a list of per-group lists, got {value!r}")
     items = list(value)
     if items and (
         _INT.issuperset(map(type, items))

@@ -5,7 +5,8 @@ once."""
 from __future__ import annotations
 
 import pytest
-from cluster import MHA, Cluster, wait_until
+import torch
+from cluster import MHA, Cluster, kv_bytes, wait_until
 
 import kvpush.transports.loopback as loopback
 from kvpush import hookimpl
@@ -91,3 +92,28 @@ def test_p_abort_fails_decode_at_once_and_releases_p() -> None:
         cluster.add("d-1", [[2]], "x-1")
         reason = cluster.wait_decode("d-1", timeout_s=5)[0]
         assert reason is not None and "aborted by the prefill engine" in reason
+
+
+def test_a_reused_request_id_and_an_id_equal_to_its_alias_are_received_apart() -> None:
+    """D registers a reused id under an alias (``d-1#n``); an engine id that happens to equal
+    a live alias is aliased too, so the two never meet in the core or on the wire."""
+    with Cluster(request_timeout_s=60) as cluster:
+        receiver = cluster.receivers[0]
+        cluster.add("d-1", [[1]], "x-1")
+        receiver.cancel("d-1")
+        cluster.wait_released("d-1")
+        cluster.d_results[0].clear()
+        cluster.add("d-1", [[2]], "x-2")  # registered as d-1#1
+        cluster.add("d-1#1", [[3]], "x-3")
+        cluster.finish("p-3", [[7]], "x-3")
+        cluster.finish("p-2", [[6]], "x-2")
+        assert cluster.wait_decode("d-1") == {0: None}
+        assert cluster.wait_decode("d-1#1") == {0: None}
+        for name, tensor in cluster.d_caches[0].items():
+            dst, src = kv_bytes(tensor), kv_bytes(cluster.p_caches[RankKey(0, 0)][name])
+            assert torch.equal(dst[:, 2], src[:, 6]) and torch.equal(dst[:, 3], src[:, 7]), name
+
+
+def test_a_request_id_too_long_for_the_wire_is_refused_naming_the_limit() -> None:
+    with Cluster() as cluster, pytest.raises(ConfigError, match="at most 1000 chars"):
+        cluster.add("d" * 1001, [[1]], "x-1")

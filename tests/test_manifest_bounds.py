@@ -271,11 +271,6 @@ def test_a_producers_chunks_must_agree(chunks: list[Any], match: str) -> None:
     check_chunks([manifests[0], manifests[0]])  # an identical repeat is a duplicate DONE
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decode_core does not check one producer's chunks against each other yet "
-    "(packing.check_chunks; change proposed in the report)",
-)
 def test_overlapping_chunks_fail_the_request_instead_of_leaving_regions_unwritten(d: PackedD) -> None:
     """P says its push is two chunks, both naming region 1: regions 2 and 3 would never be
     written, yet D would count the producer once both chunks arrived (wrong KV, silently)."""
@@ -285,11 +280,6 @@ def test_overlapping_chunks_fail_the_request_instead_of_leaving_regions_unwritte
     assert outcome == "failed" and "both name D region 1" in reason
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decode_core counts a direct DONE from a producer whose packed chunks are still "
-    "outstanding (change proposed in the report)",
-)
 def test_a_direct_done_after_a_packed_chunk_does_not_count_the_producer(d: PackedD) -> None:
     """Chunk 0 of 2 arrived; a direct DONE from the same producer must not end the request:
     chunk 1's WRITE is still landing in the staging range, which the end would free."""
@@ -413,11 +403,6 @@ def test_a_push_reg_with_no_block_or_a_repeated_block_is_refused() -> None:
 # ------------------------------------------------------------------ freshness grants on P
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prefill_core takes any grant as fresh until grant + fresh_s, even one later than its "
-    "own clock (change proposed in the report)",
-)
 def test_p_does_not_take_a_grant_from_its_own_future_as_fresh() -> None:
     """A grant is one of P's own stamps, echoed: one later than P's clock now was never issued
     (a stamp from another clock, or forged). Taken as fresh it would let P write into D's
@@ -493,11 +478,6 @@ def test_a_forged_packed_done_from_ps_own_agent_moves_no_byte_into_ds_blocks(
         assert receiver.call_on_writer(lambda: receiver.staging.bytes_in_use) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decode_core does not check a producer's packed DONEs against each other yet "
-    "(packing.check_chunks; change proposed in the report)",
-)
 @pytest.mark.parametrize("second", ["overlapping-chunk", "direct-done"])
 def test_real_workers_count_no_producer_whose_chunks_disagree(second: str) -> None:
     """Real workers: P's agent says chunk 0 of 2 holds regions 0 and 1, then either chunk 1
@@ -578,20 +558,27 @@ def test_d_refuses_a_p_whose_published_safety_facts_are_out_of_range(name: str, 
 # ------------------------------------------------------------------ late notifications
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="D matches P's DONE to a request by D's request id alone: a DONE of an earlier "
-    "registration under the same id counts for the next one (fix proposed in the report)",
-)
-def test_a_late_done_of_an_earlier_registration_does_not_complete_a_reused_request_id(d: PackedD) -> None:
-    """r1 (key k1) is cancelled, P acknowledges, the blocks go back; the engine then reuses the
-    id r1 for another prompt (key k2). A DONE of the k1 push that arrives now (late: it was
-    overtaken by the acknowledgement, or duplicated) must not report r1 done: P never pushed
-    k2, so D would read blocks nobody wrote."""
-    d.run(d.core.cancel("r1", 0.2))
-    d.run(d.core.notification(P_AGENT, _note(wire.encode_cancel_ack("r1", P0, False, False)), 0.3))
-    assert [r.outcome for r in d.reports] == ["cancelled"]
-    d.reports.clear()
-    d.register("r1", "k2")
-    d.deliver(_done(None))  # the k1 push's DONE, late
-    assert [r.outcome for r in d.reports] != ["done"], "a DONE of the earlier registration counted"
+def test_a_late_done_of_an_earlier_registration_does_not_complete_a_reused_request_id() -> None:
+    """Real workers: d-1 (key x-1) is cancelled, P acknowledges, the blocks go back; the engine
+    then reuses the id d-1 for another prompt (key x-2). A DONE of the x-1 push that arrives now
+    (late, or duplicated) names d-1 and must not report it done: P never pushed x-2 yet, so D
+    would read blocks nobody wrote. D registers a reused id under a fresh alias (``d-1#n``),
+    so the late DONE matches nothing; P's push of x-2 then completes it."""
+    with Cluster(num_blocks=64, request_timeout_s=30) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[3]], "x-1")
+        wait_until(lambda: receiver.stats["push_regs_sent"] == 1, what="D's PUSH_REG")
+        receiver.cancel("d-1")
+        cluster.wait_released("d-1")
+        assert cluster.d_results[0].pop("d-1").startswith("cancelled")
+        cluster.add("d-1", [[9]], "x-2")
+        wait_until(lambda: receiver.stats["push_regs_sent"] == 2, what="D's second PUSH_REG")
+        late = wire.encode_done("d-1", P0, 1)
+        sender.call_on_writer(lambda: sender.transport.send_notif(receiver.agent_name, late))
+        settle(receiver)
+        cluster.poll()
+        assert "d-1" not in cluster.d_results[0], "a DONE of the earlier registration counted"
+        cluster.finish("p-2", [[5]], "x-2")
+        assert cluster.wait_decode("d-1") == {0: None}
+        for name, tensor in cluster.d_caches[0].items():
+            assert torch.equal(kv_bytes(tensor)[:, 9], kv_bytes(cluster.p_caches[P0][name])[:, 5]), name

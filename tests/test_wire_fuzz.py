@@ -643,11 +643,6 @@ json_values = st.recursive(
 )
 
 
-def _iterable_groups(value: Any) -> bool:
-    """What ``to_block_ids`` handles today: None, or a list (see the xfail below)."""
-    return value is None or isinstance(value, (list, dict, str))
-
-
 @FUZZ
 @given(
     st.fixed_dictionaries(
@@ -663,8 +658,6 @@ def test_kv_transfer_params_from_a_router_validate_or_raise_config_error(
     from kvpush.core.types import TransferParams
 
     params = {**base, **overrides}
-    if not _iterable_groups(params.get("remote_block_ids")):
-        return  # a number: the xfail below
     try:
         parsed = TransferParams.from_dict(params)
     except ConfigError:
@@ -676,11 +669,6 @@ def test_kv_transfer_params_from_a_router_validate_or_raise_config_error(
         assert all(type(b) is int and b >= 0 for b in group)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="types.to_block_ids calls list() on a number (TypeError) and iterates bytes as ids "
-    "(change proposed in the report)",
-)
 @pytest.mark.parametrize("blocks", [5, 1.5, b"\x03\x04"], ids=["int", "float", "bytes"])
 def test_remote_block_ids_that_are_not_a_list_raise_config_error(blocks: Any) -> None:
     from kvpush.core.errors import ConfigError
@@ -778,11 +766,6 @@ def test_a_peers_blob_header_unframes_or_raises_transfer_error(header: bytes) ->
     assert listeners is None or all(isinstance(h, str) and 0 < p < 65536 for h, p in listeners)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="transports/framing.unframe and cuda_ipc.decode_blob catch ValueError only: a deeply "
-    "nested JSON header raises RecursionError (change proposed in the report)",
-)
 @pytest.mark.parametrize("decoder", ["nixl", "cuda_ipc"])
 def test_a_deeply_nested_blob_header_raises_transfer_error(decoder: str) -> None:
     from kvpush.core.errors import TransferError

@@ -78,7 +78,7 @@ def decode_blob(blob: bytes) -> tuple[bytes, dict[str, Any] | None]:
         raise TransferError(f"cuda_ipc peer metadata is truncated (header of {size} bytes)")
     try:
         info = json.loads(blob[start : start + size])
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: a deeply nested header
         raise TransferError(f"cuda_ipc peer metadata header is not JSON: {err}") from err
     return blob[start + size :], info
 

@@ -26,7 +26,7 @@ def unframe(magic: bytes, blob: bytes, what: str) -> tuple[bytes, dict[str, Any]
         raise TransferError(f"{what} peer metadata is truncated (header of {size} bytes)")
     try:
         info = json.loads(blob[start : start + size])
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: a deeply nested header
         raise TransferError(f"{what} peer metadata header is not JSON: {err}") from err
     if not isinstance(info, dict):
         raise TransferError(f"{what} peer metadata header must be a JSON object, got {type(info).__name__}")
