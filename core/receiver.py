@@ -561,7 +561,9 @@ class PushReceiver(RankWorker):
         deadline = time.monotonic() + self.config.close_timeout_s
 
         def fail_pending() -> None:
-            for rid in sorted(self._active):
+            with self._results_lock:
+                pending = sorted(self._active)
+            for rid in pending:
                 core_id = self._core_id(rid)
                 self._guarded(core_id, lambda now, core_id=core_id: core.fail(core_id, reason, now))
 
