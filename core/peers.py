@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import attrs
 
@@ -28,6 +29,7 @@ from kvpush.core.types import (
     KVRegion,
     RankKey,
     RegionAlignment,
+    Role,
 )
 
 logger = logging.getLogger(__name__)
@@ -185,12 +187,22 @@ class PeerRegistry:
                 if mode is HandshakeMode.FULL:
                     alignment = self._pm.align_regions(self._local, peer)
                     problems = check_geometry(self._local, peer, alignment)
+                    if not problems and self._local.role is Role.PREFILL:
+                        problems = producer_slices(self._pm, self._local, peer)[1]
                     if problems:
                         raise HandshakeError(
                             f"engine {engine_id!r} rank {rank} does not fit {self._local.rank}:\n  - "
                             + "\n  - ".join(problems)
                         )
                 fetched[rank] = PeerRank(meta=peer, alignment=alignment)
+            if discover is not None and self._local.role is Role.DECODE:
+                problems = check_producers(self._pm, self._local, {r: p.meta for r, p in fetched.items()})
+                if problems:
+                    raise HandshakeError(
+                        f"the producers of engine {engine_id!r} that {self._local.rank} waits for "
+                        f"would not write each byte of its blocks exactly once:\n  - "
+                        + "\n  - ".join(problems)
+                    )
         except Exception as err:
             self._finish(key, future, error=err)
             return
@@ -209,6 +221,7 @@ class PeerRegistry:
             )
         if peer.rank != rank:
             raise HandshakeError(f"asked {engine_id!r} for rank {rank}, got {peer.rank}")
+        check_published_hash(peer, self._local)
         return peer
 
     def _load(
@@ -333,3 +346,226 @@ class PeerRegistry:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+# ------------------------------------------------------------------------------ D's coverage check
+
+MAX_PROBLEMS = 8
+"""Problems listed per refused handshake (the first ones; the rest are the same kind)."""
+
+
+def check_published_hash(peer: AgentMetadata, local: AgentMetadata) -> None:
+    """Raise ``HandshakeError`` when the model, layout or transport a peer publishes is not the
+    one its compatibility hash stands for here: the publisher computes the hash, so a rank that
+    publishes another model under the right hash (mixed builds, a tampered payload) would pass
+    the hash check and be counted with the wrong geometry."""
+    mine = wire.compatibility_hash(local.model, local.layout, local.transport)
+    if wire.compatibility_hash(peer.model, peer.layout, peer.transport) == mine:
+        return
+    differ = [
+        f"{name}: peer {getattr(peer.model, name)!r}, local {getattr(local.model, name)!r}"
+        for name in attrs.fields_dict(type(local.model))
+        if getattr(peer.model, name) != getattr(local.model, name)
+    ]
+    differ += [
+        f"{name}: peer {getattr(peer, name)!r}, local {getattr(local, name)!r}"
+        for name in ("layout", "transport")
+        if getattr(peer, name) != getattr(local, name)
+    ]
+    raise HandshakeError(
+        f"engine {peer.engine_id!r} rank {peer.rank} publishes a model that differs from this "
+        f"side's under the same compatibility hash ({'; '.join(differ)}); run both engines with "
+        f"the same model configuration and kvpush release"
+    )
+
+
+def check_producers(
+    pm: KvpushPluginManager, local: AgentMetadata, producers: Mapping[RankKey, AgentMetadata]
+) -> list[str]:
+    """D's check that the producers it waits for write every byte of its blocks exactly once
+    (empty: they do). Run at D's handshake, before any registration, with the hooks P plans by
+    (``kvpush_build_read_specs``, ``kvpush_align_regions``) applied to P's published metadata:
+
+    - every producer publishes the same PP/TP sizes, layer count and model;
+    - for each P TP rank, the producers' layer windows tile the model's layers (no overlap,
+      no gap: a gap is a layer no counted producer writes);
+    - every region of this rank is tiled by the producers' head slices, each slice carrying the
+      heads this rank holds there (a replicated latent: written whole by replicas of one stage).
+    """
+    if not producers:
+        return ["no producer to wait for"]
+    problems = _same_sizes(local, producers)
+    if not problems:
+        problems = _layer_windows(producers) or _region_coverage(pm, local, producers)
+    return problems[:MAX_PROBLEMS]
+
+
+def _same_sizes(local: AgentMetadata, producers: Mapping[RankKey, AgentMetadata]) -> list[str]:
+    ranks = sorted(producers)
+    first = producers[ranks[0]]
+    problems = []
+    for rank in ranks[1:]:
+        meta = producers[rank]
+        for name in ("pp_size", "tp_size", "num_layers"):
+            mine, theirs = getattr(first.parallel, name), getattr(meta.parallel, name)
+            if mine != theirs:
+                problems.append(
+                    f"P rank {rank} publishes {name}={theirs} but rank {ranks[0]} publishes "
+                    f"{name}={mine}; every rank of one engine must publish the same parallel sizes"
+                )
+    for rank in ranks:
+        model = producers[rank].model
+        for name in attrs.fields_dict(type(model)):
+            theirs, mine = getattr(model, name), getattr(local.model, name)
+            if theirs != mine:
+                problems.append(
+                    f"P rank {rank} publishes model {name}={theirs!r}, this rank runs "
+                    f"{name}={mine!r}; both engines must run the same model"
+                )
+    return problems
+
+
+def _layer_windows(producers: Mapping[RankKey, AgentMetadata]) -> list[str]:
+    problems = []
+    by_tp: dict[int, list[RankKey]] = {}
+    for rank in sorted(producers):
+        by_tp.setdefault(rank.tp_rank, []).append(rank)
+    for tp, ranks in sorted(by_tp.items()):
+        windows = sorted(
+            (producers[r].parallel.start_layer, producers[r].parallel.end_layer, r) for r in ranks
+        )
+        layers = producers[ranks[0]].parallel.num_layers
+        cursor, before = 0, None
+        for start, end, rank in windows:
+            if start < cursor:
+                problems.append(
+                    f"P ranks {before} and {rank} publish layer windows that overlap on layers "
+                    f"{start}-{min(end, cursor) - 1}: two producers would write them"
+                )
+            elif start > cursor:
+                problems.append(
+                    f"a gap: layers {cursor}-{start - 1} are owned by none of the producers this "
+                    f"rank waits for from P TP rank {tp} (stages {[r.pp_rank for r in ranks]}); "
+                    f"they would never be written"
+                )
+            cursor, before = max(cursor, end), rank
+        if cursor < layers:
+            problems.append(
+                f"a gap: layers {cursor}-{layers - 1} are owned by none of the producers this rank "
+                f"waits for from P TP rank {tp} (stages {[r.pp_rank for r in ranks]}); they would "
+                f"never be written"
+            )
+    return problems
+
+
+Piece = tuple[Any, Any, RankKey]
+"""``(start, end, producer)``: the fraction of each block of a decode region a producer writes."""
+
+
+def producer_slices(
+    pm: KvpushPluginManager, producer: AgentMetadata, decode: AgentMetadata
+) -> tuple[dict[int, list[Piece]], list[str]]:
+    """What one producer's plan (the read-spec and alignment hooks, as P runs them) writes
+    into one decode rank: per decode region, the block fractions it covers; and the problems
+    with that plan (a plugin error, two regions paired with one, a slice carrying other heads
+    than the decode rank holds there: head ``h`` of the model is head ``h - tp_rank x heads``
+    of the rank holding it). Block ids do not change what is written where in a block."""
+    from fractions import Fraction
+
+    from kvpush.core.types import PushJob
+
+    rank, me = producer.rank, decode.parallel
+    blocks = tuple((0,) for _ in range(producer.model.num_groups))
+    job = PushJob(local=producer, decode_tp_size=me.tp_size, local_block_ids=blocks, remote_block_ids=blocks)
+    try:
+        specs = [s for s in pm.build_read_specs(job) if s.dst_tp_rank == me.tp_rank]
+        alignment = pm.align_regions(producer, decode)
+    except KvpushError as err:
+        return {}, [f"P rank {rank} cannot be planned against D rank {me.tp_rank}: {err}"]
+    problems = []
+    seen: dict[int, int] = {}
+    for i, j in enumerate(alignment.remote_indices):
+        mine, theirs = producer.regions[i], decode.regions[j]
+        if j in seen:
+            problems.append(
+                f"P rank {rank}'s alignment ({alignment.source}) pairs its regions {seen[j]} and "
+                f"{i} with D region {j} ({_name(theirs)}): an overlap"
+            )
+        elif (mine.layer_names, mine.component) != (theirs.layer_names, theirs.component):
+            problems.append(
+                f"P rank {rank}'s alignment ({alignment.source}) pairs its {_name(mine)} with D's "
+                f"{_name(theirs)}: the wrong layer"
+            )
+        seen[j] = i
+    pieces: dict[int, list[Piece]] = {}
+    wrong: list[str] = []
+    for spec in specs:
+        (li, lc), (ri, rc) = spec.local_part, spec.remote_part
+        for i, j in enumerate(alignment.remote_indices):
+            mine, theirs = producer.regions[i], decode.regions[j]
+            if not (mine.replicate or theirs.replicate):
+                src = rank.tp_rank * mine.num_heads + Fraction(li * mine.num_heads, lc)
+                dst = me.tp_rank * theirs.num_heads + Fraction(ri * theirs.num_heads, rc)
+                if src != dst:
+                    wrong.append(
+                        f"model head {float(src):g} into model head {float(dst):g} of {_name(theirs)}"
+                    )
+            pieces.setdefault(j, []).append((Fraction(ri, rc), Fraction(ri + 1, rc), rank))
+    if wrong:
+        more = f" (and {len(wrong) - 1} more slices)" if len(wrong) > 1 else ""
+        problems.append(f"P rank {rank}'s read specs write the wrong heads: {wrong[0]}{more}")
+    return pieces, problems
+
+
+def _region_coverage(
+    pm: KvpushPluginManager, local: AgentMetadata, producers: Mapping[RankKey, AgentMetadata]
+) -> list[str]:
+    from fractions import Fraction
+
+    problems: list[str] = []
+    pieces: dict[int, list[Piece]] = {}
+    for rank in sorted(producers):
+        mine, found = producer_slices(pm, producers[rank], local)
+        problems += found
+        if not mine and not found:
+            problems.append(
+                f"P rank {rank} is a producer this rank waits for, but its read specs write no "
+                f"part of this rank (an extra producer: it would never write, or be counted wrongly)"
+            )
+        for j, parts in mine.items():
+            pieces.setdefault(j, []).extend(parts)
+    for j, region in enumerate(local.regions):
+        parts = sorted(pieces.get(j, []))
+        if region.replicate and parts and all(p[:2] == (0, 1) for p in parts):
+            if len({p[2].pp_rank for p in parts}) > 1:
+                problems.append(
+                    f"{_name(region)} is written whole by several stages {[p[2] for p in parts]}: an overlap"
+                )
+            continue
+        cursor: Fraction = Fraction(0)
+        for start, end, rank in parts:
+            if start < cursor:
+                problems.append(
+                    f"{_name(region)}: {rank} writes heads {_heads(region, start, end)} that "
+                    f"another producer writes too: an overlap"
+                )
+            elif start > cursor:
+                problems.append(
+                    f"{_name(region)}: heads {_heads(region, cursor, start)} written by no producer: a gap"
+                )
+            cursor = max(cursor, end)
+        if cursor < 1:
+            problems.append(
+                f"{_name(region)}: heads {_heads(region, cursor, Fraction(1))} written by no producer: a gap"
+            )
+    return problems
+
+
+def _name(region: KVRegion) -> str:
+    return f"region {', '.join(region.layer_names)} {region.component}"
+
+
+def _heads(region: KVRegion, start: Any, end: Any) -> str:
+    return (
+        f"[{float(start * region.num_heads):g}, {float(end * region.num_heads):g}) of its {region.num_heads}"
+    )
