@@ -349,6 +349,18 @@ class PrefillCore:
         request.others = {}
         return out
 
+    def abandoned(self, key: str, reason: str, now: float) -> list[Any]:
+        """The engine will never finish ``key`` here (its prefill was aborted or failed before
+        it finished): D's registrations of it are answered FAIL, those held now and those that
+        arrive later (the key ends as a failure). A key this rank is pushing, or that already
+        ended, is left alone: its outcome reaches D as usual."""
+        request = self._requests.get(key)
+        if key in self._tombstones or (request is not None and request.blocks is not None):
+            return []
+        if request is None:
+            request = self._requests[key] = _Request(key=key)
+        return self._fail_held(request, reason) + self._fail_request(request, reason, now)
+
     def fail(self, key: str, reason: str, now: float, *, request_id: str | None = None) -> list[Any]:
         """Fail whatever P holds for ``key`` (the driver caught an error while handling it).
         ``request_id``: the engine's prefill the error came with (a finish): it is reported
@@ -416,19 +428,12 @@ class PrefillCore:
             why = self._differ_reason(key, tomb[4], reg, f"P's prefill of the key (already {ended})")
             return self._refuse(reg, agent, why, tomb[3], now)
         if tomb is not None:
-            engine = self._engines.get(reg.decode_engine_id)
-            if tomb[0] == "failed" and engine is not None and engine.agents.get(rank) == agent:
-                return [
-                    Send(
-                        agent,
-                        wire.encode_failed(
-                            reg.request_id,
-                            self.s.rank,
-                            f"P no longer holds {key!r}: {tomb[2] or tomb[0]}",
-                            unsettled=tomb[3],
-                        ),
-                    )
-                ]
+            if tomb[0] == "failed":  # answered FAIL: now, or once P loaded that D rank
+                engine = self._engine_for(reg)
+                same_address = (reg.decode_host, reg.decode_port) == (engine.host, engine.port)
+                if same_address and engine.agents.get(rank) in (None, agent):
+                    why = f"P no longer holds {key!r}: {tomb[2] or tomb[0]}"
+                    return self._refuse(reg, agent, why, tomb[3], now)
             self.stats["duplicate_registrations"] += 1
             return []
         if self._closing:

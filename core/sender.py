@@ -194,6 +194,24 @@ class PushSender(RankWorker):
         key = request_id if match_key is None else match_key
         self.run_on_writer(lambda: self._abort(key))
 
+    def request_abandoned(
+        self, request_id: str, match_key: str | None = None, reason: str = "the prefill was abandoned"
+    ) -> None:
+        """The engine will never call :meth:`request_finished` for this prefill (aborted or
+        failed before it finished): D's registrations of its key are answered FAIL at once,
+        and so are later ones, instead of D waiting for its registration timeout. Nothing is
+        reported (there are no blocks). A key this rank is pushing or already ended is left
+        alone; an unknown key is remembered as failed."""
+        self._check_running("request_abandoned")
+        key = request_id if match_key is None else match_key
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"match_key must be a non-empty string (or None), got {match_key!r}")
+        with self._results_lock:
+            if key in self._keys:
+                return  # finished here: its push (or failure) reaches D as usual
+        why = f"the prefill of {key!r} on P ended without a push: {reason}"
+        self.run_on_writer(lambda: self._guarded(key, lambda now: self.core.abandoned(key, why, now)))
+
     def get_finished(self) -> PushResults:
         """Requests pushed (every WRITE done) or failed (with the reason) since the last call."""
         with self._results_lock:

@@ -93,6 +93,7 @@ FAULTS = [
     "prefill_rank_restarts",
     "prefill_rank_restarts_behind",
     "prefill_rank_closes",
+    "prefill_abandoned",
     "decode_rank_dies",
     "decode_rank_restarts",
     "scatter_fails",
@@ -791,6 +792,10 @@ class CoreCluster(RuleBasedStateMachine):
             d = ds[j % len(ds)]
             if req.rid in d.requests:
                 self._run_d(d, d.core.fail(req.rid, "internal error: RuntimeError: boom", self.now(d)))
+        elif kind == "prefill_abandoned" and req is not None and ps:
+            p = ps[j % len(ps)]  # the engine aborted the prefill before it finished
+            if req.key not in p.finished:
+                self._run_p(p, p.core.abandoned(req.key, "aborted by the prefill engine", self.now(p)))
         elif kind == "prefill_rank_closes" and ps:
             p = ps[j % len(ps)]  # its worker's close(): the writer drains on, posting nothing more
             self._run_p(p, p.core.shutdown("the prefill worker closed", self.now(p)))
