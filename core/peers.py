@@ -482,7 +482,7 @@ def producer_slices(
         alignment = pm.align_regions(producer, decode)
     except KvpushError as err:
         return {}, [f"P rank {rank} cannot be planned against D rank {me.tp_rank}: {err}"]
-    problems = []
+    problems = check_geometry(producer, decode, alignment)
     seen: dict[int, int] = {}
     for i, j in enumerate(alignment.remote_indices):
         mine, theirs = producer.regions[i], decode.regions[j]

@@ -310,7 +310,8 @@ def replication(prefill: Engine, decode: Engine) -> int:
 
 @st.composite
 def topologies(draw: Any) -> dict[str, Any]:
-    layout = draw(st.sampled_from(["uniform", "uniform_mla", "token_major", "hma"]))
+    layout = draw(st.sampled_from(["uniform", "uniform_mla", "token_major", "hma", "vllm", "vllm_mla"]))
+    mla = layout.endswith("_mla")
     pp = draw(st.integers(1, 4))
     if draw(st.integers(0, 9)) < 8:  # mostly sizes the hooks accept: TPs dividing one another
         base = draw(st.sampled_from([1, 1, 1, 3, 5, 7]))
@@ -328,15 +329,15 @@ def topologies(draw: Any) -> dict[str, Any]:
     block_size = draw(st.sampled_from([1, 2, 4]))
     head_dim = draw(st.sampled_from([2, 4, 8]))
     groups: tuple[int, ...] = ()
-    if layout == "hma" or (layout == "token_major" and pp == 1 and draw(st.booleans())):
+    if layout == "hma" or (layout in ("token_major", "vllm", "vllm_mla") and draw(st.booleans())):
         groups = tuple(draw(st.lists(st.integers(0, 1), min_size=num_layers, max_size=num_layers)))
         if 1 in groups and 0 not in groups:
             groups = tuple(0 if g else 1 for g in groups)
     model = ModelSpec(
         name="cov",
         num_layers=num_layers,
-        attention="mla" if layout == "uniform_mla" else "mha",
-        num_kv_heads=1 if layout == "uniform_mla" else heads,
+        attention="mla" if mla else "mha",
+        num_kv_heads=1 if mla else heads,
         head_dim=head_dim,
         block_size=block_size,
         dtype=draw(st.sampled_from(["bfloat16", "float32", "int8"])),
@@ -345,7 +346,7 @@ def topologies(draw: Any) -> dict[str, Any]:
     ngroups = model.num_groups
     p_count = [draw(st.integers(3, 6)) for _ in range(ngroups)]
     d_count = [draw(st.integers(3, 6)) for _ in range(ngroups)]
-    if layout != "hma":  # uniform/token_major allocate every group like group 0
+    if layout not in ("hma", "vllm", "vllm_mla"):  # uniform/token_major: every group like group 0
         p_count = [p_count[0]] * ngroups
         d_count = [d_count[0]] * ngroups
     p_blocks, d_blocks = [], []
@@ -359,7 +360,7 @@ def topologies(draw: Any) -> dict[str, Any]:
         p_blocks.append(tuple(p_ids))
         d_blocks.append(tuple(d_ids[: len(p_ids)]))
     return {
-        "layout": "uniform" if layout == "uniform_mla" else layout,
+        "layout": layout.removesuffix("_mla"),
         "model": model,
         "pp": pp,
         "p_tp": p_tp,
@@ -386,10 +387,35 @@ def run_topology(t: Mapping[str, Any]) -> str:
     return "pushed"
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(topologies())
 def test_expected_producers_writes_tile_the_registered_blocks(t: dict[str, Any]) -> None:
-    run_topology(t)
+    outcome = run_topology(t)
+    why = unsupported(t)
+    if not why:
+        assert outcome == "pushed", f"a supported topology was refused: {outcome}"
+    else:
+        assert any(w in outcome for w in why), f"expected a refusal naming one of {why}: {outcome}"
+
+
+def unsupported(t: Mapping[str, Any]) -> list[str]:
+    """Why the code must refuse a topology (phrases one of which its message holds); empty
+    when it must push."""
+    model, p_tp, d_tp = t["model"], t["p_tp"], t["d_tp"]
+    why = []
+    if model.attention == "mha" and any(model.num_kv_heads % tp for tp in (p_tp, d_tp)):
+        why.append("num_kv_heads")
+    if max(p_tp, d_tp) % min(p_tp, d_tp):
+        why.append("must divide one another")
+    if t["layout"] == "token_major" and t["pp"] > 1 and model.num_groups > 1:
+        why.append("cannot pipeline a hybrid")
+    one_head = {model.num_kv_heads // tp == 1 for tp in (p_tp, d_tp)}
+    if t["layout"] == "vllm" and model.attention == "mha" and model.block_size == 1 and len(one_head) > 1:
+        # A one-head, one-token block is contiguous either way; the vllm layout resolves it to
+        # tokens_outer while a many-head block is heads_outer, and the block-order rule refuses
+        # the pair: a safe (if needless) refusal, never a wrong byte. vLLM blocks hold >= 16 tokens.
+        why.append("block_order")
+    return why
 
 
 def test_supported_topologies_are_accepted_not_refused() -> None:

@@ -271,6 +271,7 @@ class Push:
         d_pm: KvpushPluginManager | None = None,
         parallel_of: Any = None,
         model_of: Callable[[int, int], ModelSpec | None] = lambda pp, tp: None,
+        dtype_of: Callable[[int, int], str | None] = lambda pp, tp: None,
     ) -> None:
         self.p_pm, self.d_pm = p_pm or with_plugins(), d_pm or with_plugins()
         self.p_server, self.d_server = SideChannelServer("P"), SideChannelServer("D")
@@ -287,7 +288,8 @@ class Push:
                 if parallel_of is not None:
                     parallel = parallel_of(p, t) or parallel
                 model = model_of(p, t) or MODEL
-                caches = allocate_kv_caches(model, parallel, 4)
+                dtype = dtype_of(p, t)
+                caches = allocate_kv_caches(attrs.evolve(model, dtype=dtype or model.dtype), parallel, 4)
                 for tensor in caches.values():
                     tensor.view(torch.int8).copy_(
                         torch.randint(-100, 100, tensor.view(torch.int8).shape, generator=gen)
@@ -460,3 +462,10 @@ def test_workers_alignment_plugin_on_p_only_pairing_two_regions_with_one_fails_t
     with caplog.at_level("WARNING", logger="kvpush.core.peers"):
         run(pp=1, p_pm=with_plugins(("first_window", FirstWindow())))
     assert "an overlap" in caplog.text
+
+
+def test_workers_rank_whose_cache_dtype_is_not_the_models_fails_the_request() -> None:
+    """Stage 1 publishes the model's bfloat16 but holds float32 blocks (twice the bytes per
+    head): D's own check names the block length instead of waiting for P."""
+    outcome = run(dtype_of=lambda pp, tp: "float32" if pp == 1 else None)
+    assert "block length mismatch" in outcome[0], outcome
