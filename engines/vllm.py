@@ -467,17 +467,14 @@ class _SchedulerSide:
             # Aborted (client gone), errored or refused on P before its prefill finished: nothing
             # will be pushed, so D's registration is failed now rather than at its timeout.
             self._abandon_key(
-                rid,
-                key,
-                f"P's request {rid!r} ended {request.status.name} before its prefill finished: "
-                f"P pushes nothing for match key {key!r}",
+                rid, key, f"P's request {rid!r} ended {request.status.name} before its prefill finished"
             )
             return False, None
         blocks = _real_tail(self.clip(self._prompt_blocks(block_ids, request.num_prompt_tokens)))
         fingerprint = _fingerprint(request)
         out = self._transfer_params(rid, params, fingerprint)
         if not any(blocks):
-            self._abandon_key(rid, key, f"P holds none of the prompt's blocks of match key {key!r} any more")
+            self._abandon_key(rid, key, f"P's request {rid!r} holds none of the prompt's blocks any more")
             return False, out
         decode = params.get("decode_engine_id")
         if decode is not None and (not isinstance(decode, str) or not decode):
@@ -613,7 +610,6 @@ class _WorkerSide:
         still land): vLLM hears of the failure only once they are released."""
         self._released: set[str] = set()
         """D: requests kvpush released before this worker saw their failure."""
-        self._abandon_missing_logged = False
 
     def ranks(self) -> tuple[int, int]:
         """``(pp_rank, tp_rank)`` of this worker."""
@@ -771,19 +767,9 @@ class _WorkerSide:
     def _abandon(self, rid: str, key: str, why: str) -> None:
         """Tell the sender that ``key`` will never be finished here (``request_abandoned``):
         it answers D's registrations of it FAIL. Nothing is reported to vLLM (the request's
-        blocks were freed). A sender without the call leaves D to its registration timeout."""
-        abandon = getattr(self.engine, "request_abandoned", None)
-        if abandon is None:
-            if not self._abandon_missing_logged:
-                self._abandon_missing_logged = True
-                logger.warning(
-                    "kvpush's PushSender has no request_abandoned(): a D request paired with a "
-                    "prefill aborted on P (first: %s) fails at D's push_registration_timeout",
-                    key,
-                )
-            return
+        blocks were freed; an unknown id in finished_sending would stop vLLM's scheduler)."""
         try:
-            abandon(rid, match_key=key, reason=why)
+            self.engine.request_abandoned(rid, match_key=key, reason=why)
         except Exception as err:  # D's request then ends at its registration timeout
             logger.error("kvpush could not tell D that %s will not be pushed: %s", key, err)
 
