@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from kvpush.core import wire
+from kvpush.core.block_order import slice_rows
 from kvpush.core.errors import HandshakeError, KvpushError, TransferError
 from kvpush.core.manager import KvpushPluginManager
 from kvpush.core.planning import region_descriptors
@@ -497,12 +498,24 @@ def producer_slices(
                 f"{_name(theirs)}: the wrong layer"
             )
         seen[j] = i
+    problems += _heads_per_rank(producer) + _heads_per_rank(decode)
     pieces: dict[int, list[Piece]] = {}
     wrong: list[str] = []
     for spec in specs:
         (li, lc), (ri, rc) = spec.local_part, spec.remote_part
         for i, j in enumerate(alignment.remote_indices):
             mine, theirs = producer.regions[i], decode.regions[j]
+            try:
+                cut = slice_rows(mine, spec.local_part, per_token=True)
+                into = slice_rows(theirs, spec.remote_part, per_token=True)
+            except KvpushError as err:
+                wrong.append(str(err))
+                continue
+            if (cut.rows, cut.size) != (into.rows, into.size):
+                wrong.append(
+                    f"{cut.rows} x {cut.size} B of its {_name(mine)} into {into.rows} x {into.size} B "
+                    f"of {_name(theirs)} (a WRITE's two sides must be equally long)"
+                )
             if not (mine.replicate or theirs.replicate):
                 src = rank.tp_rank * mine.num_heads + Fraction(li * mine.num_heads, lc)
                 dst = me.tp_rank * theirs.num_heads + Fraction(ri * theirs.num_heads, rc)
@@ -515,6 +528,20 @@ def producer_slices(
         more = f" (and {len(wrong) - 1} more slices)" if len(wrong) > 1 else ""
         problems.append(f"P rank {rank}'s read specs write the wrong heads: {wrong[0]}{more}")
     return pieces, problems
+
+
+def _heads_per_rank(meta: AgentMetadata) -> list[str]:
+    """A head-split region must hold the model's KV heads over the rank's TP size."""
+    want = meta.model.num_kv_heads / meta.parallel.tp_size
+    for region in meta.regions:
+        if not region.replicate and region.num_heads != want:
+            return [
+                f"{meta.engine_id!r} rank {meta.rank}'s {_name(region)} holds {region.num_heads} "
+                f"head(s), but num_kv_heads {meta.model.num_kv_heads} over its published tp_size "
+                f"{meta.parallel.tp_size} is {want:g} heads per rank: its head slices would land "
+                f"on the wrong heads"
+            ]
+    return []
 
 
 def _region_coverage(

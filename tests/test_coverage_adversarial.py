@@ -469,3 +469,39 @@ def test_workers_rank_whose_cache_dtype_is_not_the_models_fails_the_request() ->
     head): D's own check names the block length instead of waiting for P."""
     outcome = run(dtype_of=lambda pp, tp: "float32" if pp == 1 else None)
     assert "block length mismatch" in outcome[0], outcome
+
+
+def test_replay_refuses_ranks_whose_regions_hold_other_heads_than_their_tp_size_says() -> None:
+    """Every P rank publishes TP 1, but its regions hold the two heads of a TP-2 rank (a layout
+    that does not check its tensors): a whole-block WRITE of half a block's bytes."""
+    pm = with_plugins()
+    prefill = build_prefill(pm, MODEL, "uniform", 2, 2, [4])
+    for key in list(prefill.metas):
+        meta = prefill.metas.pop(key)
+        if key.tp_rank == 0:
+            prefill.metas[key] = attrs.evolve(meta, parallel=attrs.evolve(meta.parallel, tp_size=1))
+    decode = build_decode(pm, MODEL, "uniform", 1, [4])
+    try:
+        check_push(pm, prefill, decode, P_BLOCKS, D_BLOCKS)
+    except REFUSALS as err:
+        assert "head" in str(err), err
+    else:
+        pytest.fail("pushed")
+
+
+def test_workers_expected_producers_plugin_adding_one_fails_the_rank_it_adds_to() -> None:
+    """D rank 0 would wait for P rank (0, 1), which writes only D rank 1: D rank 0 refuses it
+    at handshake, and P rank (0, 1) fails the request for D rank 1 too (its plan disagrees with
+    the producer set: P checks it before posting)."""
+    pm = with_plugins(("add", ExpectOnly(lambda s, p: s | {RankKey(0, p.tp_size - 1)})))
+    outcome = run(pp=1, p_tp=2, d_tp=2, p_pm=pm, d_pm=pm)
+    assert "extra producer" in outcome[0], outcome
+    assert "kvpush_expected_producers" in outcome[1], outcome
+
+
+def test_workers_expected_producers_plugin_on_p_only_fails_the_request_naming_the_hook() -> None:
+    """P counts stage 1 for no D rank, D (built-in rule) waits for it: stage 1's plan check
+    fails the request before it posts, and D is told why."""
+    pm = with_plugins(("drop_stage", ExpectOnly(lambda s, p: {r for r in s if r.pp_rank == 0})))
+    outcome = run(p_pm=pm)
+    assert "kvpush_expected_producers" in outcome[0], outcome
