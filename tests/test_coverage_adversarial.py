@@ -6,7 +6,7 @@ never reported done with bytes written by nobody or by two producers. Two levels
 
 - the handshake/plan replay of tests/test_coverage.py (every hook and check D and P run, the
   bytes computed from the descriptors P would post);
-- real workers (in-process, loopback transport: bytes really copied), where D's blocks must
+- real workers (in-process, loopback or real NIXL agents: bytes really copied), where D's blocks must
   hold exactly P's bytes for every request reported done.
 """
 
@@ -259,7 +259,8 @@ def test_replay_refuses_an_alignment_that_maps_two_regions_onto_one() -> None:
 
 
 class Push:
-    """P (PP x TP) and D (TP) workers in this process over loopback, with per-rank overrides."""
+    """P (PP x TP) and D (TP) workers in this process (loopback, or real NIXL agents), with
+    per-rank overrides."""
 
     def __init__(
         self,
@@ -272,7 +273,9 @@ class Push:
         parallel_of: Any = None,
         model_of: Callable[[int, int], ModelSpec | None] = lambda pp, tp: None,
         dtype_of: Callable[[int, int], str | None] = lambda pp, tp: None,
+        transport: str = "loopback",
     ) -> None:
+        self.transport = transport
         self.p_pm, self.d_pm = p_pm or with_plugins(), d_pm or with_plugins()
         self.p_server, self.d_server = SideChannelServer("P"), SideChannelServer("D")
         self.senders: dict[RankKey, PushSender] = {}
@@ -315,7 +318,7 @@ class Push:
             engine_id=engine,
             parallel=parallel,
             model=model,
-            transport="loopback",
+            transport=self.transport,
             side_channel_port=port,
             request_timeout_s=20,
         )
@@ -357,6 +360,7 @@ class Push:
             for layer, got in self.d_caches[tp].items():
                 owners = [key for key, caches in self.p_caches.items() if layer in caches]
                 stages = {key.pp_rank for key in owners}
+                assert stages, f"D rank {tp} done though no stage holds {layer}: a gap"
                 assert len(stages) == 1, f"D rank {tp} done though stages {sorted(stages)} both hold {layer}"
                 parts = [kv_bytes(self.p_caches[k][layer]) for k in sorted(owners, key=lambda k: k.tp_rank)]
                 source = torch.cat(parts, dim=2)
@@ -383,17 +387,20 @@ def run(expect_failure: bool = True, **kwargs: Any) -> dict[int, str | None]:
     return outcome
 
 
-def test_workers_honest_pp2_push_is_exact() -> None:
-    assert run(expect_failure=False) == {0: None}
+@pytest.mark.parametrize("transport", ["loopback", "nixl"])
+def test_workers_honest_pp2_push_is_exact(transport: str) -> None:
+    assert run(expect_failure=False, transport=transport, d_tp=2) == {0: None, 1: None}
 
 
-def test_workers_overlapping_stage_windows_fail_the_request() -> None:
-    outcome = run(parallel_of=window(1, 4))
+@pytest.mark.parametrize("transport", ["loopback", "nixl"])
+def test_workers_overlapping_stage_windows_fail_the_request(transport: str) -> None:
+    outcome = run(parallel_of=window(1, 4), transport=transport)
     assert "overlap" in outcome[0], outcome
 
 
-def test_workers_gap_between_stage_windows_fails_the_request() -> None:
-    outcome = run(parallel_of=window(3, 4))
+@pytest.mark.parametrize("transport", ["loopback", "nixl"])
+def test_workers_gap_between_stage_windows_fails_the_request(transport: str) -> None:
+    outcome = run(parallel_of=window(3, 4), transport=transport)
     assert "gap" in outcome[0], outcome
 
 
