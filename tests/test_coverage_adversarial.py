@@ -127,19 +127,16 @@ def with_plugins(*plugins: tuple[str, object]) -> KvpushPluginManager:
 
 
 def window(start: int, end: int) -> Callable[[int, int], ParallelConfig | None]:
-    """Stage 1 of a PP-2 P publishes layers ``[start, end)`` (stage 0 keeps its own)."""
+    """Stage 1 of a PP-2, TP-1 P publishes layers ``[start, end)`` (stage 0 keeps ``[0, 2)``)."""
 
     def parallel_of(pp: int, tp: int) -> ParallelConfig | None:
         if pp != 1:
             return None
         return ParallelConfig(
-            tp_size=P_TP, tp_rank=tp, pp_size=2, pp_rank=1, num_layers=4, start_layer=start, end_layer=end
+            tp_size=1, tp_rank=tp, pp_size=2, pp_rank=1, num_layers=4, start_layer=start, end_layer=end
         )
 
     return parallel_of
-
-
-P_TP = 1
 
 
 # ------------------------------------------------------------------------------ replay
