@@ -509,3 +509,27 @@ def test_workers_expected_producers_plugin_on_p_only_fails_the_request_naming_th
     pm = with_plugins(("drop_stage", ExpectOnly(lambda s, p: {r for r in s if r.pp_rank == 0})))
     outcome = run(p_pm=pm)
     assert "kvpush_expected_producers" in outcome[0], outcome
+
+
+@pytest.mark.parametrize("layout", ["uniform", "hma"])
+def test_replay_refuses_a_stage_whose_regions_name_layers_outside_its_window(layout: str) -> None:
+    """Stage 1 owns layers 2-3 but its regions name layers.1 and layers.3 (a layout bug): D
+    would get layers.1 twice and layers.2 never. Offset slicing (uniform) and semantic matching
+    (hma) both pair by name, and are refused."""
+    pm = with_plugins()
+    model = attrs.evolve(MODEL, layer_groups=(0, 1, 0, 1)) if layout == "hma" else MODEL
+    prefill = build_prefill(pm, model, layout, 2, 1, [4] * model.num_groups)
+    stage = prefill.metas[RankKey(1, 0)]
+    renamed = tuple(
+        attrs.evolve(r, layer_names=("layers.1",)) if r.layer_names == ("layers.2",) else r
+        for r in stage.regions
+    )
+    prefill.metas[RankKey(1, 0)] = attrs.evolve(stage, regions=renamed)
+    decode = build_decode(pm, model, layout, 1, [4] * model.num_groups)
+    blocks = (
+        tuple(P_BLOCKS[0] for _ in range(model.num_groups)),
+        tuple(D_BLOCKS[0] for _ in range(model.num_groups)),
+    )
+    with pytest.raises(REFUSALS) as err:
+        check_push(pm, prefill, decode, *blocks)
+    assert "layers.1" in str(err.value) or "layers.2" in str(err.value), err.value
