@@ -208,7 +208,11 @@ def _block_order(tensor: Any, name: str) -> tuple[str, int]:
     block = tensor[0]
     # A one-head block is contiguous either way; the strides still tell HND (heads dim outer)
     # from NHD (heads dim as inner as the content), so both engines declare what they resolved.
-    if block.is_contiguous() and (tensor.shape[1] > 1 or tensor.stride(1) > tensor.stride(2)):
+    # A one-head, one-token block is the same bytes in either order: call it heads_outer, as a
+    # many-head block of the peer is, or the block-order rule refuses a pair that is correct.
+    if block.is_contiguous() and (
+        tensor.shape[1] > 1 or tensor.shape[2] == 1 or tensor.stride(1) > tensor.stride(2)
+    ):
         return "heads_outer", 0
     if block.permute(1, 0, 2).is_contiguous():
         return "tokens_outer", tensor.shape[2]

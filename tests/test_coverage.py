@@ -476,12 +476,6 @@ def test_unsupported_topologies_are_refused_naming_why(p_tp: int, d_tp: int, hea
     assert outcome != "pushed" and words in outcome, outcome
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="layouts/vllm.py resolves a one-head, one-token block to tokens_outer and a many-head "
-    "block to heads_outer, so the block-order rule refuses P TP 1 -> D TP 2 with 2 heads and "
-    "1-token blocks (the same bytes either way); fix: /tmp/cov/vllm_one_token_block_order.diff",
-)
 def test_vllm_one_token_blocks_push_across_tp_sizes() -> None:
     model = ModelSpec(name="x", num_layers=2, num_kv_heads=2, head_dim=2, block_size=1)
     t = {
