@@ -385,12 +385,7 @@ class PrefillCore:
         if engine is None:
             return []
         reason = f"D agent {agent} is unreachable: {error}"
-        self.stats["dead_engines"] += 1
-        out: list[Any] = []
-        for request in list(self._requests.values()):
-            if request.engine_id == engine.engine_id:
-                out += self._fail_request(request, reason, now, tell_decode=False)
-        return out + self._drop_engine(engine, reason, now)
+        return self._engine_dead(engine, reason, now)
 
     # ------------------------------------------------------------------ notifications
 
@@ -724,12 +719,7 @@ class PrefillCore:
             f"D engine {engine.engine_id!r} restarted (rank {reg.decode_tp_rank}: incarnation "
             f"{engine.incarnations.get(reg.decode_tp_rank)} -> {reg.decode_incarnation})"
         )
-        self.stats["dead_engines"] += 1
-        out: list[Any] = []
-        for request in list(self._requests.values()):
-            if request.engine_id == engine.engine_id:
-                out += self._fail_request(request, reason, now, tell_decode=False)
-        return out + self._drop_engine(engine, reason, now)
+        return self._engine_dead(engine, reason, now)
 
     @staticmethod
     def _restarted(engine: _Decode, reg: PushRegistration) -> bool:
@@ -743,6 +733,15 @@ class PrefillCore:
         """Does ``reg`` come from an older start of a D rank than the one P has loaded?"""
         known = engine.incarnations.get(reg.decode_tp_rank)
         return known is not None and reg.decode_incarnation < known
+
+    def _engine_dead(self, engine: _Decode, reason: str, now: float) -> list[Any]:
+        """Fail every request of ``engine`` without telling it (it cannot hear), then drop it."""
+        self.stats["dead_engines"] += 1
+        out: list[Any] = []
+        for request in list(self._requests.values()):
+            if request.engine_id == engine.engine_id:
+                out += self._fail_request(request, reason, now, tell_decode=False)
+        return out + self._drop_engine(engine, reason, now)
 
     def _drop_engine(self, engine: _Decode, reason: str, now: float) -> list[Any]:
         """Forget a D engine now, or once its WRITEs in flight settled (never under them)."""
