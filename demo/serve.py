@@ -606,9 +606,11 @@ class ServePair:
             self._posts: list[tuple[float, float, bytes]] = []
             self._settled: dict[int, float] = {}
             self._owners: dict[Any, int] = {}
+            self._stages: dict[str, dict[str, float]] = {}
             """Posts of the current run (start, return, notification), when each settled, and
             the index of each handle's post (a handle may be reused once released)."""
             self._instrument(self.sender.transport)
+            self._instrument_writer(self.sender)
             assert self.sender.metadata is not None
             self.regions = self.sender.metadata.regions
             self.p_server.publish(RankKey(0, 0), self.sender.handshake_payload())
@@ -685,6 +687,22 @@ class ServePair:
                 setattr(transport, name, timed(getattr(transport, name)))
         transport.poll = timed_poll
 
+    def _instrument_writer(self, sender: Any) -> None:
+        """Stamp, per request (the match key is the request id here), when P's writer took the
+        finish (the hop's end) and when it began the post (the core's planning done): where
+        "finish -> post" goes under load. Keyed by id, so nothing is searched in the writer."""
+        on_finished, on_post = sender._finished, sender._post
+
+        def took(finished: Any) -> Any:
+            self._stages.setdefault(finished.key, {}).setdefault("writer", time.monotonic())
+            return on_finished(finished)
+
+        def posting(post: Any) -> Any:
+            self._stages.setdefault(post.key, {}).setdefault("planned", time.monotonic())
+            return on_post(post)
+
+        sender._finished, sender._post = took, posting
+
     def _resolve_trace(self, rids: Sequence[str]) -> dict[str, dict[str, float]]:
         """The run's stamps per request id: its first post's start, its last post's return, its
         last WRITE's settling (a post belongs to the id its notification names)."""
@@ -694,7 +712,7 @@ class ServePair:
             rid = next((r for r in live if r.encode() in notif), None)
             if rid is None:
                 continue
-            marks = trace.setdefault(rid, {})
+            marks = trace.setdefault(rid, self._stages.get(rid, {}))
             marks.setdefault("post", start)
             marks["posted"] = posted
             if index in self._settled:
@@ -734,6 +752,7 @@ class ServePair:
         self._posts.clear()
         self._settled.clear()
         self._owners.clear()  # a late settling of the last run's WRITE is not stamped
+        self._stages.clear()
         p_blocks: dict[str, list[list[int]]] = {}
         d_blocks: dict[str, list[list[int]]] = {}
         finishes: list[tuple[float, str]] = []
@@ -758,6 +777,7 @@ class ServePair:
                 raw_handles[rid] = handle
             else:
                 self.sender.request_finished(rid, p_blocks[rid], match_key=rid)
+                self._stages.setdefault(rid, {})["returned"] = time.monotonic()
 
         while pending or unchecked:
             now = time.monotonic()
@@ -1043,11 +1063,22 @@ def _slowest(done: Sequence[Outcome], count: int = 5) -> list[dict[str, Any]]:
 
 def _trace(done: Sequence[Outcome]) -> dict[str, float] | None:
     """Median ms of finish -> first post (P's hop, planning, hooks), the posts themselves,
-    posted -> settled on P (the copy or WRITE), settled -> D reports done (notification, D)."""
+    posted -> settled on P (the copy or WRITE), settled -> D reports done (notification, D);
+    and finish -> first post in parts where stamped: the engine's ``request_finished`` call,
+    its return -> P's writer took it (the hop), -> the writer began the post (the core's
+    planning), -> the transport's post (the post checks)."""
     marked = [o for o in done if {"post", "posted", "settled"} <= set(o.marks)]
     if not marked:
         return None
+    staged = [o for o in marked if {"returned", "writer", "planned"} <= set(o.marks)]
+    parts = {
+        "finish_call": [o.marks["returned"] - o.finish for o in staged],
+        "hop": [o.marks["writer"] - o.marks["returned"] for o in staged],
+        "core_finished": [o.marks["planned"] - o.marks["writer"] for o in staged],
+        "post_checks": [o.marks["post"] - o.marks["planned"] for o in staged],
+    }
     steps = {
+        **(parts if staged else {}),
         "finish_to_post": [o.marks["post"] - o.finish for o in marked],
         "post": [o.marks["posted"] - o.marks["post"] for o in marked],
         "posted_to_settled": [o.marks["settled"] - o.marks["posted"] for o in marked],
