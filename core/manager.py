@@ -13,7 +13,7 @@ import attrs
 import pluggy
 
 from kvpush.core import hookspecs
-from kvpush.core.errors import ConfigError, HandshakeError, PluginError
+from kvpush.core.errors import ConfigError, HandshakeError, KvpushError, PluginError
 from kvpush.core.markers import PROJECT_NAME
 from kvpush.core.types import (
     AgentMetadata,
@@ -176,7 +176,12 @@ class KvpushPluginManager:
             if impl.wrapper or impl.hookwrapper:
                 continue  # wrappers need pluggy's call loop; these hooks are called impl by impl
             args = {name: kwargs[name] for name in impl.argnames}
-            result = impl.function(**args)
+            try:
+                result = impl.function(**args)
+            except KvpushError:
+                raise  # a plugin's own refusal names what is wrong
+            except Exception as err:
+                raise _raised(impl.plugin_name, hook_name, err) from err
             if result is not None:
                 out.append((impl.plugin_name, result))
         return out
@@ -256,9 +261,21 @@ class KvpushPluginManager:
         )
 
     def validate_peer(self, local: AgentMetadata, peer: AgentMetadata, mode: HandshakeMode) -> list[str]:
+        kwargs = {"local": local, "peer": peer, "mode": mode}
+        try:
+            results = self.pm.hook.kvpush_validate_peer(**kwargs)
+        except KvpushError:
+            raise
+        except Exception as err:
+            raise self._culprit("kvpush_validate_peer", kwargs, err) from err
         problems: list[str] = []
-        for result in self.pm.hook.kvpush_validate_peer(local=local, peer=peer, mode=mode):
-            problems.extend(result)
+        for result in results:
+            if isinstance(result, str):  # one problem, not one per character
+                problems.append(result)
+            elif isinstance(result, Iterable):
+                problems.extend(str(problem) for problem in result)
+            else:
+                problems.append(f"a kvpush_validate_peer plugin returned {result!r}, not a list of problems")
         return problems
 
     def check_peer(self, local: AgentMetadata, peer: AgentMetadata, mode: HandshakeMode) -> None:
@@ -308,7 +325,32 @@ class KvpushPluginManager:
                 f"{job.local.engine_id!r} {job.local.rank} (decode TP {job.decode_tp_size}); "
                 f"the request could never complete"
             )
+        local, remote = job.local_block_ids, job.remote_block_ids
+        for spec in specs:
+            if not isinstance(spec, ReadSpec):
+                raise PluginError(
+                    f"read-spec plugin {self._answered_by('kvpush_build_read_specs', job)!r} returned "
+                    f"{type(spec).__name__} {spec!r} in its list; return ReadSpec objects"
+                )
+            same_local = spec.local_block_ids is local or spec.local_block_ids == local
+            if not (same_local and (spec.remote_block_ids is remote or spec.remote_block_ids == remote)):
+                raise PluginError(
+                    _block_ids_changed(self._answered_by("kvpush_build_read_specs", job), job, spec)
+                )
         return specs
+
+    def _answered_by(self, hook_name: str, job: PushJob) -> str:
+        """The plugin whose answer a first-result hook took (error paths only: calls it again)."""
+        caller = getattr(self.pm.hook, hook_name)
+        for impl in reversed(caller.get_hookimpls()):
+            if impl.wrapper or impl.hookwrapper:
+                continue
+            try:
+                if impl.function(**{name: job for name in impl.argnames}) is not None:
+                    return impl.plugin_name
+            except Exception:
+                return impl.plugin_name
+        return "?"
 
     def transfer_strategy(self, job: PushJob, spec: ReadSpec, num_descriptors: int) -> str:
         name = self._first_result(
@@ -347,9 +389,13 @@ class KvpushPluginManager:
     def _expected_producers(
         self, prefill: ParallelConfig, decode_tp_rank: int, decode_tp_size: int
     ) -> frozenset[RankKey]:
-        result = self.pm.hook.kvpush_expected_producers(
-            prefill=prefill, decode_tp_rank=decode_tp_rank, decode_tp_size=decode_tp_size
-        )
+        kwargs = {"prefill": prefill, "decode_tp_rank": decode_tp_rank, "decode_tp_size": decode_tp_size}
+        try:
+            result = self.pm.hook.kvpush_expected_producers(**kwargs)
+        except KvpushError:
+            raise
+        except Exception as err:
+            raise self._culprit("kvpush_expected_producers", kwargs, err) from err
         producers = frozenset(result or ())
         bad = [
             p
@@ -366,25 +412,51 @@ class KvpushPluginManager:
 
     def decode_notification(self, message: bytes) -> Notification | None:
         calls = self._direct_calls("kvpush_decode_notification")
-        if calls is None:
-            return self.pm.hook.kvpush_decode_notification(message=message)
-        for function, _ in calls:  # first result wins, in pluggy's order
-            note = function(message)
-            if note is not None:
-                return note
+        try:
+            if calls is None:
+                return self.pm.hook.kvpush_decode_notification(message=message)
+            for function, _ in calls:  # first result wins, in pluggy's order
+                note = function(message)
+                if note is not None:
+                    return note
+        except KvpushError:
+            raise
+        except Exception as err:
+            raise self._culprit("kvpush_decode_notification", {"message": message}, err) from err
         return None
 
     def _first_result(self, hook_name: str, kwargs: dict[str, Any]) -> Any:
         """A ``firstresult`` hook's answer: its implementations called in turn while pluggy's
         call loop would do nothing more (:meth:`_direct_calls`), else through pluggy."""
         calls = self._direct_calls(hook_name)
-        if calls is None:
-            return getattr(self.pm.hook, hook_name)(**kwargs)
-        for function, argnames in calls:
-            result = function(*[kwargs[name] for name in argnames])
-            if result is not None:
-                return result
+        try:
+            if calls is None:
+                return getattr(self.pm.hook, hook_name)(**kwargs)
+            for function, argnames in calls:
+                result = function(*[kwargs[name] for name in argnames])
+                if result is not None:
+                    return result
+        except KvpushError:
+            raise  # a plugin's own refusal (tp_mapping's ConfigError) names what is wrong
+        except Exception as err:
+            raise self._culprit(hook_name, kwargs, err) from err
         return None
+
+    def _culprit(self, hook_name: str, kwargs: Mapping[str, Any], err: Exception) -> PluginError:
+        """A ``PluginError`` naming the plugin whose implementation raised ``err`` (error path:
+        found from the traceback, the frames of each implementation's function)."""
+        codes = {}
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            function = getattr(impl.function, "__func__", impl.function)
+            code = getattr(function, "__code__", None)
+            if code is not None:
+                codes[code] = impl.plugin_name
+        name = "?"
+        tb = err.__traceback__
+        while tb is not None:
+            name = codes.get(tb.tb_frame.f_code, name)
+            tb = tb.tb_next
+        return _raised(name, hook_name, err)
 
     def _direct_calls(self, hook_name: str) -> tuple[tuple[Any, tuple[str, ...]], ...] | None:
         """``(function, argument names)`` of a hook's implementations in pluggy's call order,
@@ -407,6 +479,31 @@ class KvpushPluginManager:
             calls = None
         self._direct[hook_name] = (impls, loop, calls)
         return calls
+
+
+def _raised(plugin: str, hook_name: str, err: Exception) -> PluginError:
+    return PluginError(
+        f"plugin {plugin!r} raised {type(err).__name__} in {hook_name}: {err}. Fix the plugin, or "
+        f"skip it with {DISABLE_ENV}={plugin} on both engines"
+    )
+
+
+def _block_ids_changed(plugin: str, job: PushJob, spec: ReadSpec) -> str:
+    swapped = (spec.local_block_ids, spec.remote_block_ids) == (job.remote_block_ids, job.local_block_ids)
+    what = "swaps P's and D's block ids" if swapped else "changes the block ids"
+    return (
+        f"read-spec plugin {plugin!r} {what} for D rank {spec.dst_tp_rank} (P's "
+        f"{_short(spec.local_block_ids)} into D's {_short(spec.remote_block_ids)}, but the request "
+        f"pairs P's {_short(job.local_block_ids)} with D's {_short(job.remote_block_ids)}): its "
+        f"WRITE would read other blocks of P's and land in blocks D did not name for this "
+        f"request. A ReadSpec carries the job's local_block_ids and remote_block_ids unchanged; "
+        f"a plugin chooses only the destination rank and the head slices (local_part, remote_part)"
+    )
+
+
+def _short(ids: Any) -> str:
+    text = repr(tuple(tuple(group) for group in ids))
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_alignment(local: AgentMetadata, peer: AgentMetadata, alignment: RegionAlignment) -> None:

@@ -76,12 +76,27 @@ class PeerEngine:
 def check_geometry(local: AgentMetadata, peer: AgentMetadata, alignment: RegionAlignment) -> list[str]:
     """Per aligned pair: same component and replication, and equal bytes per head per block."""
     problems = []
+    groups_differ = 0
     for i, j in enumerate(alignment.remote_indices):
         mine, theirs = local.regions[i], peer.regions[j]
+        if mine.kv_group != theirs.kv_group:
+            groups_differ += 1
+            if groups_differ > 1:
+                continue
         if mine.component != theirs.component or mine.replicate != theirs.replicate:
             problems.append(
                 f"region {i} ({mine.layer_names}, {mine.component}) pairs with peer region {j} "
                 f"({theirs.layer_names}, {theirs.component}); component/replication differ"
+            )
+            continue
+        if mine.kv_group != theirs.kv_group:
+            problems.append(
+                f"region {i} ({mine.layer_names}, {mine.component}) is in KV-cache group "
+                f"{mine.kv_group} on {local.engine_id!r} {local.rank} but its peer region {j} is in "
+                f"group {theirs.kv_group} on {peer.engine_id!r} {peer.rank}: block ids are given per "
+                f"group, so this layer's KV would be written at the block ids of another group. "
+                f"Number KV-cache groups the same way on both engines (KVRegion.kv_group = "
+                f"ModelSpec.group_of(layer), and block ids listed in that group order)"
             )
             continue
         if mine.block_len * theirs.num_heads != theirs.block_len * mine.num_heads:
@@ -90,6 +105,8 @@ def check_geometry(local: AgentMetadata, peer: AgentMetadata, alignment: RegionA
                 f"{mine.block_len} B for {mine.num_heads} head(s), peer {theirs.block_len} B for "
                 f"{theirs.num_heads} head(s); block size, head size and dtype must match"
             )
+    if groups_differ > 1:
+        problems.append(f"(and {groups_differ - 1} more regions paired across KV-cache groups)")
     return problems
 
 
@@ -476,8 +493,15 @@ def producer_slices(
     from kvpush.core.types import PushJob
 
     rank, me = producer.rank, decode.parallel
-    blocks = tuple((0,) for _ in range(producer.model.num_groups))
-    job = PushJob(local=producer, decode_tp_size=me.tp_size, local_block_ids=blocks, remote_block_ids=blocks)
+    # Distinct ids on the two sides, so a read-spec plugin that swaps or edits them is refused
+    # here (kvpush.core.manager checks a plan's ids against the job's) and not at a request.
+    groups = max([producer.model.num_groups, *(r.kv_group + 1 for r in producer.regions)])
+    job = PushJob(
+        local=producer,
+        decode_tp_size=me.tp_size,
+        local_block_ids=tuple((0,) for _ in range(groups)),
+        remote_block_ids=tuple((1,) for _ in range(groups)),
+    )
     try:
         specs = [s for s in pm.build_read_specs(job) if s.dst_tp_rank == me.tp_rank]
         alignment = pm.align_regions(producer, decode)
@@ -551,9 +575,11 @@ def _region_coverage(
 
     problems: list[str] = []
     pieces: dict[int, list[Piece]] = {}
+    unplanned = False
     for rank in sorted(producers):
         mine, found = producer_slices(pm, producers[rank], local)
         problems += found
+        unplanned = unplanned or (not mine and bool(found))
         if not mine and not found:
             problems.append(
                 f"P rank {rank} is a producer this rank waits for, but its read specs write no "
@@ -561,6 +587,8 @@ def _region_coverage(
             )
         for j, parts in mine.items():
             pieces.setdefault(j, []).extend(parts)
+    if unplanned:
+        return problems  # a producer with no plan: every region would read as a gap
     for j, region in enumerate(local.regions):
         parts = sorted(pieces.get(j, []))
         if region.replicate and parts and all(p[:2] == (0, 1) for p in parts):

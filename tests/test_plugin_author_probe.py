@@ -1,0 +1,412 @@
+"""Probes as a third-party plugin author and as an operator who misconfigures things.
+
+Each case is a plausible plugin or configuration that used to end in D reporting a request
+done with wrong bytes in its blocks (or P writing outside the blocks D named), and must now be
+a clear error naming the problem and the fix, before anything is written:
+
+- a read-spec plugin that swaps (or edits) the job's block ids (both sides, or P only);
+- a layout whose engines number their KV-cache groups differently on P and D;
+- a plugin raising from each hook in turn (the request fails, bounded, naming the plugin);
+- a layout that describes its tensors wrongly (NHD blocks declared heads-outer, a padded or
+  multiple block length, a dtype other than the model's on one side).
+
+Real NIXL where the behaviour crosses processes: ``kvpush.testing.run_cluster`` (each rank its
+own process) and in-process ranks on real NIXL agents; pure functions where it does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import pytest
+import test_plugin_author_probe_plugins as probe_plugins
+import torch
+from cluster import wait_until
+from test_coverage_adversarial import Push, with_plugins
+
+from kvpush import hookimpl
+from kvpush.core.errors import PluginError
+from kvpush.core.manager import KvpushPluginManager
+from kvpush.core.peers import check_geometry
+from kvpush.core.receiver import PushReceiver
+from kvpush.core.sender import PushSender
+from kvpush.core.sidechannel import SideChannelServer
+from kvpush.core.types import (
+    KVRegion,
+    LayoutProvider,
+    ModelSpec,
+    ParallelConfig,
+    PushJob,
+    ReadSpec,
+    RegionAlignment,
+    RequestMetadata,
+    TransferParams,
+)
+from kvpush.core.worker import WorkerConfig
+from kvpush.layouts.regions import local_heads, natural_key, tensor_region
+from kvpush.testing import make_agent_metadata, run_cluster
+
+# ------------------------------------------------------------------------------ a P/D pair
+
+
+class Pair:
+    """One P rank and one D rank in this process on real NIXL agents (or loopback), each with
+    its own plugin manager, caches and model: what two engines configured apart look like."""
+
+    def __init__(
+        self,
+        *,
+        layout: str,
+        p_caches: Mapping[str, torch.Tensor],
+        d_caches: Mapping[str, torch.Tensor],
+        p_pm: KvpushPluginManager,
+        d_pm: KvpushPluginManager,
+        p_model: ModelSpec,
+        d_model: ModelSpec | None = None,
+        transport: str = "nixl",
+        request_timeout_s: float = 20,
+    ) -> None:
+        self.p_caches, self.d_caches = p_caches, d_caches
+        self.p_server, self.d_server = SideChannelServer("P"), SideChannelServer("D")
+        self.workers: list[Any] = []
+        parallel = ParallelConfig(tp_size=1, num_layers=p_model.num_layers)
+
+        def config(engine: str, model: ModelSpec, port: int) -> WorkerConfig:
+            return WorkerConfig(
+                engine_id=engine,
+                parallel=parallel,
+                model=model,
+                layout=layout,
+                transport=transport,
+                side_channel_port=port,
+                request_timeout_s=request_timeout_s,
+            )
+
+        try:
+            self.sender = PushSender(config("P", p_model, self.p_server.port), dict(p_caches), pm=p_pm)
+            self.workers.append(self.sender)
+            self.sender.start()
+            self.p_server.publish(parallel.rank, self.sender.handshake_payload())
+            self.receiver = PushReceiver(
+                config("D", d_model or p_model, self.d_server.port), dict(d_caches), pm=d_pm
+            )
+            self.workers.append(self.receiver)
+            self.receiver.start()
+            self.d_server.publish(parallel.rank, self.receiver.handshake_payload())
+        except BaseException:
+            self.close()
+            raise
+
+    def push(self, p_ids: Any, d_ids: Any, timeout_s: float = 30.0) -> str | None:
+        """One request; None when D reported it done, else D's reason."""
+        params = TransferParams.from_dict(
+            {
+                "remote_engine_id": "P",
+                "remote_host": "127.0.0.1",
+                "remote_port": self.p_server.port,
+                "transfer_id": "x",
+            }
+        )
+        self.receiver.add_request(RequestMetadata(request_id="d", block_ids=d_ids, params=params))
+        self.sender.request_finished("p", p_ids, match_key="x")
+        outcome: dict[str, str | None] = {}
+
+        def ended() -> bool:
+            got = self.receiver.get_finished()
+            outcome.update({rid: None for rid in got.done})
+            outcome.update(got.failed)
+            return "d" in outcome
+
+        wait_until(ended, timeout_s, "D to end request d")
+        time.sleep(0.2)  # a WRITE landing after the report would show in the bytes
+        return outcome["d"]
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+        self.p_server.close()
+        self.d_server.close()
+
+
+def random_bf16(*shape: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-30_000, 30_000, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
+
+
+def untouched(caches: Mapping[str, torch.Tensor]) -> bool:
+    return not any(t.view(torch.int8).any() for t in caches.values())
+
+
+# ------------------------------------------------------------------------------ read-spec block ids
+
+
+def test_read_spec_plugin_swapping_block_ids_is_refused_across_processes() -> None:
+    """A read-spec plugin (on every rank) that hands P's block ids to D's side and D's to P's
+    tiles every region, so the coverage check passed, and P read other blocks of its cache and
+    wrote them at its own ids in D: D reported done with other bytes in its blocks (run_cluster
+    found 'block 30 of layers.0 K does not hold the pushed bytes'). D now refuses the producer
+    at its handshake, naming the plugin, before anything is written."""
+    report = run_cluster(
+        "uniform",
+        plugins=["test_plugin_author_probe_plugins:swapped_block_ids"],
+        prefill_pp=1,
+        decode_tp=1,
+        requests=2,
+        prefix_hit_rate=0,
+        timeout_s=5,  # P never hears from a D that refused it: the runner waits this + 10 s
+    )
+    assert not report.ok and report.verified == 0, report
+    for reason in report.failures.values():
+        assert "does not hold the pushed bytes" not in reason, reason
+        assert "swaps P's and D's block ids" in reason, reason
+
+
+class DropsLastBlock:
+    """A read-spec plugin that 'trims' a block: D's last registered block is never written."""
+
+    @hookimpl(tryfirst=True)
+    def kvpush_build_read_specs(self, job: PushJob) -> list[ReadSpec] | None:
+        return [
+            ReadSpec(
+                dst_tp_rank=job.local.parallel.tp_rank,
+                local_block_ids=tuple(g[:-1] for g in job.local_block_ids),
+                remote_block_ids=tuple(g[:-1] for g in job.remote_block_ids),
+            )
+        ]
+
+
+def test_plan_with_edited_block_ids_is_refused_naming_the_plugin() -> None:
+    pm = with_plugins(("drops_last", DropsLastBlock()))
+    job = PushJob(
+        local=make_agent_metadata(role="prefill"),
+        decode_tp_size=1,
+        local_block_ids=((3, 1, 4),),
+        remote_block_ids=((0, 2, 5),),
+    )
+    with pytest.raises(
+        PluginError, match=r"'drops_last' changes the block ids.*\(\(0, 2\),\).*\(\(0, 2, 5\),\)"
+    ):
+        pm.build_read_specs(job)
+    swapped = with_plugins(("swap", probe_plugins.SwappedBlockIds()))
+    with pytest.raises(PluginError, match="'swap' swaps P's and D's block ids"):
+        swapped.build_read_specs(job)
+
+
+def test_read_spec_plugin_on_p_only_swapping_block_ids_never_delivers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only P has the plugin: D's own replay plans the built-in way and accepts; P's handshake
+    with D replays its own plan and refuses it, so nothing is written (D fails at its HELLO
+    bound: P cannot tell it why; P logs the plugin)."""
+    with caplog.at_level(logging.WARNING, logger="kvpush.core.peers"):
+        push = Push(pp=1, transport="nixl", p_pm=with_plugins(("swap", probe_plugins.SwappedBlockIds())))
+        try:
+            outcome = push.push(timeout_s=30)
+            push.assert_exact_or_failed(outcome)
+            assert all(outcome.values()), outcome
+            assert all(not t[:, [0, 2]].view(torch.int8).any() for t in push.d_caches[0].values())
+        finally:
+            push.close()
+    assert "'swap' swaps P's and D's block ids" in caplog.text
+
+
+# ------------------------------------------------------------------------------ KV-cache groups
+
+
+POOLS_MODEL = ModelSpec(name="pools", num_layers=4, num_kv_heads=2, head_dim=4, block_size=2)
+"""A hybrid model whose ModelSpec (like vLLM's adapter's) does not list the groups: the layout
+takes them from the engine's pools."""
+
+
+def describe_pools(
+    kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec
+) -> list[KVRegion]:
+    """A layout written from docs/plugins.md for an engine with one pool per attention kind,
+    keyed ``"<pool>/<layer>"``, each layer ``(2, blocks, heads, tokens, head_dim)``. It numbers
+    the KV-cache groups in the order the engine lists its pools (as the engine numbers the block
+    id lists it passes)."""
+    pools: list[str] = []
+    for key in kv_caches:
+        pool = key.split("/")[0]
+        if pool not in pools:
+            pools.append(pool)
+    regions = []
+    for key in sorted(kv_caches, key=lambda k: natural_key(k.split("/")[1])):
+        pool, layer = key.split("/")
+        for index, component in enumerate(("K", "V")):
+            regions.append(
+                tensor_region(
+                    kv_caches[key][index],
+                    layer_names=(layer,),
+                    component=component,
+                    kv_group=pools.index(pool),
+                    num_heads=local_heads(model, parallel),
+                    block_order="heads_outer",
+                )
+            )
+    return regions
+
+
+class PoolsLayout:
+    @hookimpl
+    def kvpush_layouts(self) -> list[LayoutProvider]:
+        return [LayoutProvider(name="pools", describe_regions=describe_pools)]
+
+
+def pool_caches(order: tuple[str, str], fill: bool) -> dict[str, torch.Tensor]:
+    caches = {}
+    for pool in order:
+        for layer in range(4):
+            if (layer % 2 == 0) == (pool == "full"):
+                shape = (2, 8, 2, 2, 4)
+                caches[f"{pool}/layers.{layer}"] = (
+                    random_bf16(*shape, seed=layer) if fill else torch.zeros(shape, dtype=torch.bfloat16)
+                )
+    return caches
+
+
+def test_kv_groups_numbered_differently_on_p_and_d_are_refused() -> None:
+    """P's engine lists its full-attention pool first, D's its sliding-window pool: each passes
+    block ids in its own group order, and the regions pair by position. P wrote each layer at
+    the ids D gave for the *other* group (D reported done; its full-attention blocks were never
+    written). D now refuses at its handshake, naming both groups and the fix."""
+    pm = with_plugins(("pools", PoolsLayout()))
+    pair = Pair(
+        layout="pools",
+        p_caches=pool_caches(("full", "swa"), fill=True),
+        d_caches=pool_caches(("swa", "full"), fill=False),
+        p_pm=pm,
+        d_pm=pm,
+        p_model=POOLS_MODEL,
+    )
+    try:
+        # P: (full ids, swa ids); D: (swa ids, full ids)
+        reason = pair.push(((3, 1), (6, 4)), ((0, 2), (5, 7)))
+    finally:
+        pair.close()
+    assert reason is not None, "D reported done with its full-attention blocks never written"
+    assert "KV-cache group 0" in reason and "group 1" in reason and "Number KV-cache groups" in reason, reason
+    assert untouched(pair.d_caches)
+
+
+def test_geometry_check_refuses_regions_paired_across_groups() -> None:
+    local = make_agent_metadata(role="prefill")
+    peer = make_agent_metadata(role="decode")
+    moved = attrs.evolve(
+        peer, regions=[attrs.evolve(r, kv_group=1) if i == 2 else r for i, r in enumerate(peer.regions)]
+    )
+    problems = check_geometry(local, moved, RegionAlignment(remote_indices=range(len(local.regions))))
+    assert len(problems) == 1 and "is in KV-cache group 0" in problems[0] and "group 1" in problems[0]
+
+
+# ------------------------------------------------------------------------------ hooks that raise
+
+
+HOOK_ARGS = {
+    "kvpush_transports": "",
+    "kvpush_layouts": "",
+    "kvpush_metadata_extensions": "local",
+    "kvpush_handshake_mode": "role, peer_role",
+    "kvpush_validate_peer": "local, peer, mode",
+    "kvpush_align_regions": "local, peer",
+    "kvpush_build_read_specs": "job",
+    "kvpush_transfer_strategy": "job, spec, num_descriptors",
+    "kvpush_expected_producers": "prefill, decode_tp_rank, decode_tp_size",
+    "kvpush_decode_notification": "message",
+}
+START_HOOKS = {"kvpush_transports", "kvpush_layouts", "kvpush_metadata_extensions"}
+
+
+def broken_plugin(hook: str, body: str) -> object:
+    """A plugin whose only hookimpl (``tryfirst``, asked before the built-ins) runs ``body``."""
+    args = HOOK_ARGS[hook]
+    namespace: dict[str, Any] = {"hookimpl": hookimpl}
+    exec(  # one hookimpl per hook, built from the spec's argument names
+        f"class Broken:\n    @hookimpl(tryfirst=True)\n    def {hook}(self{', ' if args else ''}{args}):\n"
+        f"        {body}\n",
+        namespace,
+    )
+    return namespace["Broken"]()
+
+
+class QuickPush(Push):
+    """test_coverage_adversarial's P and D workers with a short registration timeout."""
+
+    def _config(self, engine: str, parallel: ParallelConfig, model: ModelSpec, port: int) -> WorkerConfig:
+        return attrs.evolve(super()._config(engine, parallel, model, port), request_timeout_s=8)
+
+
+def sweep(hook: str, side: str, body: str) -> tuple[dict[int, str | None] | None, str]:
+    """Push one request PP1 TP1 -> TP2 with the broken plugin on ``side``; D's outcome (None
+    when a rank could not start) and the error text (start error or D's reasons)."""
+    pm = with_plugins(("broken", broken_plugin(hook, body)))
+    try:
+        push = QuickPush(pp=1, p_tp=1, d_tp=2, **({"p_pm": pm} if side == "P" else {"d_pm": pm}))
+    except Exception as err:
+        return None, f"{type(err).__name__}: {err}"
+    try:
+        started = time.monotonic()
+        outcome = push.push(timeout_s=30)
+        assert time.monotonic() - started < 15, "the failure took longer than the HELLO bound"
+        push.assert_exact_or_failed(outcome)
+    finally:
+        push.close()
+    return outcome, "\n".join(reason or "" for reason in outcome.values())
+
+
+@pytest.mark.parametrize("side", ["P", "D"])
+@pytest.mark.parametrize("hook", sorted(HOOK_ARGS))
+def test_a_plugin_raising_from_a_hook_never_delivers_and_is_named(
+    hook: str, side: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every hook in turn raises ZeroDivisionError on one side: the rank refuses to start, or
+    the request fails within the HELLO bound (never done with wrong bytes), and what the
+    operator reads (the start error, D's reason or the rank's log) names the plugin and the
+    hook. Before, the reasons said only 'ZeroDivisionError: division by zero'."""
+    if (hook, side) == ("kvpush_handshake_mode", "D"):
+        pytest.skip("test_a_raising_handshake_mode_plugin_on_d_fails_at_once (strict xfail)")
+    with caplog.at_level(logging.WARNING):
+        outcome, text = sweep(hook, side, "return 1 // 0")
+    named = f"plugin 'broken' raised ZeroDivisionError in {hook}"
+    if outcome is None:
+        assert hook in START_HOOKS and text.startswith("PluginError") and named in text, text
+        return
+    assert hook not in START_HOOKS
+    if all(reason is None for reason in outcome.values()):  # the hook is not asked on this side
+        assert (hook, side) in {("kvpush_transfer_strategy", "D"), ("kvpush_handshake_mode", "P")}, outcome
+        return
+    assert all(outcome.values()), outcome
+    assert named in text or named in caplog.text, (text, caplog.text[-2000:])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core/receiver.py _connect calls pm.handshake_mode outside the handshake future: a "
+    "raise is lost on the writer and D waits for its registration timeout with 'missing the "
+    "handshake with P' (fix proposed to receiver.py's owner)",
+)
+def test_a_raising_handshake_mode_plugin_on_d_fails_at_once() -> None:
+    outcome, text = sweep("kvpush_handshake_mode", "D", "return 1 // 0")
+    assert outcome is not None and all(outcome.values()), outcome
+    assert "plugin 'broken' raised ZeroDivisionError in kvpush_handshake_mode" in text, text
+
+
+@pytest.mark.parametrize("side", ["P", "D"])
+@pytest.mark.parametrize("hook", sorted(HOOK_ARGS))
+def test_a_plugin_returning_none_from_a_hook_leaves_it_to_the_builtins(hook: str, side: str) -> None:
+    """None is 'not me' for every hook: the built-ins answer and the push is exact."""
+    outcome, text = sweep(hook, side, "return None")
+    assert outcome == {0: None, 1: None}, text
+
+
+def test_a_validator_returning_one_string_is_one_problem(kvpush_pm_factory: Any) -> None:
+    """``return "peer is too old"`` used to be listed one character per line."""
+    pm = kvpush_pm_factory(("stringy", broken_plugin("kvpush_validate_peer", "return 'peer is too old'")))
+    local, peer = make_agent_metadata(role="prefill"), make_agent_metadata(role="decode")
+    from kvpush.core.types import HandshakeMode
+
+    assert pm.validate_peer(local, peer, HandshakeMode.FULL) == ["peer is too old"]
