@@ -61,6 +61,7 @@ from kvpush.core.types import (
     RankKey,
     RequestMetadata,
 )
+from kvpush.core.wire import HELLO_REQUEST_ID
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,8 @@ class _Producer:
     failed_at: float = 0.0
     previous: ProducerInfo | None = None
     """While reconnecting: what the engine's agents were (to spot a P restart)."""
+    refused: bool = False
+    """The last handshake failed because a producer refused this rank's metadata."""
 
 
 class _Phase(enum.Enum):
@@ -313,9 +316,12 @@ class DecodeCore:
         engine = self._engines[params.remote_engine_id]
         engine.requests.add(rid)
         if engine.state is _EngineState.FAILED:
-            return out + self._close(
-                rid, f"P engine {engine.engine_id!r} is unreachable: {engine.error}", now
+            why = (
+                engine.error
+                if engine.refused
+                else f"P engine {engine.engine_id!r} is unreachable: {engine.error}"
             )
+            return out + self._close(rid, why, now)
         if engine.state is _EngineState.READY:
             return out + self._register(rid, now)
         engine.waiting.append(rid)
@@ -452,6 +458,8 @@ class DecodeCore:
         engine = self._engines.get(engine_id) if engine_id else None
         if engine is not None:
             engine.heard[agent] = now
+        if kind is NotificationKind.FAILED and note.request_id == HELLO_REQUEST_ID:
+            return self._on_refused(agent, engine, note, now)
         if kind is NotificationKind.DONE or kind is NotificationKind.FAILED:
             return self._on_result(agent, engine, note, now)
         if kind is NotificationKind.CANCEL_ACK:
@@ -975,6 +983,29 @@ class DecodeCore:
             out += self._renew(engine, agent, set(note.want), now)
         return out
 
+    def _on_refused(self, agent: str, engine: _Producer | None, note: Notification, now: float) -> list[Any]:
+        """A producer answered this rank's HELLO with FAIL: it refused this rank's handshake
+        metadata (the reason names the cause and the fix). Accepted only from a producer
+        agent of the engine this rank is handshaking with, for its own rank, while its HELLO is
+        unanswered. The engine fails like any other (:meth:`_engine_failed`): requests that sent
+        no PUSH_REG end at once (nothing was registered, so nothing can be written), registered
+        ones (a reconnect) go through the quarantine as usual, since the refusal settles
+        nothing; the next handshake waits for the backoff."""
+        info = engine.info if engine is not None else None
+        if (
+            engine is None
+            or info is None
+            or engine.state is not _EngineState.HELLO
+            or agent not in engine.hello_pending
+            or note.producer is None
+            or info.agents.get(note.producer) != agent
+        ):
+            self._reject(agent, note, "a refusal of a handshake this rank is not running with that agent")
+            return []
+        out = self._engine_failed(engine, note.reason, now)
+        engine.refused = True
+        return out
+
     def _on_unknown(self, engine: _Producer, agent: str, keys: set[str], now: float) -> list[Any]:
         """A producer never heard of these registered requests. Once could be a PUSH_REG still
         on its way; twice (a heartbeat interval apart) means it was lost: fail at once."""
@@ -1026,6 +1057,7 @@ class DecodeCore:
         had_agents = engine.info is not None
         engine.state = _EngineState.FAILED
         engine.error = reason
+        engine.refused = False
         engine.failures += 1
         engine.failed_at = now
         self._timers.disarm(("hello", engine.engine_id))

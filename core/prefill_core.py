@@ -43,6 +43,7 @@ from kvpush.core.types import (
     RankKey,
     ReadSpec,
 )
+from kvpush.core.wire import HELLO_REQUEST_ID
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,8 @@ class _Decode:
     drop_when_idle: str = ""
     hellos: dict[int, str] = attrs.field(factory=dict)
     """D ranks whose HELLO awaits the handshake, by the agent the HELLO came from."""
+    hello_incarnations: dict[int, str] = attrs.field(factory=dict)
+    """The incarnation each of those HELLOs stated."""
     last_want: dict[str, float] = attrs.field(factory=dict)
     want_pending: dict[str, set[str]] = attrs.field(factory=dict)
     """Keys per D agent whose fresh grant is to be asked once the rate limit allows."""
@@ -164,6 +167,18 @@ class _Decode:
     owed: dict[int, list[tuple[str, bytes]]] = attrs.field(factory=dict)
     """Per D rank: (agent, FAIL) for registrations refused before P loaded that rank, sent
     once it is loaded from that agent."""
+
+
+@attrs.define(eq=False)
+class _Refusal:
+    """P refused a D rank's handshake metadata but loaded its agent notify-only to say why."""
+
+    engine_id: str
+    agent: str
+    incarnation: str
+    reason: str
+    retried_at: float = float("-inf")
+    """When a newer incarnation of that D rank last skipped the address backoff."""
 
 
 Planner = Callable[[BlockIds, PushRegistration], Sequence[ReadSpec]]
@@ -189,6 +204,9 @@ class PrefillCore:
         """Address -> the one engine id being handshaken there."""
         self._address_backoff: dict[tuple[str, int], tuple[float, int, str]] = {}
         """Address -> (not before, failures, last error) after failed handshakes."""
+        self._refusals: dict[tuple[tuple[str, int], int], _Refusal] = {}
+        """(address, D rank) -> the refusal of that rank's metadata, told through its agent
+        (loaded notify-only) to every HELLO and registration from it until the backoff ends."""
         self._closing = ""
         """Why this rank is shutting down ("" while it is not): see :meth:`shutdown`."""
         self.stats: dict[str, int] = {
@@ -206,6 +224,7 @@ class PrefillCore:
             "dead_engines": 0,
             "connects_deferred": 0,
             "prompt_mismatches": 0,
+            "handshake_refusals": 0,
         }
 
     # ------------------------------------------------------------------ queries
@@ -473,7 +492,7 @@ class PrefillCore:
         if candidate:  # not bound yet: hold it, the router may name this engine at finish
             held = request.others.setdefault(reg.decode_engine_id, {})
             held[rank] = _Reg(reg, agent, self._fresh_until(reg, now))
-            return [] if rank in engine.agents else self._connect(engine, rank, now)
+            return [] if rank in engine.agents else self._connect(engine, rank, now, reg.decode_incarnation)
         if request.blocks is not None and _differs(request.fingerprint, reg):
             return self._prompts_differ(request, [_Reg(reg, agent, self._fresh_until(reg, now))], now)
         old = request.regs.get(rank)
@@ -494,7 +513,7 @@ class PrefillCore:
         request.regs[rank] = _Reg(reg, agent, self._fresh_until(reg, now))
         out: list[Any] = []
         if rank not in engine.agents:
-            out += self._connect(engine, rank, now)
+            out += self._connect(engine, rank, now, reg.decode_incarnation)
         if request.blocks is None:
             return out
         if request.dests is None:
@@ -569,7 +588,8 @@ class PrefillCore:
             self._reject(agent, note, f"D rank {rank} speaks through {engine.agents[rank]!r}")
             return []
         engine.hellos[rank] = agent
-        return self._connect(engine, rank, now)
+        engine.hello_incarnations[rank] = reg.decode_incarnation
+        return self._connect(engine, rank, now, reg.decode_incarnation)
 
     def _on_cancel(self, agent: str, note: Notification, now: float) -> list[Any]:
         reg = note.registration
@@ -612,12 +632,25 @@ class PrefillCore:
             self._engines[engine.engine_id] = engine
         return engine
 
-    def _connect(self, engine: _Decode, rank: int, now: float) -> list[Any]:
+    def _connect(self, engine: _Decode, rank: int, now: float, incarnation: str = "") -> list[Any]:
+        """Handshake with one D rank (``incarnation``: the one the message asking for it
+        states). A newer incarnation of a rank whose metadata P refused skips the address
+        backoff (at most once per ``retry_backoff_s``): a D fixed and restarted handshakes
+        again at once."""
         if rank in engine.connecting or rank in engine.agents:
             return []
         address = (engine.host, engine.port)
         until, _, error = self._address_backoff.get(address, (0.0, 0, ""))
-        if now < until:  # a negative cache per address, whatever engine id a message claims
+        refusal = self._refusals.get((address, rank))
+        restarted = (
+            refusal is not None
+            and incarnation > refusal.incarnation
+            and now >= refusal.retried_at + self.s.retry_backoff_s
+        )
+        if restarted:
+            assert refusal is not None
+            refusal.retried_at = now
+        elif now < until:  # a negative cache per address, whatever engine id a message claims
             return self._connect_failed(engine, rank, f"{error} (not retried before {until - now:.1f}s)", now)
         busy = self._connecting.get(address)
         if busy is not None and busy != engine.engine_id:
@@ -639,7 +672,10 @@ class PrefillCore:
         error: str,
         now: float,
     ) -> list[Any]:
-        """P's full handshake with one D rank ended (``agent`` or ``error``)."""
+        """P's full handshake with one D rank ended: ``agent`` (loaded for WRITEs), or
+        ``error``. With both, P refused that rank's metadata and loaded ``agent`` (of
+        ``incarnation``) notify-only, so that its HELLO and registrations are answered FAIL
+        with the reason (never written: the rank is not loaded for WRITEs)."""
         engine = self._engines.get(engine_id)
         if engine is None or rank not in engine.connecting:
             return []  # no longer wanted (dropped meanwhile); the registry keeps or evicts it
@@ -652,6 +688,15 @@ class PrefillCore:
             backoff = min(self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2**failures)
             self._address_backoff[address] = (now + backoff, failures + 1, error)
             self._timers.arm(("backoff", address), now + backoff + self.s.retry_backoff_max_s)
+            if agent:  # refused, but its agent was loaded notify-only: tell it why
+                self.stats["handshake_refusals"] += 1
+                earlier = self._refusals.get((address, rank))
+                retried = earlier.retried_at if earlier is not None else float("-inf")
+                why = self._refused_why(error)
+                self._refusals[(address, rank)] = _Refusal(engine_id, agent, incarnation, why, retried)
+                self._timers.arm(("refusal", (address, rank)), now + backoff + self.s.retry_backoff_max_s)
+            else:
+                self._refusals.pop((address, rank), None)
             out = self._connect_failed(engine, rank, error, now)
             if not engine.agents and not engine.connecting and not engine.inflight:
                 # Forget where this engine id was said to live: a message from the real engine
@@ -659,10 +704,12 @@ class PrefillCore:
                 self._engines.pop(engine_id, None)
             return out
         self._address_backoff.pop(address, None)
+        self._refusals.pop((address, rank), None)
         engine.incarnations[rank], engine.tp_size = incarnation, tp_size
         engine.agents[rank] = agent
         out: list[Any] = [Send(a, m) for a, m in engine.owed.pop(rank, ()) if a == agent]
         hello = engine.hellos.pop(rank, None)
+        engine.hello_incarnations.pop(rank, None)
         if hello is not None:
             if hello == agent:
                 out.append(Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation)))
@@ -697,15 +744,45 @@ class PrefillCore:
         return out
 
     def _connect_failed(self, engine: _Decode, rank: int, error: str, now: float) -> list[Any]:
-        engine.hellos.pop(rank, None)
-        engine.owed.pop(rank, None)  # those D requests end at their registration timeout
+        """The handshake with D rank ``rank`` failed (or is in backoff). Where P refused that
+        rank's metadata and holds its agent notify-only, the HELLO and every registration from
+        that agent (and incarnation) are answered FAIL with the reason; nothing was posted to
+        them (the rank was never loaded for WRITEs), so none of them is unsettled. Otherwise D
+        cannot be told: its HELLO bound, or its registration timeout, ends its requests."""
+        refusal = self._refusals.get(((engine.host, engine.port), rank))
+        told = refusal.agent if refusal is not None and refusal.engine_id == engine.engine_id else ""
         out: list[Any] = []
+        why = refusal.reason if told and refusal is not None else ""
+
+        def tell(entry: _Reg) -> None:
+            if told and entry.agent == told and entry.reg.decode_incarnation == refusal.incarnation:  # type: ignore[union-attr]
+                message = wire.encode_failed(entry.reg.request_id, self.s.rank, why, unsettled=False)
+                out.append(Send(told, message))
+
+        hello, hello_incarnation = engine.hellos.pop(rank, None), engine.hello_incarnations.pop(rank, None)
+        if told and hello == told and hello_incarnation == refusal.incarnation:  # type: ignore[union-attr]
+            out.append(Send(told, wire.encode_failed(HELLO_REQUEST_ID, self.s.rank, why, unsettled=False)))
+        owed = engine.owed.pop(rank, ())  # unanswered otherwise: those end at D's timeout
+        out += [Send(a, m) for a, m in owed if told and a == told]
         for request in list(self._requests.values()):
+            held = request.others.get(engine.engine_id, {})
+            if rank in held:
+                tell(held.pop(rank))
             if request.engine_id == engine.engine_id and rank in request.regs:
-                del request.regs[rank]
+                tell(request.regs.pop(rank))
                 if request.blocks is not None:
                     out += self._fail_request(request, f"handshake with D rank {rank} failed: {error}", now)
         return out
+
+    def _refused_why(self, error: str) -> str:
+        """What D is told when P refuses its metadata: the cause (P's handshake error, which
+        names what differs and what to run) and what happens next."""
+        return (
+            f"P engine {self.s.engine_id!r} rank {self.s.rank} refused this D rank's handshake "
+            f"metadata: {error}. Fix what this names (on P or on D); a D restarted with the fix "
+            f"(a new incarnation) handshakes again at once, one that is not restarted is refused "
+            f"again when it retries after its backoff"
+        )
 
     def _decode_restarted(
         self, engine: _Decode, reg: PushRegistration, agent: str, note: Notification, now: float
@@ -845,7 +922,7 @@ class PrefillCore:
             logger.warning("dropped a FAIL for %s of an unloaded D rank: %d held", reg.request_id, MAX_OWED)
             return []  # that D request ends at its registration timeout
         engine.owed.setdefault(rank, []).append((agent, message))
-        return [] if self._closing else self._connect(engine, rank, now)
+        return [] if self._closing else self._connect(engine, rank, now, reg.decode_incarnation)
 
     def _reject_reg(self, request: _Request, rank: int, why: str) -> list[Any]:
         logger.warning("PUSH_REG of %s from D rank %s ignored: %s", request.key, rank, why)
@@ -864,7 +941,7 @@ class PrefillCore:
         engine = self._engine_for(entry.reg)
         if rank not in engine.agents:
             dest.state = _Dest.WAIT_CONNECT
-            return self._connect(engine, rank, now)
+            return self._connect(engine, rank, now, entry.reg.decode_incarnation)
         if entry.fresh_until <= now:
             dest.state = _Dest.WAIT_FRESH
             self.stats["stale_registrations"] += 1
@@ -1089,6 +1166,8 @@ class PrefillCore:
                 self._tombstones.pop(key, None)
             elif kind == "refused":
                 self._refused.pop(key, None)
+            elif kind == "refusal":
+                self._refusals.pop(key, None)
             elif kind == "backoff":
                 until = self._address_backoff.get(key, (0.0, 0, ""))[0]
                 if until + self.s.retry_backoff_max_s <= now:  # long quiet: forget (bounded state)

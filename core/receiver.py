@@ -52,6 +52,7 @@ from kvpush.core.types import (
     TransferParams,
     read_only,
 )
+from kvpush.core.wire import RESERVED_REQUEST_IDS
 from kvpush.core.worker import PROCESS_KEY, WRITE_DEADLINE_KEY, WRITES_ABORTABLE_KEY, RankWorker, lease_clock
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ class PushReceiver(RankWorker):
         alias when the engine reuses the id (caller holds the results lock)."""
         rid = request.request_id
         used = rid in self._used_ids or rid in self._engine_id_of  # or an alias of another id
+        used = used or rid in RESERVED_REQUEST_IDS  # "(hello)": a FAIL naming it is P's refusal
         self._used_ids[rid] = None
         self._used_ids.move_to_end(rid)
         if len(self._used_ids) > ID_MEMORY:

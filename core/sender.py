@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -24,6 +24,7 @@ from kvpush.core.errors import ConfigError, KvpushError, TransferError, WaitTime
 from kvpush.core.peers import PeerEngine
 from kvpush.core.planning import descriptor_id_grid, descriptor_ids, trim_for_prefix_hit
 from kvpush.core.prefill_core import PrefillCore, PrefillSettings
+from kvpush.core.sidechannel import SideChannelUnanswered, fetch_metadata
 from kvpush.core.transport import TransferState
 from kvpush.core.types import (
     BlockIds,
@@ -76,6 +77,9 @@ class _Finished:
         )
 
 
+MAX_TOLD_AGENTS = 64
+"""Refused D ranks' agents held notify-only at a time (the oldest is removed first)."""
+
 SLOW_READY_S = 2e-3
 """A ``ready.query()`` answering slower than this is counted and logged (it blocks the writer)."""
 
@@ -105,6 +109,11 @@ class PushSender(RankWorker):
         self._block_bytes: dict[int, tuple[Any, dict[int, int]]] = {}
         self._aligned_regions: dict[int, tuple[Any, Any, Any, tuple[Any, ...]]] = {}
         """id(peer rank) -> (the peer rank, its metadata, its alignment, its aligned regions)."""
+        self._told: dict[str, tuple[str, int, str]] = {}
+        """Agents of D ranks whose metadata this rank refused, loaded notify-only to tell them
+        why (writer thread): agent -> (D engine, D rank, the incarnation it published)."""
+        self._telling: ThreadPoolExecutor | None = None
+        """Reads a refused D rank's agent off its side channel (never on the writer)."""
 
     @property
     def stats(self) -> dict[str, int]:
@@ -340,6 +349,7 @@ class PushSender(RankWorker):
         elif isinstance(action, DropPeer):
             logger.info("dropping D engine %s: %s", action.engine_id, action.reason)
             self.peers.remove(action.engine_id)
+            self._forget_told(action.engine_id)
         elif isinstance(action, Abort):
             for handle in action.handles:
                 self._release_handle(handle)
@@ -356,6 +366,9 @@ class PushSender(RankWorker):
 
     def _connect(self, action: Connect) -> None:
         assert self.peers is not None
+        # A rank told of a refusal is handshaken afresh: its notify-only agent goes first (the
+        # full handshake loads the agent under the same name).
+        self._forget_told(action.engine_id, {rank.tp_rank for rank in action.ranks})
         future = self.peers.ensure(
             action.engine_id, action.host, action.port, action.ranks, HandshakeMode.FULL
         )
@@ -364,6 +377,17 @@ class PushSender(RankWorker):
     def _connected(self, action: Connect, future: Future[PeerEngine]) -> None:
         assert self.core is not None
         error = future.exception()
+        if error is not None and not isinstance(error, SideChannelUnanswered) and self._running:
+            # D's side channel answered and P refused what it read: load D's agent notify-only
+            # (off the writer first), so the core can answer D's HELLO and registrations FAIL
+            # with the reason instead of leaving D to its HELLO bound.
+            if self._telling is None:
+                self._telling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpush-refusal")
+            try:
+                self._telling.submit(self._read_refused, action, error)
+                return
+            except RuntimeError:  # shut down: fall through, D is not told
+                pass
         for rank in action.ranks:
             if error is not None:
                 actions = self.core.connected(
@@ -381,6 +405,83 @@ class PushSender(RankWorker):
                     lease_clock(),
                 )
             self._execute(actions)
+
+    def _read_refused(self, action: Connect, error: BaseException) -> None:
+        """Executor: read the refused D ranks' agents off their side channel (one round trip
+        each, bounded by ``handshake_timeout_s``; never the geometry P refused)."""
+        from kvpush.core.wire import decode_identity
+
+        found: dict[int, Any] = {}
+        for rank in action.ranks:
+            try:
+                payload = fetch_metadata(
+                    action.host,
+                    action.port,
+                    rank,
+                    timeout_s=self.config.handshake_timeout_s,
+                    engine_id=action.engine_id,
+                )
+                peer = decode_identity(payload, source=f"engine {action.engine_id!r} rank {rank}")
+            except Exception as err:
+                logger.warning(
+                    "cannot tell D rank %s of %r why it was refused: %s", rank, action.engine_id, err
+                )
+                continue
+            if peer.engine_id == action.engine_id and peer.rank == rank:
+                found[rank.tp_rank] = peer
+        self.run_on_writer(lambda: self._tell_refused(action, error, found))
+
+    def _tell_refused(self, action: Connect, error: BaseException, found: Mapping[int, Any]) -> None:
+        """Writer: load each refused D rank's agent notify-only and hand the refusal to the core,
+        which answers that agent's HELLO and registrations FAIL with the reason."""
+        assert self.core is not None and self.transport is not None
+        for rank in action.ranks:
+            peer, agent = found.get(rank.tp_rank), ""
+            if peer is not None and self.peers is not None and self.peers.incarnation_of(peer.agent_name):
+                peer = None  # loaded for WRITEs meanwhile (another handshake): never replaced here
+            if peer is not None:
+                self._forget_told(action.engine_id, {rank.tp_rank})
+                if peer.agent_name in self._told:  # the same name under another engine id
+                    self._remove_told(peer.agent_name)
+                try:
+                    agent = self.transport.load_peer(peer.agent_blob)
+                except Exception as err:
+                    logger.warning("cannot load refused D agent %s to tell it why: %s", peer.agent_name, err)
+                    agent = ""
+                if agent:
+                    while len(self._told) >= MAX_TOLD_AGENTS:
+                        self._remove_told(next(iter(self._told)))
+                    self._told[agent] = (action.engine_id, rank.tp_rank, peer.incarnation)
+            incarnation = peer.incarnation if agent and peer is not None else ""
+            self._execute(
+                self.core.connected(
+                    action.engine_id, rank.tp_rank, agent, incarnation, 0, str(error), lease_clock()
+                )
+            )
+
+    def _forget_told(self, engine_id: str, ranks: set[int] | None = None) -> None:
+        """Remove the notify-only agents of an engine's refused ranks (all, or ``ranks``)."""
+        for agent, (engine, rank, _) in list(self._told.items()):
+            if engine == engine_id and (ranks is None or rank in ranks):
+                self._remove_told(agent)
+
+    def _remove_told(self, agent: str) -> None:
+        assert self.transport is not None
+        self._told.pop(agent, None)
+        try:
+            self.transport.remove_peer(agent)
+        except Exception as err:
+            logger.warning("removing refused D agent %s failed: %r", agent, err)
+
+    def _sealed(self, agent: str, message: bytes) -> bytes:
+        """A refused D rank's agent is not in the registry: its MAC names the incarnation it
+        published (read with the refusal)."""
+        told = self._told.get(agent)
+        if told is None or self._mac_key is None:
+            return super()._sealed(agent, message)
+        from kvpush.core import notif_auth
+
+        return notif_auth.seal(self._mac_key, self.agent_name, agent, told[2], message)
 
     # ------------------------------------------------------------------ planning and posting
 
@@ -620,6 +721,11 @@ class PushSender(RankWorker):
                 time.sleep(0.002)
         except WaitTimeout as err:
             logger.warning("%s could not tell D it is closing: %s", self.agent_name, err)
+
+    def _release_resources(self) -> None:
+        if self._telling is not None:
+            self._telling.shutdown(wait=False, cancel_futures=True)
+        super()._release_resources()
 
     def _closed(self) -> None:
         """Report every prefill still held as failed: the engine may free its blocks."""

@@ -79,6 +79,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
+class SideChannelUnanswered(HandshakeError):
+    """A side channel gave no payload: no answer in time, a failed (CURVE) handshake, a socket
+    error, or an error reply (it does not serve the rank). Nothing was learned about the peer,
+    so a side that refuses peers it *could* read can tell them; this one cannot be told."""
+
+
 GET_META = "GET_META"
 DEFAULT_HOST = "127.0.0.1"
 MAX_REQUEST_BYTES = 128
@@ -451,7 +458,7 @@ def _await_reply(
             failures += 1
             mismatch = event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
             if mismatch or failures >= CLIENT_HANDSHAKE_FAILURES:
-                raise HandshakeError(_handshake_error(*why, mismatch))
+                raise SideChannelUnanswered(_handshake_error(*why, mismatch))
     return None, drops
 
 
@@ -497,7 +504,7 @@ def fetch_metadata(
         why = (address, rank, key is not None)
         reply, drops = _await_reply(sock, monitor, request, time.monotonic() + timeout_s, why)
     except zmq.ZMQError as err:
-        raise HandshakeError(f"side channel {address} failed for rank {rank}: {err}") from err
+        raise SideChannelUnanswered(f"side channel {address} failed for rank {rank}: {err}") from err
     finally:
         sock.disable_monitor()
         monitor.close(linger=0)
@@ -509,7 +516,7 @@ def fetch_metadata(
             if drops
             else ""
         )
-        raise HandshakeError(
+        raise SideChannelUnanswered(
             f"no answer from the side channel of engine {engine_id!r} at {address} within "
             f"{timeout_s:g}s while asking for rank {rank}; is that engine running and is the "
             f"port right?{dropped}"
@@ -519,7 +526,7 @@ def fetch_metadata(
     if not isinstance(body, Mapping):
         raise WireError(f"side-channel reply from {address} is not a map")
     if body.get("error"):
-        raise HandshakeError(f"side channel {address} refused rank {rank}: {body['error']}")
+        raise SideChannelUnanswered(f"side channel {address} refused rank {rank}: {body['error']}")
     payload = body.get("payload")
     if not isinstance(payload, bytes):
         raise WireError(f"side-channel reply from {address} carries no payload")

@@ -31,6 +31,7 @@ from kvpush.core.types import (
     KVRegion,
     ModelSpec,
     ParallelConfig,
+    RankKey,
     Role,
 )
 
@@ -214,6 +215,48 @@ MAX_LAYERS = 1 << 16
 MAX_NAME_CHARS = 1024
 _NAMES = ("engine_id", "layout", "transport", "agent_name")
 _SIZES = {"tp_size": MAX_PARALLEL, "pp_size": MAX_PARALLEL, "num_layers": MAX_LAYERS}
+
+
+HELLO_REQUEST_ID = "(hello)"
+"""The request id of a D rank's ``HELLO`` (and of heartbeats' coordinates' kin): a ``FAIL`` naming
+it answers the HELLO, i.e. P refused this D rank's handshake metadata (docs/handshake.md). A D
+rank registers an engine request of this id under an alias."""
+RESERVED_REQUEST_IDS = frozenset({HELLO_REQUEST_ID, "(heartbeat)", "(keepalive)"})
+"""Request ids the wire uses for messages that are not a request's: never a registration's."""
+
+
+@attrs.frozen
+class PeerIdentity:
+    """Who published a handshake payload and how to notify it (no geometry)."""
+
+    engine_id: str
+    rank: RankKey
+    agent_name: str
+    agent_blob: bytes
+    incarnation: str
+
+
+def decode_identity(payload: bytes, *, source: str) -> PeerIdentity:
+    """The publisher of a payload and its agent, read without the compatibility-hash check and
+    without the regions: what a side needs to *tell* a peer it refused why (it loads the agent
+    to send notifications only). Raises ``WireError`` when even that cannot be read."""
+    outer = unpack(payload, f"handshake payload from {source}")
+    if not isinstance(outer, Mapping):
+        raise WireError(f"handshake payload from {source} is not a map")
+    inner = unpack(outer.get("meta", b""), f"agent metadata from {source}")
+    if not isinstance(inner, Mapping):
+        raise WireError(f"agent metadata from {source} is not a map")
+    names = [inner.get(name) for name in ("engine_id", "agent_name")]
+    if not all(isinstance(v, str) and 0 < len(v) <= MAX_NAME_CHARS for v in names):
+        raise WireError(f"agent metadata from {source} names no engine or agent")
+    blob, incarnation = inner.get("agent_blob"), inner.get("incarnation", "")
+    if not isinstance(blob, bytes) or not isinstance(incarnation, str) or len(incarnation) > MAX_NAME_CHARS:
+        raise WireError(f"agent metadata from {source} carries no agent blob or incarnation")
+    parallel = inner.get("parallel")
+    ranks = [parallel.get(k) for k in ("pp_rank", "tp_rank")] if isinstance(parallel, Mapping) else []
+    if len(ranks) != 2 or not all(_plain_int(r, 0, MAX_PARALLEL - 1) for r in ranks):
+        raise WireError(f"agent metadata from {source} names no rank")
+    return PeerIdentity(names[0], RankKey(ranks[0], ranks[1]), names[1], blob, incarnation)
 
 
 def _check_inner(inner: Any, what: str) -> None:
