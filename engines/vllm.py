@@ -470,16 +470,23 @@ class _SchedulerSide:
                 rid, key, f"P's request {rid!r} ended {request.status.name} before its prefill finished"
             )
             return False, None
+        decode = params.get("decode_engine_id")
+        if decode is not None and (not isinstance(decode, str) or not decode):
+            # The router meant to bind the push to one D engine: pushing unbound would let any
+            # D that knows the key claim the KV. Not pushed; D's registrations fail at once.
+            why = (
+                f"P's request {rid!r} has kv_transfer_params['decode_engine_id']={decode!r:.80}, not a "
+                f"non-empty string: the push the router bound to one decode engine is not made unbound"
+            )
+            logger.error("request %s is not pushed: %s", rid, why)
+            self._abandon_key(rid, key, why)
+            return False, None
         blocks = _real_tail(self.clip(self._prompt_blocks(block_ids, request.num_prompt_tokens)))
         fingerprint = _fingerprint(request)
         out = self._transfer_params(rid, params, fingerprint)
         if not any(blocks):
             self._abandon_key(rid, key, f"P's request {rid!r} holds none of the prompt's blocks any more")
             return False, out
-        decode = params.get("decode_engine_id")
-        if decode is not None and (not isinstance(decode, str) or not decode):
-            logger.warning("request %s: ignoring kv_transfer_params['decode_engine_id']=%r", rid, decode)
-            decode = None
         self._send[rid] = SendItem(
             block_ids=blocks,
             match_key=key,
@@ -551,6 +558,12 @@ class _SchedulerSide:
         if output.finished_recving:
             done = set(output.finished_recving)
             self._recv_keys = {k: r for k, r in self._recv_keys.items() if r not in done}
+            # A cancel staged for a request the workers already reported (vLLM finished it while
+            # their report was on its way: an abort under async scheduling, or the FINISHED_ERROR
+            # of a failed load, which vLLM applies before this update) is moot, and must not
+            # reach a later request of the same id (a client's retry): the workers would cancel
+            # that one and vLLM take its unwritten blocks as received.
+            self._cancel = [rid for rid in self._cancel if rid not in done]
 
     def has_pending_work(self) -> bool:
         return bool(self.sending or self._send or self._recv or self._cancel or self._abandon)
@@ -817,7 +830,10 @@ class _WorkerSide:
         for rid, reason in got.cancelled.items():
             if self._inflight.pop(rid, None) is not None:
                 logger.info("kvpush receive of %s cancelled and settled: %s", rid, reason)
+                # Failed too: a cancelled request was never received, and vLLM must never take it
+                # as received (it ignores the failure of a request it finished, as an abort's is).
                 out.finished_recving.add(rid)
+                out.failed_recving.add(rid)
                 self._failing.pop(rid, None)
                 self._released.discard(rid)
         for rid, reason in failed.items():
@@ -828,7 +844,10 @@ class _WorkerSide:
             logger.warning("kvpush receive of %s failed, its blocks released: %s", rid, reason)
             out.finished_recving.add(rid)
             out.failed_recving.add(rid)
-            if len(blocks) == 1:  # vLLM maps block-level errors to requests for one group only
+            # vLLM maps block-level errors to requests only when its KV-cache config holds one
+            # group (one transferred group is not enough: a group excluded from transfer counts),
+            # and stops its scheduler on any it gets otherwise; failed_recving covers every case.
+            if len(blocks) == 1 and len(self.kv_cache_config.kv_cache_groups) == 1:
                 self._load_errors.update(blocks[0])
         return out
 

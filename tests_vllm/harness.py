@@ -102,6 +102,10 @@ class EngineSpec:
     """Layers given a sliding window of ``SLIDING_WINDOW`` tokens (a hybrid model: HMA groups)."""
     layouts: tuple[str, ...] = ("LBNHC", "LBHNC")
     """KV cache layouts the attention backend supports, most preferred first."""
+    excluded_group: bool = False
+    """Add a KV-cache group vLLM excludes from transfer (``enable_kv_transfer=False``) and that
+    holds no layer of its own, as a device replica of a transferred group does: the scheduler
+    allocates its blocks, the connector transfers none of them."""
 
 
 SLIDING_WINDOW = 32
@@ -204,6 +208,17 @@ def kv_cache_configs(
     for worker in workers:
         worker.kv_cache_layout = layout.name
     return generate_scheduler_kv_cache_config(workers), workers
+
+
+def with_excluded_group(kv_cache_config: Any) -> Any:
+    """``kv_cache_config`` plus a group excluded from transfer holding no layer (a replica)."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    first = kv_cache_config.kv_cache_groups[0]
+    replica = KVCacheGroupSpec([], first.kv_cache_spec, enable_kv_transfer=False)
+    return dataclasses.replace(kv_cache_config, kv_cache_groups=[*kv_cache_config.kv_cache_groups, replica])
 
 
 # ------------------------------------------------------------------ KV content
@@ -481,6 +496,10 @@ class Engine:
         self.spec = spec
         self.config = vllm_config(spec)
         scheduler_config, worker_configs = kv_cache_configs(self.config, spec.sliding_layers, spec.layouts)
+        if spec.excluded_group:
+            scheduler_config, *worker_configs = (
+                with_excluded_group(c) for c in (scheduler_config, *worker_configs)
+            )
         self.config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
         self.scheduler = Scheduler(
             vllm_config=self.config,

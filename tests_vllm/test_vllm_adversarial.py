@@ -396,8 +396,8 @@ def test_d_abort_between_the_workers_done_and_the_schedulers_update(engines: Any
     """TP2 D: the workers report the request received, and the client's abort reaches the
     scheduler before it processed that report (vLLM's engine core does so under async
     scheduling). vLLM holds the blocks for the abort, frees them on the report, and the cancel
-    that follows reaches workers that already reported: nothing is reported twice, nothing is
-    left behind."""
+    staged for it is dropped (the workers reported it already; a later request of that id must
+    not get it): nothing is reported twice, nothing is left behind."""
     p = engines(llama_dir, "kv_producer")
     d = engines(llama_dir, "kv_consumer", tp=2)
     model = PrefillModel()
@@ -422,7 +422,7 @@ def test_d_abort_between_the_workers_done_and_the_schedulers_update(engines: Any
         d.step(before_update=abort_on_done)
     assert d_id not in d.scheduler.requests, "the report freed the aborted request"
     assert d_id not in d.failed_recving
-    step_for([p, d], 1.0, model)  # the stale cancel reaches both workers
+    step_for([p, d], 1.0, model)  # nothing more reaches the workers for it
     assert not d.connector._scheduler.receiving
     drain(p, d, model)
 

@@ -1,0 +1,132 @@
+"""Adversarial probe of the vLLM adapter under vLLM 0.33's real schedulers (real NIXL): late,
+repeated, missing and foreign inputs on each path of the connector's two halves.
+
+D must never decode from KV it did not receive, and P must never write into blocks D freed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from harness import Engine, PrefillModel, make_request, prompt, run_until, suffix
+from test_vllm_adversarial import d_params, drain, verify
+
+
+def forget_reports(engine: Engine, rid: str) -> None:
+    """The harness's record of ``rid`` (its duplicate-report check is per request id): a request
+    id the client reuses once the first request ended is a new request."""
+    for seen in engine.reported.values():
+        seen.discard(rid)
+    engine.finished_recving.discard(rid)
+    engine.failed_recving.discard(rid)
+
+
+def test_a_request_id_reused_right_after_a_failed_receive_is_not_cancelled(
+    engines: Any, llama_dir: str
+) -> None:
+    """D fails a request at once (its kv_transfer_params lack P's host): vLLM finishes it
+    FINISHED_ERROR before it frees it, and the connector stages a cancel for it as for an abort.
+    The client retries at once with the same request id (vLLM without request id randomisation):
+    the stale cancel must not reach the new request, which vLLM would then take as received and
+    decode from blocks nobody wrote. The retry is received byte-exact (or fails); never taken."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 30})
+    model = PrefillModel()
+    rid = f"cmpl-retry-{suffix()}"
+    broken = d_params(p)
+    del broken["remote_host"]
+    d.add(make_request(rid, prompt(400, 40), 3, broken))
+    run_until([d], lambda: rid in d.finished_recving, "D to fail the first request")
+    assert rid in d.failed_recving and rid not in d.scheduler.requests
+    forget_reports(d, rid)
+    tokens = prompt(401, 40)
+    p_id = f"cmpl-retry-p-{suffix()}"
+    p.add(make_request(p_id, tokens, 1, {"do_remote_decode": True, "transfer_id": "xfer-retry"}))
+    d.add(make_request(rid, tokens, 3, d_params(p, transfer_id="xfer-retry")))
+    run_until([p, d], lambda: rid in d.finished_recving, "D to end the retry", kv_producer=model)
+    if rid not in d.failed_recving:
+        verify(d, rid, tokens)  # taken as received: it must hold P's KV
+    drain(p, d, model)
+    assert rid not in d.failed_recving, "the retry failed (a stale cancel reached it)"
+    assert p_id in p.finished_sending
+
+
+def test_a_cancel_reaching_a_live_request_never_passes_for_its_kv(engines: Any, llama_dir: str) -> None:
+    """The workers are handed a cancel for a request vLLM did not finish (a stale cancel of an
+    earlier request of that id, or any other slip between the halves): the request must reach
+    vLLM failed (kv_load_failure_policy applies), never as received: its blocks hold nothing."""
+    p = engines(llama_dir, "kv_producer", extra={"kv_lease_duration": 5})
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 30})
+    model = PrefillModel()
+    tokens = prompt(402, 40)
+    rid = f"cmpl-stray-cancel-{suffix()}"
+    d.add(make_request(rid, tokens, 3, d_params(p, transfer_id="xfer-stray-cancel")))
+
+    def stray_cancel(engine: Engine, out: Any) -> None:
+        if rid in out.kv_connector_metadata.recv:
+            out.kv_connector_metadata.cancel.append(rid)
+
+    run_until([d], lambda: rid in d.finished_recving, "D to settle the cancel", kv_consumer=stray_cancel)
+    assert rid in d.failed_recving, "vLLM took a cancelled request as received"
+    p_id = f"cmpl-stray-cancel-p-{suffix()}"
+    p.add(make_request(p_id, tokens, 1, {"do_remote_decode": True, "transfer_id": "xfer-stray-cancel"}))
+    drain(p, d, model)
+    assert d.finish_reason(rid) == "error"
+
+
+@pytest.mark.parametrize("bound_to", [123, "", ["decode-elsewhere"]], ids=["int", "empty", "list"])
+def test_a_mangled_decode_engine_binding_is_not_pushed_unbound(
+    engines: Any, llama_dir: str, bound_to: Any
+) -> None:
+    """The router meant to bind P's push to one D engine, but its decode_engine_id is not a
+    non-empty string: P must not push unbound (any D that knows the key could claim the KV). The
+    prefill is not pushed; D's request fails at once (P abandons the key), nothing written."""
+    p = engines(llama_dir, "kv_producer", extra={"kv_lease_duration": 5})
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 60})
+    model = PrefillModel()
+    tokens = prompt(403, 40)
+    key = f"xfer-mangled-bind-{suffix()}"
+    p_id, d_id = f"cmpl-mbind-{suffix()}", f"cmpl-mbind-{suffix()}"
+    before = d.workers[0].call("snapshot")
+    p_params = {"do_remote_decode": True, "transfer_id": key, "decode_engine_id": bound_to}
+    p.add(make_request(p_id, tokens, 1, p_params))
+    d.add(make_request(d_id, tokens, 3, d_params(p, transfer_id=key)))
+    started = time.monotonic()
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to hear of {d_id}", kv_producer=model)
+    assert d_id in d.failed_recving, "P pushed although the router's binding was unreadable"
+    assert time.monotonic() - started < 30, "D learnt of it only at its registration timeout"
+    assert d.workers[0].call("changed_blocks", before=before) == set()
+    drain(p, d, model)
+    assert p_id not in p.finished_sending
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_receive_with_a_group_excluded_from_transfer_keeps_the_engine_up(
+    engines: Any, llama_dir: str, policy: str
+) -> None:
+    """D's KV-cache config holds a group vLLM excludes from transfer (a replica), so the
+    connector transfers one group of two. A receive that fails must reach vLLM as a failed
+    request: block-level load errors (invalid_block_ids) stop vLLM's scheduler with a
+    RuntimeError on any model with more than one KV-cache group. Another request is received
+    byte-exact."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(
+        llama_dir, "kv_consumer", excluded_group=True, policy=policy, extra={"push_registration_timeout": 30}
+    )
+    model = PrefillModel()
+    assert len(d.scheduler.kv_cache_config.kv_cache_groups) == 2
+    bad = f"cmpl-excl-bad-{suffix()}"
+    broken = d_params(p)
+    del broken["remote_host"]
+    d.add(make_request(bad, prompt(404, 40), 3, broken))
+    tokens = prompt(405, 40)
+    p_id, d_id = f"cmpl-excl-{suffix()}", f"cmpl-excl-{suffix()}"
+    p.add(make_request(p_id, tokens, 1, {"do_remote_decode": True, "transfer_id": "xfer-excl"}))
+    d.add(make_request(d_id, tokens, 3, d_params(p, transfer_id="xfer-excl")))
+    run_until([p, d], lambda: {bad, d_id} <= d.finished_recving, "D to end both", kv_producer=model)
+    assert bad in d.failed_recving and d_id not in d.failed_recving
+    verify(d, d_id, tokens)
+    drain(p, d, model)
+    assert d.finish_reason(bad) == ("error" if policy == "fail" else "length")
