@@ -5,6 +5,7 @@ Kept apart from :mod:`kvpush.engines.vllm` so it can be read and tested without 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -101,9 +102,12 @@ class ConnectorSettings:
                     f"got {value!r}"
                 )
         for name in ("kv_lease_duration", "push_registration_timeout", "handshake_timeout"):
-            if name in values and values[name] <= 0:
+            # json.loads (vLLM's reader of --kv-transfer-config) takes NaN and Infinity: a bound
+            # that never runs out would hold blocks for ever, so only a finite positive one goes.
+            if name in values and not (0 < values[name] < math.inf):
                 raise ConfigError(
-                    f"kv_connector_extra_config[{name!r}] must be > 0 seconds, got {values[name]}"
+                    f"kv_connector_extra_config[{name!r}] must be a finite number of seconds > 0, "
+                    f"got {values[name]}"
                 )
         if not 0 < values["side_channel_port"] < 65536:
             raise ConfigError(

@@ -130,3 +130,46 @@ def test_a_failed_receive_with_a_group_excluded_from_transfer_keeps_the_engine_u
     verify(d, d_id, tokens)
     drain(p, d, model)
     assert d.finish_reason(bad) == ("error" if policy == "fail" else "length")
+
+
+@pytest.mark.parametrize("target", ["itself", "another-decoder"])
+def test_d_params_naming_a_decode_engine_as_p_fail_at_once(engines: Any, llama_dir: str, target: str) -> None:
+    """A router that gives D the coordinates of a decode engine (D itself, or another D) as P's:
+    the request fails at once, nothing is written into its blocks, and the engines go on."""
+    p = engines(llama_dir, "kv_producer")
+    d = engines(llama_dir, "kv_consumer", extra={"push_registration_timeout": 60})
+    other = d if target == "itself" else engines(llama_dir, "kv_consumer", engine_id="decode-other")
+    model = PrefillModel()
+    rid = f"cmpl-self-{suffix()}"
+    params = {
+        **d_params(p, transfer_id=f"xfer-self-{suffix()}"),
+        "remote_engine_id": other.spec.engine_id,
+        "remote_port": other.port,
+        "tp_size": other.spec.tp,
+        "pp_size": other.spec.pp,
+    }
+    before = d.workers[0].call("snapshot")
+    started = time.monotonic()
+    d.add(make_request(rid, prompt(406, 40), 3, params))
+    engines_stepped = [d] if other is d else [d, other]
+    run_until(engines_stepped, lambda: rid in d.finished_recving, f"D to fail {rid}")
+    assert rid in d.failed_recving and time.monotonic() - started < 30
+    assert d.workers[0].call("changed_blocks", before=before) == set()
+    drain(p, d, model)
+
+
+@pytest.mark.parametrize("name", ["kv_lease_duration", "push_registration_timeout", "handshake_timeout"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["NaN", "Infinity"])
+def test_settings_refuse_bounds_that_never_run_out(name: str, value: float) -> None:
+    """vLLM reads --kv-transfer-config with json.loads, which takes NaN and Infinity: a bound
+    that never runs out (a registration D waits on for ever, a lease that never frees P's blocks)
+    is refused at start-up naming the key, on both halves (the scheduler half builds no worker)."""
+    import json
+
+    from kvpush.core.errors import ConfigError
+    from kvpush.engines.vllm_config import ConnectorSettings
+
+    extra = json.loads(f'{{"{name}": {json.dumps(value)}}}')
+    assert extra[name] != extra[name] or extra[name] == float("inf")  # json.loads took it
+    with pytest.raises(ConfigError, match=name):
+        ConnectorSettings.from_extra_config(extra)
