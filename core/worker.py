@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -105,6 +106,10 @@ class WorkerConfig:
     heartbeat), so the next request's PUSH_REG is not stale on arrival; 0 turns it off."""
     busy_poll_s: float = 0.0002
     idle_poll_s: float = 0.002
+    timer_slack_ns: int = 1000
+    """Linux: the writer thread's timer slack (``PR_SET_TIMERSLACK``). The kernel may end a
+    timed wait this much late; its default, 50 µs, made every 50 µs poll last ~70-130 µs.
+    0 leaves the thread's default. Elsewhere ignored."""
     cuda_device: int | None = None
     """CUDA device the writer thread makes current (UCX needs it for CUDA IPC); None on CPU."""
     staging_bytes: int = 64 << 20
@@ -138,6 +143,11 @@ class WorkerConfig:
         if not self.keepalive_s >= 0:
             raise ConfigError(
                 f"WorkerConfig.keepalive_s must be >= 0 (0 turns it off), got {self.keepalive_s!r}"
+            )
+        if type(self.timer_slack_ns) is not int or self.timer_slack_ns < 0:
+            raise ConfigError(
+                f"WorkerConfig.timer_slack_ns must be an int >= 0 (0 keeps the default), got "
+                f"{self.timer_slack_ns!r}"
             )
         if self.freshness_s >= self.silence_s:
             raise ConfigError(
@@ -382,6 +392,7 @@ class RankWorker:
         return box.get("result")
 
     def _writer_loop(self) -> None:
+        set_timer_slack(self.config.timer_slack_ns)
         if self.config.cuda_device is not None:
             import torch
 
@@ -561,6 +572,23 @@ class RankWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+PR_SET_TIMERSLACK = 29
+PR_GET_TIMERSLACK = 30
+
+
+def set_timer_slack(ns: int) -> bool:
+    """Set the calling thread's timer slack to ``ns`` nanoseconds (Linux; ``ns`` <= 0 or
+    another system: nothing). Returns whether it was set."""
+    if ns <= 0 or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(ns), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # no prctl in this libc
+        return False
 
 
 def new_incarnation() -> str:
