@@ -21,6 +21,8 @@ from kvpush.core.types import ModelSpec, ParallelConfig, RequestMetadata, Transf
 
 SENTINEL = 0x5A5A
 """int16 value D writes into a cancelled or failed request's blocks once they are freed."""
+REUSED = 0x3C3C
+"""int16 value P writes into a failed request's blocks (``RankSpec.reuse_failed_blocks``)."""
 
 
 def _rss_mb() -> float:
@@ -68,6 +70,10 @@ class RankSpec:
     """This rank's engine address: its side channel binds (and D advertises) it."""
     netns: str | None = None
     """Run in this network namespace (the rank's "host"; :mod:`kvpush.demo.netns`)."""
+    reuse_failed_blocks: bool = False
+    """P: overwrite a request's blocks (with ``REUSED``) as soon as it is reported failed, as an
+    engine that gives them to its next prefill would: a WRITE still reading them then would
+    carry the wrong bytes to D, and D's check of a request it reports done shows it."""
 
 
 def plugin_manager(spec: RankSpec) -> Any:
@@ -181,6 +187,8 @@ class _RankServer:
         self.received_bytes: dict[str, int] = {}
         self.freed: dict[str, Any] = {}
         """D: block ids of cancelled/failed requests, filled with SENTINEL once reported."""
+        self.finished: dict[str, Any] = {}
+        """P: block ids of finished requests not yet reported (``reuse_failed_blocks``)."""
 
     def handle(self, message: tuple[Any, ...]) -> Any:
         kind = message[0]
@@ -193,6 +201,8 @@ class _RankServer:
             return len(message[1])
         if kind == "finish":
             _, rid, block_ids, match_key = message
+            if self.spec.reuse_failed_blocks:
+                self.finished[rid] = block_ids
             self.worker.request_finished(rid, block_ids, match_key=match_key)
             return None
         if kind == "add":
@@ -231,6 +241,12 @@ class _RankServer:
 
         results = self.worker.get_finished()
         if self.spec.role == "prefill":
+            for rid in results.sent:
+                self.finished.pop(rid, None)
+            for rid in results.failed:
+                block_ids = self.finished.pop(rid, None)
+                if block_ids is not None:  # the engine's next prefill writes them now
+                    self._fill_blocks(block_ids, REUSED)
             return {"sent": list(results.sent), "failed": dict(results.failed)}
         verified = {}
         self._synchronize()
@@ -258,9 +274,13 @@ class _RankServer:
         }
 
     def _fill_freed(self, block_ids: Any) -> None:
+        self._fill_blocks(block_ids, SENTINEL)
+
+    def _fill_blocks(self, block_ids: Any, value: int) -> None:
         for region, tensor in zip(self.regions, self.tensors, strict=True):
             for block in block_ids[region.kv_group]:
-                tensor[block].reshape(-1).view(torch_int16()).fill_(SENTINEL)
+                tensor[block].reshape(-1).view(torch_int16()).fill_(value)
+        self._synchronize()
 
     def _check_freed(self) -> dict[str, str]:
         """D: requests whose freed blocks no longer hold the sentinel (a WRITE landed late)."""

@@ -112,7 +112,10 @@ class MultiHost:
         timers: dict[str, float] | None = None,
         transport_options: dict[str, Any] | None = None,
         sysctls: dict[str, str] | None = None,
+        reuse_failed: bool = False,
     ) -> None:
+        """``reuse_failed``: P's ranks overwrite a failed request's blocks at once, as an engine
+        reusing them would (``RankSpec.reuse_failed_blocks``)."""
         self.prefill_pp, self.decode_tp = prefill_pp, decode_tp
         self.timers = dict(QUICK_TIMERS if timers is None else timers)
         self.pair = netns.NetnsPair()
@@ -159,6 +162,7 @@ class MultiHost:
                     side_channel_port=self.p_channel.port,
                     host=self.pair.prefill_host,
                     netns=self.pair.prefill_ns,
+                    reuse_failed_blocks=reuse_failed,
                     **common,
                 )
                 for pp in range(prefill_pp)
