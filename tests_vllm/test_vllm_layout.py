@@ -61,7 +61,7 @@ def describe(config: Any, kv_config: Any, caches: dict[str, Any], rank: int = 0)
         num_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
         head_dim=model.get_head_size(),
         block_size=first.shape[2],
-        dtype="float16",
+        dtype=str(first.dtype).removeprefix("torch."),
     )
     layout = get_plugin_manager(load_entrypoints=False).layout("vllm")
     return list(layout.describe_regions(layer_caches(caches, kv_config), parallel, spec))

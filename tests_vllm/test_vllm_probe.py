@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import pytest
-from harness import Engine, PrefillModel, make_request, prompt, run_until, suffix
+from harness import Engine, PrefillModel, assert_scheduler_empty, make_request, prompt, run_until, suffix
 from test_vllm_adversarial import d_params, drain, verify
 
 
@@ -173,3 +173,45 @@ def test_settings_refuse_bounds_that_never_run_out(name: str, value: float) -> N
     assert extra[name] != extra[name] or extra[name] == float("inf")  # json.loads took it
     with pytest.raises(ConfigError, match=name):
         ConnectorSettings.from_extra_config(extra)
+
+
+@pytest.mark.parametrize("same_prompt", [True, False], ids=["same-prompt", "other-prompt"])
+def test_one_transfer_id_given_to_two_decode_engines(engines: Any, llama_dir: str, same_prompt: bool) -> None:
+    """A router gives the D legs of two dispatches, on two decode engines, one transfer_id (one P
+    leg): P pushes to at most one; a D that is not written fails (at once, not at its
+    registration timeout) with nothing written into its blocks, and a D that is written holds
+    its own prompt's KV byte-exact."""
+    p = engines(llama_dir, "kv_producer", extra={"kv_lease_duration": 10})
+    d1 = engines(llama_dir, "kv_consumer", engine_id="decode-a", extra={"push_registration_timeout": 60})
+    d2 = engines(llama_dir, "kv_consumer", engine_id="decode-b", extra={"push_registration_timeout": 60})
+    model = PrefillModel()
+    tokens = prompt(407, 40)
+    other = tokens if same_prompt else prompt(408, 40)
+    key = f"xfer-two-d-{suffix()}"
+    p_id = f"cmpl-two-d-{suffix()}"
+    legs = {d1: (f"cmpl-two-d-{suffix()}", tokens), d2: (f"cmpl-two-d-{suffix()}", other)}
+    before = {d: d.workers[0].call("snapshot") for d in legs}
+    p.add(make_request(p_id, tokens, 1, {"do_remote_decode": True, "transfer_id": key}))
+    for d, (rid, own) in legs.items():
+        d.add(make_request(rid, own, 3, d_params(p, transfer_id=key)))
+    started = time.monotonic()
+    received: list[Engine] = []
+    checked: set[str] = set()
+    while len(checked) < 2:  # each leg checked in the step vLLM hears of it (before it decodes)
+        assert time.monotonic() - started < 45, "a D leg waited for its registration timeout"
+        for engine in (p, d1, d2):
+            engine.step(model if engine is p else None)
+        for d, (rid, own) in legs.items():
+            if rid in d.finished_recving and rid not in checked:
+                checked.add(rid)
+                changed = d.workers[0].call("changed_blocks", before=before[d])
+                if rid in d.failed_recving:
+                    assert changed == set(), f"{d.spec.engine_id}'s failed request was written"
+                    continue
+                received.append(d)
+                verify(d, rid, own)
+                assert changed <= set(d.block_ids(rid)[0])
+    assert len(received) <= 1, "one push reached two decode engines"
+    run_until([p, d1, d2], lambda: not (p.busy() or d1.busy() or d2.busy()), "all idle", kv_producer=model)
+    for engine in (p, d1, d2):
+        assert_scheduler_empty(engine)
