@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -141,6 +142,8 @@ class _Producer:
     """Newest stamp per P agent (P's clock, opaque here): echoed back as the grant."""
     stamped: dict[str, float] = attrs.field(factory=dict)
     """When each agent's newest stamp arrived (D's clock): an idle agent's is renewed."""
+    stamp_seq: dict[str, int] = attrs.field(factory=dict)
+    """The core's event sequence number when each agent's newest stamp arrived."""
     last_request: float = float("-inf")
     """When a request last registered with this engine (D's clock)."""
     heard: dict[str, float] = attrs.field(factory=dict)
@@ -208,6 +211,12 @@ class _Receive:
     """Producers that said a WRITE of theirs ended unsettled: their connections must be fenced."""
     fence_id: int | None = None
     """The fence this request's blocks wait for (released when the driver confirms it)."""
+    grants: dict[str, float | None] = attrs.field(factory=dict)
+    """The grant its PUSH_REG carried to each producer agent: P's ``failed`` answer stamped
+    earlier than it is not about this registration (P holds it as a new attempt's)."""
+    awaiting: set[str] = attrs.field(factory=set)
+    """Producer agents whose fresh stamp it waits for before registering (its key ended here)."""
+    refreshed: bool = False
 
 
 @attrs.define(eq=False)
@@ -244,6 +253,11 @@ class DecodeCore:
         self._warned = RateLimit(per_s=10)
         self._fences: dict[int, _Fence] = {}
         self._fence_seq = 0
+        self._seq = 0
+        """Counts stamps and ends: orders "a stamp arrived" against "a key ended" here."""
+        self._ended_keys: OrderedDict[tuple[str, str], int] = OrderedDict()
+        """(P engine, match key) of requests that ended here lately -> ``_seq`` then: a request
+        registering such a key again first gets a stamp issued after it ended."""
         self.stats: dict[str, int] = {
             "push_regs_sent": 0,
             "duplicate_notifications": 0,
@@ -499,6 +513,8 @@ class DecodeCore:
                 out += self._on_quarantine_expired(name, now)
             elif kind == "hello":
                 out += self._on_hello_timeout(name, now)
+            elif kind == "stamp":
+                out += self._stamp_awaited(name, None, now)
             elif kind == "hello_resend":
                 engine = self._engines.get(name)
                 if engine is not None and engine.state is _EngineState.HELLO and engine.hello_pending:
@@ -534,6 +550,21 @@ class DecodeCore:
         ]
         if mismatch:
             return self._close(rid, "kv_transfer_params disagree with P: " + "; ".join(mismatch), now)
+        ended = self._ended_keys.get((receive.engine_id, receive.key))
+        if ended is not None and not receive.refreshed:
+            # A retry under a key that ended here: P answers a registration whose grant is not
+            # newer than the key's end as the ended attempt's. Ask each producer whose newest
+            # stamp is older for a fresh one first (bounded: registered anyway at the bound).
+            receive.refreshed = True
+            stale = {a for a in info.agents.values() if engine.stamp_seq.get(a, -1) <= ended}
+            if stale:
+                receive.awaiting = stale
+                self._timers.arm(("stamp", rid), now + self.s.hello_timeout_s)
+                out: list[Any] = []
+                for agent in sorted(stale):
+                    reg = self._coordinates("(keepalive)", None, grant=engine.stamps.get(agent))
+                    out.append(Send(agent, wire.encode_heartbeat([], reg, self.s.tp_rank)))
+                return out
         receive.expected = frozenset(info.agents)
         receive.agents, receive.prefill_tp = info.agents, info.prefill_tp
         receive.write_deadline_s = info.write_deadline_s
@@ -548,6 +579,7 @@ class DecodeCore:
         for rank in sorted(receive.expected):
             agent = info.agents[rank]
             reg = self._coordinates(rid, receive, grant=engine.stamps.get(agent))
+            receive.grants[agent] = reg.grant
             if reg.grant is not None:
                 receive.last_grant = now
             out.append(Send(agent, wire.encode_push_reg(reg)))
@@ -896,8 +928,14 @@ class DecodeCore:
         """Forget a request: the one place request state is deleted."""
         del self._requests[rid]
         self._ended.add(rid)
-        for kind in ("watchdog", "quarantine"):
+        for kind in ("watchdog", "quarantine", "stamp"):
             self._timers.disarm((kind, rid))
+        ended = (receive.engine_id, receive.key)
+        self._seq += 1
+        self._ended_keys[ended] = self._seq
+        self._ended_keys.move_to_end(ended)
+        if len(self._ended_keys) > ENDED_MEMORY:
+            self._ended_keys.popitem(last=False)
         engine = self._engines.get(receive.engine_id)
         if engine is not None:
             engine.requests.discard(rid)
@@ -959,10 +997,14 @@ class DecodeCore:
                 now,
             )
         assert note.stamp is not None
+        out: list[Any] = []
         if note.stamp >= engine.stamps.get(agent, note.stamp):  # not a late, older answer
             engine.stamps[agent] = note.stamp
             engine.stamped[agent] = now
-        out: list[Any] = []
+            self._seq += 1
+            engine.stamp_seq[agent] = self._seq
+            for rid in sorted(r for r in engine.requests if agent in self._requests[r].awaiting):
+                out += self._stamp_awaited(rid, agent, now)
         if agent in engine.hello_pending:
             engine.hello_pending.discard(agent)
             if not engine.hello_pending:
@@ -971,7 +1013,9 @@ class DecodeCore:
         if failed:
             for rid in [r for r in engine.requests if self._requests[r].key in failed]:
                 receive = self._requests[rid]
-                if receive.phase is _Phase.REGISTERED and agent in self._agents_of(receive):
+                grant = receive.grants.get(agent)
+                older = grant is None or grant < note.stamp  # else P holds it as a new attempt's
+                if receive.phase is _Phase.REGISTERED and agent in self._agents_of(receive) and older:
                     receive.settled.update(r for r, a in engine.info.agents.items() if a == agent)
                     receive.settle_seq = self._fence_seq
                     out += self._close(
@@ -1005,6 +1049,26 @@ class DecodeCore:
         out = self._engine_failed(engine, note.reason, now)
         engine.refused = True
         return out
+
+    def _stamp_awaited(self, rid: str, agent: str | None, now: float) -> list[Any]:
+        """A fresh stamp came from ``agent`` for a request waiting to register (None: its bound
+        passed); it registers once none is awaited, or queues until its engine is ready."""
+        receive = self._requests.get(rid)
+        if receive is None or receive.phase is not _Phase.WAITING or not receive.awaiting:
+            return []
+        if agent is None:
+            receive.awaiting.clear()
+        else:
+            receive.awaiting.discard(agent)
+        if receive.awaiting:
+            return []
+        self._timers.disarm(("stamp", rid))
+        engine = self._engines.get(receive.engine_id)
+        if engine is None or engine.state is not _EngineState.READY:
+            if engine is not None and rid not in engine.waiting:
+                engine.waiting.append(rid)
+            return []
+        return self._register(rid, now)
 
     def _on_unknown(self, engine: _Producer, agent: str, keys: set[str], now: float) -> list[Any]:
         """A producer never heard of these registered requests. Once could be a PUSH_REG still

@@ -141,6 +141,13 @@ class _Request:
     cancelled: bool = False
     write_at_cancel: bool = False
     """A WRITE was in flight when D's CANCEL arrived (settled before the ack is sent)."""
+    past: _Tomb | None = None
+    """The key's ended attempts when this is a new one (a retry under the same key): their
+    registrations are answered as the tombstone would, never written."""
+    seen: set[_Ident] = attrs.field(factory=set)
+    """The D registrations (PUSH_REG, CANCEL) this attempt saw."""
+    told: dict[tuple[str, int], float] = attrs.field(factory=dict)
+    """(D engine, D rank) -> when P answered its heartbeat that this key failed for it."""
 
 
 @attrs.define(eq=False)
@@ -169,6 +176,61 @@ class _Decode:
     once it is loaded from that agent."""
 
 
+MAX_SEEN = 1024
+"""D registrations a key remembers across its attempts; past that, every registration of a new
+D request id is taken for an ended attempt's (refused, never written)."""
+
+_Ident = tuple[str, str, int, str]
+"""A D registration: (D engine, its incarnation, D rank, D request id)."""
+
+
+def _ident(reg: PushRegistration) -> _Ident:
+    return (reg.decode_engine_id, reg.decode_incarnation, reg.decode_tp_rank, reg.request_id)
+
+
+@attrs.define(eq=False)
+class _Tomb:
+    """What P remembers of a key's ended attempts (``registration_ttl_s`` after the last)."""
+
+    outcome: str
+    """"sent" or "failed": how the last attempt ended."""
+    engine_id: str
+    failure: str
+    unsettled: bool
+    """Whether a WRITE of the last attempt ended unsettled."""
+    fingerprint: str | None
+    ended_at: float
+    """P's clock when the last attempt ended: a grant not newer than this was issued before."""
+    seen: set[_Ident] = attrs.field(factory=set)
+    """Every D registration an ended attempt saw (PUSH_REG or CANCEL): answered by the tombstone
+    in any later attempt too, never written."""
+    told: dict[tuple[str, int], float] = attrs.field(factory=dict)
+    """(D engine, D rank) -> when P last told it the key had ended (a heartbeat answer's
+    ``failed``, which ends D's registrations of the key older than that answer)."""
+    prefills: set[str] = attrs.field(factory=set)
+    """P's request ids the ended attempts accounted for (finished or abandoned): a finish by one
+    of them is refused; a finish by another prefill is a new attempt."""
+    unfinished: bool = False
+    """The last attempt ended before P finished or abandoned a prefill for it (D cancelled, its
+    registration expired): the next finish (or abandon) is that attempt's own prefill."""
+    overflow: bool = False
+    """More than ``MAX_SEEN`` registrations: every new D request id is taken for an old one."""
+
+    def covers(self, reg: PushRegistration, now: float) -> bool:
+        """Is ``reg`` (possibly) a registration of an ended attempt? Yes when an ended attempt
+        saw it; when its D rank took no part in them (a late leg of the ended attempt, as far
+        as P can tell); or when its grant does not prove D sent it after the end: not newer
+        than the end, older than what P last told that D rank, absent, or not one P issued."""
+        ident = _ident(reg)
+        if self.overflow or ident in self.seen:
+            return True
+        if not any(seen[0] == ident[0] and seen[2] == ident[2] for seen in self.seen):
+            return True
+        grant = reg.grant
+        told = self.told.get((reg.decode_engine_id, reg.decode_tp_rank), float("-inf"))
+        return grant is None or grant <= self.ended_at or grant < told or grant > now
+
+
 @attrs.define(eq=False)
 class _Refusal:
     """P refused a D rank's handshake metadata but loaded its agent notify-only to say why."""
@@ -192,14 +254,13 @@ class PrefillCore:
         self.s = settings
         self._plan = plan
         self._requests: dict[str, _Request] = {}
-        self._tombstones: dict[str, tuple[str, str, str, bool, str | None]] = {}
-        """Ended keys: (outcome "sent"/"failed", D engine, failure, whether a WRITE of it ended
-        unsettled, P's prompt fingerprint)."""
+        self._tombstones: dict[str, _Tomb] = {}
+        """Ended keys (see :class:`_Tomb`)."""
         self._engines: dict[str, _Decode] = {}
         self._timers = Deadlines()
         self._warned = RateLimit(per_s=10)
-        self._refused: dict[tuple[str, str], float] = {}
-        """(key, D engine) pairs D cancelled before P knew the key: late PUSH_REGs are refused."""
+        self._refused: dict[tuple[str, _Ident], float] = {}
+        """(key, D registration) D cancelled before P knew the key: its late PUSH_REG is refused."""
         self._connecting: dict[tuple[str, int], str] = {}
         """Address -> the one engine id being handshaken there."""
         self._address_backoff: dict[tuple[str, int], tuple[float, int, str]] = {}
@@ -277,9 +338,15 @@ class PrefillCore:
         D engine the router chose: only its registrations are served. ``fingerprint`` (optional)
         is the prompt's: a registration stating another is never written (see
         :meth:`_prompts_differ`)."""
-        tomb = self._tombstones.get(key)
-        if tomb is not None:
-            why = tomb[2] or "it was pushed before"
+        request = self._requests.get(key)
+        past = self._tombstones.get(key) or (request.past if request is not None else None)
+        if past is not None and (request_id in past.prefills or past.unfinished):
+            # A prefill the ended attempt accounted for, or the first finish of an attempt that
+            # ended before P finished (D cancelled, its registration expired): that attempt's.
+            # A finish by another prefill is a new attempt (a retry under the same key).
+            past.prefills.add(request_id)
+            past.unfinished = False
+            why = past.failure or "it was pushed before"
             return [
                 Report(
                     request_id,
@@ -288,7 +355,6 @@ class PrefillCore:
                     key,
                 )
             ]
-        request = self._requests.get(key)
         if request is not None and request.blocks is not None:
             return [
                 Report(
@@ -304,7 +370,7 @@ class PrefillCore:
         if self._closing:
             return [Report(request_id, "failed", self._closing, key)]
         if request is None:
-            request = self._requests[key] = _Request(key=key)
+            request = self._requests[key] = _Request(key=key, past=self._retire(key))
         self._timers.disarm(("stash", key))
         request.request_id, request.blocks = request_id, blocks
         out: list[Any] = []
@@ -368,16 +434,29 @@ class PrefillCore:
         request.others = {}
         return out
 
-    def abandoned(self, key: str, reason: str, now: float) -> list[Any]:
-        """The engine will never finish ``key`` here (its prefill was aborted or failed before
-        it finished): D's registrations of it are answered FAIL, those held now and those that
-        arrive later (the key ends as a failure). A key this rank is pushing, or that already
-        ended, is left alone: its outcome reaches D as usual."""
+    def abandoned(self, key: str, reason: str, now: float, *, request_id: str = "") -> list[Any]:
+        """The engine will never finish ``key`` here (its prefill ``request_id`` was aborted or
+        failed before it finished): D's registrations of it are answered FAIL, those held now
+        and those that arrive later (the key ends as a failure). A key this rank is pushing, or
+        that already ended, is left alone: its outcome reaches D as usual. So is a new attempt's
+        held registration when the prefill abandoned is an ended attempt's (or, the ended
+        attempt never having finished, the first one abandoned)."""
         request = self._requests.get(key)
-        if key in self._tombstones or (request is not None and request.blocks is not None):
+        tomb = self._tombstones.get(key)
+        if tomb is not None or (request is not None and request.blocks is not None):
+            if tomb is not None and request_id:
+                tomb.prefills.add(request_id)
+                tomb.unfinished = False
+            return []
+        past = request.past if request is not None else None
+        if past is not None and request_id and (request_id in past.prefills or past.unfinished):
+            past.prefills.add(request_id)
+            past.unfinished = False
             return []
         if request is None:
             request = self._requests[key] = _Request(key=key)
+        if request_id:
+            request.request_id = request_id
         return self._fail_held(request, reason) + self._fail_request(request, reason, now)
 
     def fail(self, key: str, reason: str, now: float, *, request_id: str | None = None) -> list[Any]:
@@ -388,7 +467,7 @@ class PrefillCore:
         request = self._requests.get(key)
         if request_id is not None and (request is None or request.blocks is None):
             if request is None:
-                request = self._requests[key] = _Request(key=key)
+                request = self._requests[key] = _Request(key=key, past=self._retire(key))
             request.request_id, request.blocks = request_id, ()
         if request is None:
             return []
@@ -431,28 +510,17 @@ class PrefillCore:
         reg = note.registration
         assert reg is not None
         key, rank = reg.match_key, reg.decode_tp_rank
-        if (key, reg.decode_engine_id) in self._refused:
+        if (key, _ident(reg)) in self._refused:
             self.stats["duplicate_registrations"] += 1
             return []  # D cancelled this key before its registration reached P
         tomb = self._tombstones.get(key)
-        loaded = self._engines.get(reg.decode_engine_id)
-        if tomb is not None and _differs(tomb[4], reg) and loaded and loaded.agents.get(rank) == agent:
-            self.stats["prompt_mismatches"] += 1
-            ended = "pushed" if tomb[0] == "sent" else "failed"
-            why = self._differ_reason(key, tomb[4], reg, f"P's prefill of the key (already {ended})")
-            return self._refuse(reg, agent, why, tomb[3], now)
-        if tomb is not None:
-            if tomb[0] == "failed":  # answered FAIL: now, or once P loaded that D rank
-                engine = self._engine_for(reg)
-                same_address = (reg.decode_host, reg.decode_port) == (engine.host, engine.port)
-                if same_address and engine.agents.get(rank) in (None, agent):
-                    why = f"P no longer holds {key!r}: {tomb[2] or tomb[0]}"
-                    return self._refuse(reg, agent, why, tomb[3], now)
-            self.stats["duplicate_registrations"] += 1
-            return []
+        if tomb is not None and tomb.covers(reg, now):
+            return self._answer_ended(tomb, reg, agent, now)
         if self._closing:
             return self._refuse(reg, agent, self._closing, False, now)
         request = self._requests.get(key)
+        if request is not None and request.past is not None and request.past.covers(reg, now):
+            return self._answer_ended(request.past, reg, agent, now)  # an ended attempt's
         if request is None:
             stashed = sum(
                 1 for r in self._requests.values() if r.blocks is None and r.engine_id == reg.decode_engine_id
@@ -465,8 +533,11 @@ class PrefillCore:
                     f"{reg.decode_engine_id!r}",
                 )
                 return []
-            request = self._requests[key] = _Request(key=key)
+            # A registration proven newer than the key's end (if it ended): the next attempt's.
+            request = self._requests[key] = _Request(key=key, past=self._retire(key))
             self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
+        if len(request.seen) <= MAX_SEEN:  # one more marks the overflow at the end
+            request.seen.add(_ident(reg))
         candidate = bool(request.engine_id) and request.engine_id != reg.decode_engine_id
         if candidate and request.bound:
             self._reject(agent, note, f"match key {key!r} belongs to D engine {request.engine_id!r}")
@@ -520,6 +591,37 @@ class PrefillCore:
             return out + self._plan_request(request, now)
         return out + self._advance(request, rank, now)
 
+    def _answer_ended(self, tomb: _Tomb, reg: PushRegistration, agent: str, now: float) -> list[Any]:
+        """A registration of an ended attempt of its key: answered as the attempt ended (FAIL
+        for a failed one, now or once P loaded that D rank; dropped for one pushed, unless it
+        states another prompt), never written."""
+        key, rank = reg.match_key, reg.decode_tp_rank
+        if len(tomb.seen) < MAX_SEEN:  # that D rank now took part: its next request may retry
+            tomb.seen.add(_ident(reg))
+        else:
+            tomb.overflow = True
+        loaded = self._engines.get(reg.decode_engine_id)
+        if _differs(tomb.fingerprint, reg) and loaded and loaded.agents.get(rank) == agent:
+            self.stats["prompt_mismatches"] += 1
+            ended = "pushed" if tomb.outcome == "sent" else "failed"
+            why = self._differ_reason(key, tomb.fingerprint, reg, f"P's prefill of the key (already {ended})")
+            return self._refuse(reg, agent, why, tomb.unsettled, now)
+        if tomb.outcome == "failed":  # answered FAIL: now, or once P loaded that D rank
+            engine = self._engine_for(reg)
+            same_address = (reg.decode_host, reg.decode_port) == (engine.host, engine.port)
+            if same_address and engine.agents.get(rank) in (None, agent):
+                why = f"P no longer holds {key!r}: {tomb.failure or tomb.outcome}"
+                return self._refuse(reg, agent, why, tomb.unsettled, now)
+        self.stats["duplicate_registrations"] += 1
+        return []
+
+    def _retire(self, key: str) -> _Tomb | None:
+        """A new attempt of ``key`` begins: its tombstone (if any) becomes the attempt's past."""
+        tomb = self._tombstones.pop(key, None)
+        if tomb is not None:
+            self._timers.disarm(("tomb", key))
+        return tomb
+
     def _plannable(self, request: _Request) -> _Reg | None:
         """A registration to plan from: one whose D rank is loaded, so D's TP size is known."""
         engine = self._engines.get(request.engine_id)
@@ -548,8 +650,9 @@ class PrefillCore:
                 tomb = self._tombstones.get(key)
                 if tomb is None:
                     unknown.append(key)
-                elif tomb[0] == "failed" or tomb[1] != engine.engine_id:
+                elif tomb.outcome == "failed" or tomb.engine_id != engine.engine_id:
                     failed.append(key)
+                    tomb.told[(engine.engine_id, rank)] = now  # D ends older registrations
                 continue
             if request.engine_id != engine.engine_id:
                 held = request.others.get(engine.engine_id, {}).get(rank)
@@ -558,6 +661,7 @@ class PrefillCore:
                     self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
                 elif request.engine_id:  # bound to another D engine: this one was refused
                     failed.append(key)
+                    request.told[(engine.engine_id, rank)] = now
                 continue
             self.stats["heartbeat_renewals"] += 1
             if request.blocks is not None:
@@ -602,14 +706,21 @@ class PrefillCore:
             return []
         request = self._requests.get(key)
         ack = wire.encode_cancel_ack(reg.request_id, self.s.rank, False, unsettled=False)
+        tomb = self._tombstones.get(key)
+        if tomb is not None and len(tomb.seen) < MAX_SEEN:
+            tomb.seen.add(_ident(reg))  # a late PUSH_REG of it meets the tombstone
+        elif tomb is not None:
+            tomb.overflow = True
+        if request is not None and len(request.seen) <= MAX_SEEN:
+            request.seen.add(_ident(reg))
         if request is None or request.engine_id != engine.engine_id:
             # Nothing of this key is being written to this engine. Refuse its later
             # registrations for the key (a PUSH_REG may still be on its way), then acknowledge:
             # the cancel affects this engine's own offer only, never another engine's push.
             if request is not None:
                 request.others.pop(engine.engine_id, None)
-            self._refused[(key, engine.engine_id)] = now
-            self._timers.arm(("refused", (key, engine.engine_id)), now + self.s.registration_ttl_s)
+            self._refused[(key, _ident(reg))] = now
+            self._timers.arm(("refused", (key, _ident(reg))), now + self.s.registration_ttl_s)
             return [Send(agent, ack)]
         request.cancelled = True
         request.cancel_acks[agent] = reg.request_id
@@ -775,13 +886,13 @@ class PrefillCore:
         return out
 
     def _refused_why(self, error: str) -> str:
-        """What D is told when P refuses its metadata: the cause (P's handshake error, which
-        names what differs and what to run) and what happens next."""
+        """What D is told when P refuses its metadata: what happens next, then the cause (P's
+        handshake error, which names what differs and what to run)."""
         return (
             f"P engine {self.s.engine_id!r} rank {self.s.rank} refused this D rank's handshake "
-            f"metadata: {error}. Fix what this names (on P or on D); a D restarted with the fix "
-            f"(a new incarnation) handshakes again at once, one that is not restarted is refused "
-            f"again when it retries after its backoff"
+            f"metadata (fix what follows, on P or on D: a D restarted with the fix, a new "
+            f"incarnation, handshakes again at once; one not restarted is refused again after its "
+            f"backoff): {error}"
         )
 
     def _decode_restarted(
@@ -1128,13 +1239,20 @@ class PrefillCore:
             self._timers.disarm((kind, request.key))
         outcome = "failed" if request.failure else "sent"
         any_unsettled = any(d.unsettled for d in (request.dests or {}).values())
-        self._tombstones[request.key] = (
-            outcome,
-            request.engine_id,
-            request.failure,
-            any_unsettled,
-            request.fingerprint,
-        )
+        tomb = _Tomb(outcome, request.engine_id, request.failure, any_unsettled, request.fingerprint, now)
+        past = request.past
+        if past is not None:  # what the key's earlier attempts saw stays answered
+            tomb.seen, tomb.told, tomb.prefills = past.seen, past.told, past.prefills
+            tomb.overflow = past.overflow
+        tomb.seen |= request.seen
+        for where, when in request.told.items():
+            tomb.told[where] = max(when, tomb.told.get(where, when))
+        if request.request_id:
+            tomb.prefills.add(request.request_id)
+        tomb.unfinished = not request.request_id  # ended before any prefill of it ended here
+        if len(tomb.seen) > MAX_SEEN:
+            tomb.overflow, tomb.seen = True, set()
+        self._tombstones[request.key] = tomb
         self._timers.arm(("tomb", request.key), now + self.s.registration_ttl_s)
         unsettled = {
             entry.agent

@@ -219,7 +219,9 @@ class PushSender(RankWorker):
             if key in self._keys:
                 return  # finished here: its push (or failure) reaches D as usual
         why = f"the prefill of {key!r} on P ended without a push: {reason}"
-        self.run_on_writer(lambda: self._guarded(key, lambda now: self.core.abandoned(key, why, now)))
+        self.run_on_writer(
+            lambda: self._guarded(key, lambda now: self.core.abandoned(key, why, now, request_id=request_id))
+        )
 
     def get_finished(self) -> PushResults:
         """Requests pushed (every WRITE done) or failed (with the reason) since the last call."""

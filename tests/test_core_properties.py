@@ -127,7 +127,13 @@ class PProc(Proc):
     core: Any = None
     posts: list[Post] = attrs.field(factory=list)
     finished: dict[str, str] = attrs.field(factory=dict)
-    """match key -> P request id of every prefill finished on this process."""
+    """match key -> P request id of the latest prefill finished on this process."""
+    prefills: dict[str, str] = attrs.field(factory=dict)
+    """P request id -> match key of every prefill finished (a retry finishes a key again)."""
+    reported: set[str] = attrs.field(factory=set)
+    """P request ids reported (each exactly once)."""
+    told: dict[str, str] = attrs.field(factory=dict)
+    """D agents loaded notify-only to tell them a refusal -> their incarnation."""
     reports: dict[str, list[str]] = attrs.field(factory=dict)
     boom: set[str] = attrs.field(factory=set)
     """Keys whose planning raises (a third-party plugin failing)."""
@@ -193,6 +199,8 @@ class Write:
     ok: bool = False
     settled: bool = False
     aborted: bool = False
+    attempt: str = ""
+    """The P request id (the attempt of the key) the WRITE belongs to."""
 
 
 @attrs.define(eq=False)
@@ -336,7 +344,7 @@ class CoreCluster(RuleBasedStateMachine):
             for name, inc in ranks.values():
                 if name == agent:
                     return inc
-        return None
+        return proc.told.get(agent) if isinstance(proc, PProc) else None
 
     def _send(self, src: Proc, agent: str, data: bytes) -> None:
         inc = self._loaded_inc(src, agent)
@@ -364,6 +372,10 @@ class CoreCluster(RuleBasedStateMachine):
                 self._p_report(p, action)
             elif isinstance(action, Connect):
                 assert action.ranks, f"P asked for a handshake naming no D rank: {action}"
+                for rank in action.ranks:  # the driver drops a notify-only agent first
+                    for d in self.d_procs:
+                        if d.tp_rank == rank.tp_rank:
+                            p.told.pop(d.agent, None)
                 self.handshakes.append((p, action))
             elif isinstance(action, DropPeer):
                 p.registry.pop(action.engine_id, None)
@@ -378,14 +390,15 @@ class CoreCluster(RuleBasedStateMachine):
 
     def _p_report(self, p: PProc, report: Report) -> None:
         key = report.key
-        if key not in p.finished or p.finished[key] != report.request_id:
+        if p.prefills.get(report.request_id) != key:
             raise Violation(f"P {p.agent} reported {report} for a prefill it never finished")
         outcomes = p.reports.setdefault(key, [])
         outcomes.append(report.outcome)
-        if len(outcomes) > 1:
-            raise Violation(f"P {p.agent} reported {key} {len(outcomes)} times: {outcomes}")
+        if report.request_id in p.reported:
+            raise Violation(f"P {p.agent} reported {report.request_id} ({key}) twice: {outcomes}")
+        p.reported.add(report.request_id)
         if report.outcome == "sent":
-            mine = [w for w in self.writes.values() if w.p is p and w.key == key]
+            mine = [w for w in self.writes.values() if w.p is p and w.attempt == report.request_id]
             for dst in destinations(p.rank.tp_rank, self.p_tp, self.d_tp):
                 ws = [w for w in mine if w.dst_rank == dst]
                 if not ws or not all(w.ok for w in ws):
@@ -549,6 +562,25 @@ class CoreCluster(RuleBasedStateMachine):
         mine.cancel_after_failed = mine.outcomes == ["failed"]
         self._run_d(d, d.core.cancel(req.rid, self.now(d)))
 
+    @precondition(lambda self: self.requests and self.live_d())
+    @rule(i=IDX, finish_first=st.booleans())
+    def retry(self, i: int, finish_first: bool) -> None:
+        """The engines retry a request that ended under the same match key: D adds it again
+        under a fresh id (as D aliases a reused one), P's engine finishes a new prefill of the
+        key (first, or after D registered)."""
+        old = self.requests[i % len(self.requests)]
+        if any(old.rid in d.requests and not d.requests[old.rid].outcomes for d in self.live_d()):
+            return  # still waited for on D: not a retry
+        if any(p.finished.get(old.key) and p.finished[old.key] not in p.reported for p in self.live_p()):
+            return  # P's prefill of the key is still being pushed
+        n = next(self.seq)
+        req = attrs.evolve(old, rid=f"{old.rid.split('#')[0]}#{n}", seq=n)
+        self.requests.append(req)
+        if finish_first and self.live_p():
+            self.prefill_finished(i=len(self.requests) - 1, j=0, one_rank=False, bind=False, boom=False)
+        for d in self.live_d():
+            self._add(d, req)
+
     # ------------------------------------------------------------------ the P engine
 
     @precondition(lambda self: self.requests and self.live_p())
@@ -564,12 +596,13 @@ class CoreCluster(RuleBasedStateMachine):
         req = self.requests[i % len(self.requests)]
         ps = self.live_p()
         for p in [ps[j % len(ps)]] if one_rank else ps:
-            if req.key in p.finished or req.seq < p.born:
+            if f"p-{req.rid}" in p.prefills or req.seq < p.born:
                 continue
             if boom:
                 p.boom.add(req.key)
                 boom = False  # one rank's plugin raises
             p.finished[req.key] = f"p-{req.rid}"
+            p.prefills[f"p-{req.rid}"] = req.key
             blocks = (tuple(range(req.nblocks)),)
             bound = D_ENGINE if bind else ""
             self._run_p(p, p.core.finished(req.key, f"p-{req.rid}", blocks, bound, self.now(p)))
@@ -598,6 +631,7 @@ class CoreCluster(RuleBasedStateMachine):
         n = chunks if packed else 1
         blocks = tuple(b for group in post.spec.remote_block_ids for b in group)
         handles = []
+        attempt = p.core._requests[post.key].request_id  # the prefill the core posts for
         for c in range(n):
             manifest = (
                 PackManifest(staging_offset=reg.staging_offset, regions=(0,), chunk=c, chunks=n)
@@ -617,6 +651,7 @@ class CoreCluster(RuleBasedStateMachine):
                 chunk=c,
                 chunks=n,
                 notif=wire.encode_done(reg.request_id, p.rank, self.p_tp, manifest),
+                attempt=attempt,
             )
             handles.append(handle)
         self._run_p(
@@ -714,11 +749,13 @@ class CoreCluster(RuleBasedStateMachine):
             self._run_d(proc, proc.core.notification(msg.src, note, self.now(proc)))
 
     @precondition(lambda self: self.handshakes)
-    @rule(i=IDX, ok=st.sampled_from([True] * 5 + [False]))
-    def handshake(self, i: int, ok: bool) -> None:
-        self._handshake(self.handshakes.pop(i % len(self.handshakes)), ok)
+    @rule(i=IDX, ok=st.sampled_from([True] * 5 + [False]), refused=st.booleans())
+    def handshake(self, i: int, ok: bool, refused: bool = False) -> None:
+        """A handshake ends: loaded, or failed; P's failing as a refusal of D's metadata with
+        D's agent loaded notify-only (``refused``), or with nothing read (unreachable)."""
+        self._handshake(self.handshakes.pop(i % len(self.handshakes)), ok, refused)
 
-    def _handshake(self, item: tuple[Proc, Connect], ok: bool) -> None:
+    def _handshake(self, item: tuple[Proc, Connect], ok: bool, refused: bool = False) -> None:
         proc, action = item
         if not proc.alive:
             return
@@ -731,7 +768,14 @@ class CoreCluster(RuleBasedStateMachine):
                 if loaded is None and ok and live is not None:
                     loaded = (live.agent, live.inc)
                     proc.registry.setdefault(action.engine_id, {})[r] = loaded
-                if loaded is None:
+                    proc.told.pop(live.agent, None)
+                if loaded is None and refused and live is not None:  # P refuses what it read
+                    proc.told[live.agent] = live.inc
+                    why = "refused: D rank's regions do not tile"
+                    self._run_p(
+                        proc, proc.core.connected(action.engine_id, r, live.agent, live.inc, 0, why, now)
+                    )
+                elif loaded is None:
                     self._run_p(proc, proc.core.connected(action.engine_id, r, "", "", 0, "refused", now))
                 else:
                     self._run_p(
@@ -794,8 +838,9 @@ class CoreCluster(RuleBasedStateMachine):
                 self._run_d(d, d.core.fail(req.rid, "internal error: RuntimeError: boom", self.now(d)))
         elif kind == "prefill_abandoned" and req is not None and ps:
             p = ps[j % len(ps)]  # the engine aborted the prefill before it finished
-            if req.key not in p.finished:
-                self._run_p(p, p.core.abandoned(req.key, "aborted by the prefill engine", self.now(p)))
+            if f"p-{req.rid}" not in p.prefills:
+                why, pid = "aborted by the prefill engine", f"p-{req.rid}"
+                self._run_p(p, p.core.abandoned(req.key, why, self.now(p), request_id=pid))
         elif kind == "prefill_rank_closes" and ps:
             p = ps[j % len(ps)]  # its worker's close(): the writer drains on, posting nothing more
             self._run_p(p, p.core.shutdown("the prefill worker closed", self.now(p)))
@@ -928,9 +973,9 @@ class CoreCluster(RuleBasedStateMachine):
             if any(sizes[k] for k in ("requests", "early", "timers", "quarantined")) or sizes["engines"] > 1:
                 raise Violation(f"D {d.agent} state did not drain: {sizes}")
         for p in self.live_p():
-            for key in p.finished:
-                if len(p.reports.get(key, [])) != 1:
-                    raise Violation(f"P {p.agent} reported {key} {p.reports.get(key, [])}")
+            for pid, key in p.prefills.items():
+                if pid not in p.reported:
+                    raise Violation(f"P {p.agent} never reported {pid} ({key}): {p.reports.get(key, [])}")
             sizes = p.core.state_sizes()
             if any(sizes[k] for k in ("requests", "stashed", "tombstones", "timers", "inflight")):
                 raise Violation(f"P {p.agent} state did not drain: {sizes}")
