@@ -144,6 +144,17 @@ def _fingerprint(request: Request) -> str | None:
         return None
 
 
+_PUSHABLE_NAMES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED", "FINISHED_REPETITION")
+"""Statuses of a request vLLM finished after sampling (``check_stop``): its prompt's KV is
+complete. Any other (aborted, errored, ignored) ended before its prefill finished."""
+
+
+def _pushable_statuses() -> frozenset[Any]:
+    from vllm.v1.request import RequestStatus
+
+    return frozenset(getattr(RequestStatus, name) for name in _PUSHABLE_NAMES if hasattr(RequestStatus, name))
+
+
 def _groups(block_ids: Any) -> BlockIds:
     return tuple(tuple(int(b) for b in group) for group in block_ids)
 
@@ -456,14 +467,12 @@ class _SchedulerSide:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        from vllm.v1.request import RequestStatus
-
         try:
             key = match_key(rid, params)
         except ConfigError as err:  # a client's bad field: no push, the engine goes on
             logger.error("request %s is not pushed: %s", rid, err)
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+        if request.status not in _pushable_statuses():
             # Aborted (client gone), errored or refused on P before its prefill finished: nothing
             # will be pushed, so D's registration is failed now rather than at its timeout.
             self._abandon_key(

@@ -215,3 +215,26 @@ def test_one_transfer_id_given_to_two_decode_engines(engines: Any, llama_dir: st
     run_until([p, d1, d2], lambda: not (p.busy() or d1.busy() or d2.busy()), "all idle", kv_producer=model)
     for engine in (p, d1, d2):
         assert_scheduler_empty(engine)
+
+
+def test_a_prefill_finished_by_repetition_detection_is_pushed(llama_dir: str) -> None:
+    """vLLM 0.33 finishes a request FINISHED_REPETITION from check_stop, as it does at a stop
+    token or max_tokens: the prompt's KV is complete, so P pushes it (abandoning it failed D's
+    request, which could have decoded)."""
+    from harness import EngineSpec, kv_cache_configs, vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import RequestStatus
+
+    from kvpush.engines.vllm import KvpushConnector
+
+    config = vllm_config(EngineSpec(model_dir=llama_dir, role="kv_producer", engine_id="P", port=5600))
+    kv_config, _ = kv_cache_configs(config)
+    connector = KvpushConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    request = make_request("rep-1", prompt(409, 40), 8, {"do_remote_decode": True, "transfer_id": "xfer-rep"})
+    request.status = RequestStatus.FINISHED_REPETITION
+    delay, params = connector.request_finished_all_groups(request, ([1, 2, 3, 4],))
+    assert delay and params is not None and params["transfer_id"] == "xfer-rep"
+    meta = connector.build_connector_meta(None)
+    assert set(meta.send) == {"rep-1"} and not meta.abandon
+    assert meta.send["rep-1"].block_ids == ((1, 2, 3),)  # the prompt's blocks
+    connector.shutdown()
