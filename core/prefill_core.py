@@ -865,9 +865,12 @@ class PrefillCore:
         out: list[Any] = []
         why = refusal.reason if told and refusal is not None else ""
 
-        def tell(entry: _Reg) -> None:
+        def tell(entry: _Reg, dest: _DestState | None = None) -> None:
+            # Nothing is posted to a rank P has not loaded for WRITEs; a destination an earlier
+            # load of it wrote (and that ended unsettled) still says so.
+            unsettled = dest is not None and (dest.unsettled or dest.state is _Dest.INFLIGHT)
             if told and entry.agent == told and entry.reg.decode_incarnation == refusal.incarnation:  # type: ignore[union-attr]
-                message = wire.encode_failed(entry.reg.request_id, self.s.rank, why, unsettled=False)
+                message = wire.encode_failed(entry.reg.request_id, self.s.rank, why, unsettled=unsettled)
                 out.append(Send(told, message))
 
         hello, hello_incarnation = engine.hellos.pop(rank, None), engine.hello_incarnations.pop(rank, None)
@@ -880,7 +883,7 @@ class PrefillCore:
             if rank in held:
                 tell(held.pop(rank))
             if request.engine_id == engine.engine_id and rank in request.regs:
-                tell(request.regs.pop(rank))
+                tell(request.regs.pop(rank), request.dests.get(rank) if request.dests else None)
                 if request.blocks is not None:
                     out += self._fail_request(request, f"handshake with D rank {rank} failed: {error}", now)
         return out
