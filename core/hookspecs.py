@@ -3,7 +3,9 @@
 Engines never call these directly: :class:`kvpush.core.manager.KvpushPluginManager` has one typed
 method per hook and applies the combining rule stated in each docstring. Implement a hook with
 ``from kvpush import hookimpl``; an implementation may accept any subset of the arguments.
-Never give an implementation's parameters default values: pluggy does not pass those.
+Never give an implementation's parameters default values: pluggy does not pass those. An
+implementation that raises anything but a kvpush error is reported as a ``PluginError`` naming
+its plugin and the hook.
 """
 
 from __future__ import annotations
@@ -82,7 +84,16 @@ def kvpush_layouts() -> Iterable[LayoutProvider]:
         - in-block order: ``block_order`` says how a block is laid out; ``heads_outer`` blocks
           hold ``num_heads`` equal head slices (``block_len`` divides by ``num_heads``),
           ``tokens_outer`` blocks one row per head per token (``block_tokens`` set); a
-          replicated region has ``num_heads == 1``.
+          replicated region has ``num_heads == 1``. A 4-D tensor given to ``tensor_region``
+          must have the declared block shape (``(heads, tokens, ...)`` or ``(tokens, heads,
+          ...)``).
+        - block geometry: a region declaring an order holds exactly ``num_heads x
+          model.block_size x model.head_dim`` elements of ``model.dtype`` per block (twice
+          for ``KV``): no padding in ``block_len``, one block per block id, ``model.dtype`` the
+          cache's own dtype (``kvpush.layouts.regions.block_geometry``).
+        - tensors: regions lie inside the tensors of ``kv_caches``, which are of
+          ``model.dtype``; call ``kvpush.layouts.regions.check_tensors`` in
+          ``describe_regions``.
 
         Optional ``allocate`` and ``demo_model`` let ``kvpush demo --layout NAME`` and
         ``kvpush.testing.run_cluster`` push with the layout.
@@ -141,7 +152,8 @@ def kvpush_validate_peer(
     :param local: this rank's metadata.
     :param peer: the peer rank's metadata.
     :param mode: the handshake mode (full handshakes check geometry; notif-only ones less).
-    :return: problem descriptions (each naming what is wrong and what to do), or None/empty.
+    :return: problem descriptions (each naming what is wrong and what to do), or None/empty;
+        a single string counts as one problem.
 
     Combining rule: all results are collected; any problem fails the handshake with one
     ``HandshakeError`` listing every problem.
@@ -167,7 +179,9 @@ def kvpush_align_regions(local: AgentMetadata, peer: AgentMetadata) -> RegionAli
 
     Combining rule: claim — all results are collected and exactly one plugin may claim; two
     claims raise ``PluginError`` naming both. With no claim the host pairs regions one to one,
-    which needs equal region counts (else ``HandshakeError``).
+    which needs equal region counts (else ``HandshakeError``). Every pair is then checked
+    (:func:`kvpush.core.peers.check_geometry`): same component, replication and KV-cache group
+    (block ids are per group), equal bytes per head.
     """
 
 
@@ -185,7 +199,9 @@ def kvpush_build_read_specs(job: PushJob) -> Sequence[ReadSpec] | None:
 
     :param job: the producer rank's metadata, D's TP size and both sides' block ids.
     :return: one :class:`~kvpush.core.types.ReadSpec` per destination rank, or None to leave
-        it to others.
+        it to others. Each carries ``job.local_block_ids`` and ``job.remote_block_ids``
+        unchanged (a plugin picks destinations and head slices, never blocks); other ids are a
+        ``PluginError`` naming the plugin, at the handshake and when P plans.
 
     Combining rule: first result wins (stops at the first non-None result; ``tryfirst``
     plugins are asked first). None from every plugin is an error. An empty list is an error

@@ -38,7 +38,7 @@ from kvpush.core.types import (
     ParallelConfig,
     RegionAlignment,
 )
-from kvpush.layouts.regions import local_heads, ordered_layers, tensor_region
+from kvpush.layouts.regions import check_tensors, local_heads, ordered_layers, tensor_region
 
 LAYOUT_NAME = "hma"
 MATCHING_KEY = "region_matching"
@@ -92,6 +92,7 @@ def describe_hma(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: 
         }
         for index, component in enumerate(("K", "V")):
             regions.append(tensor_region(tensor[index], component=component, **identity))
+    check_tensors(kv_caches, regions, model, layout="hma")
     return regions
 
 

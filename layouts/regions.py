@@ -46,7 +46,9 @@ from kvpush.core.types import KVRegion, ModelSpec, ParallelConfig
 
 __all__ = [
     "RULES",
+    "block_geometry",
     "check_regions",
+    "check_tensors",
     "layer_groups",
     "local_heads",
     "natural_key",
@@ -98,6 +100,7 @@ def tensor_region(tensor: Any, **identity: Any) -> KVRegion:
             f"blocks of {identity.get('layer_names')} are not contiguous in memory; each block "
             f"(tensor[b]) must be one contiguous span"
         )
+    _check_block_shape(tuple(tensor.shape), identity)
     element = tensor.element_size()
     return KVRegion(
         base_addr=tensor.data_ptr(),
@@ -108,6 +111,128 @@ def tensor_region(tensor: Any, **identity: Any) -> KVRegion:
         device_id=tensor.device.index or 0 if tensor.is_cuda else 0,
         **identity,
     )
+
+
+def _check_block_shape(shape: tuple[int, ...], identity: Mapping[str, Any]) -> None:
+    """The in-block order rule against a ``(blocks, a, b, ...)`` tensor's shape: a declared
+    ``heads_outer`` block's first dimension is its heads, a ``tokens_outer`` block's its tokens
+    (then heads). A one-head block is the same bytes either way; a block whose first two
+    dimensions are equal cannot be told apart, nor a flat one."""
+    order, heads = identity.get("block_order", "unspecified"), identity.get("num_heads", 1)
+    if len(shape) < 3 or heads == 1 or order not in ("heads_outer", "tokens_outer"):
+        return
+    names = identity.get("layer_names")
+    tokens = identity.get("block_tokens", 0)
+    block = shape[1:]
+    if order == "heads_outer" and block[0] != heads:
+        if len(block) >= 3 and block[1] == heads and block[0] == 2 and identity.get("component") == "KV":
+            hint = (
+                "K and V are outermost in its blocks ((2, heads, ...)): describe them as two "
+                "regions, tensor[:, 0] as component 'K' and tensor[:, 1] as 'V'"
+            )
+        elif len(block) >= 3 and block[1] == heads:
+            hint = f"its blocks look token-major: declare block_order='tokens_outer', block_tokens={block[0]}"
+        else:
+            hint = f"num_heads={heads} is not its first block dimension"
+        raise ConfigError(
+            f"region of {names} breaks the in-block order rule: it declares heads_outer (a "
+            f"block is (heads, ...), head h its h-th equal byte slice) but its tensor is "
+            f"{shape}; {hint}. Under heterogeneous TP a head slice of a wrongly declared block "
+            f"moves other bytes than that head's"
+        )
+    if order == "tokens_outer" and (block[0] != tokens or (len(block) >= 3 and block[1] != heads)):
+        raise ConfigError(
+            f"region of {names} breaks the in-block order rule: it declares tokens_outer with "
+            f"block_tokens={tokens} and num_heads={heads} (a block is (tokens, heads, ...)), "
+            f"but its tensor is {shape}"
+        )
+
+
+DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+}
+"""Bytes per element of the ``ModelSpec.dtype`` names the geometry rule knows (others: unchecked)."""
+
+
+def block_geometry(region: KVRegion, model: ModelSpec, *, tokens: int | None = None) -> str | None:
+    """Why a region that declares an in-block order does not hold what it declares (None: it
+    does): a ``heads_outer``/``tokens_outer`` block is ``num_heads`` heads x ``tokens`` tokens x
+    ``head_dim`` elements of ``model.dtype`` (twice that for a ``KV`` block), ``tokens``
+    being ``model.block_size`` (the default) or, with ``tokens=0``, any whole number of tokens
+    (a hybrid engine's groups may cut blocks into kernel blocks of their own size). A padded
+    block length, two blocks described as one, another element size than the model's or
+    another token count put head slices and block ids on other bytes than the peer's.
+    Undeclared regions move whole blocks only and are not checked."""
+    size = DTYPE_BYTES.get(model.dtype)
+    if region.block_order == "unspecified" or size is None:
+        return None
+    row = model.head_dim * size * (2 if region.component == "KV" else 1)
+    per_head, rest = divmod(region.block_len, region.num_heads * row)
+    want = model.block_size if tokens is None else tokens  # 0: any whole number of tokens
+    fits = not rest and per_head > 0 and (not want or per_head == want)
+    if region.block_order == "tokens_outer":
+        fits = fits and region.block_tokens == per_head
+    if fits:
+        return None
+    kv = ", K and V" if region.component == "KV" else ""
+    shape = f"{region.num_heads} head(s) x {want or 'a whole number of'} tokens x {row} B"
+    return (
+        f"{region.layer_names[0]} {region.component} declares {region.block_order} blocks of "
+        f"{region.block_len} B, but a block of the model is {shape} (head_dim {model.head_dim} "
+        f"of {model.dtype}{kv}). block_len must be one block's bytes exactly: without padding "
+        f"(put it in block_stride), one block per block id, in ModelSpec.dtype (the cache's "
+        f"dtype, e.g. an fp8 cache needs dtype='float8_e4m3fn'), with block_tokens = "
+        f"ModelSpec.block_size"
+    )
+
+
+def check_tensors(
+    kv_caches: Mapping[str, Any], regions: Sequence[KVRegion], model: ModelSpec, *, layout: str = "?"
+) -> None:
+    """Raise ``ConfigError`` when a KV tensor is not of ``model.dtype`` or a region reaches
+    outside every tensor of ``kv_caches`` (values are tensors, or objects with ``.tensor``).
+
+    ``model.dtype`` feeds the compatibility hash, so it must be the cache's own dtype: two
+    engines whose caches hold fp8 of different formats (or bf16 vs fp16) under one
+    ``ModelSpec`` exchange bytes the other reads as other numbers. A region outside the
+    tensors would have P write (or read) memory no block id names."""
+    spans = []
+    for key, value in kv_caches.items():
+        tensor = getattr(value, "tensor", value)
+        if not hasattr(tensor, "data_ptr") or not hasattr(tensor, "dtype"):
+            continue
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype != model.dtype:
+            raise ConfigError(
+                f"layout {layout!r}: KV cache {key!r} holds {dtype} but ModelSpec.dtype is "
+                f"{model.dtype!r}; ModelSpec.dtype must be the KV cache's dtype (both engines "
+                f"hash it: a peer whose cache holds another format would read these bytes as "
+                f"other numbers)"
+            )
+        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride()) if n)
+        start = tensor.data_ptr()
+        spans.append((start, start + extent * tensor.element_size()))
+    if not spans:
+        return
+    for index, region in enumerate(regions):
+        if not any(lo <= region.base_addr and region.end_addr <= hi for lo, hi in spans):
+            raise ConfigError(
+                f"layout {layout!r}: region {index} ({region.layer_names[0]} {region.component}) "
+                f"spans bytes [{region.base_addr:#x}, {region.end_addr:#x}) ({region.num_blocks} "
+                f"blocks of {region.block_len} B every {region.block_stride} B), outside every KV "
+                f"tensor it was described from; a WRITE would land in memory no block id names"
+            )
 
 
 def layer_groups(regions: Sequence[KVRegion]) -> list[tuple[tuple[str, ...], list[int]]]:
@@ -197,6 +322,7 @@ def check_regions(
                 f"{list(components)} but layer {first[0][0]!r} of the same KV group lists "
                 f"{list(first[1])}; every layer of a group lists the same components in the same order"
             )
+    one_group = len({r.kv_group for r in regions}) == 1 and (model is None or model.num_groups == 1)
     for index, region in enumerate(regions):
         what = f"region {index} ({region.layer_names[0]} {region.component})"
         if region.num_heads <= 0 or region.block_len % region.num_heads:
@@ -210,3 +336,6 @@ def check_regions(
                 f"{where} breaks the in-block order rule: {what} is replicated (every TP rank "
                 f"holds the same bytes) but says num_heads={region.num_heads}; use num_heads=1"
             )
+        why = None if model is None else block_geometry(region, model, tokens=None if one_group else 0)
+        if why is not None:
+            raise ConfigError(f"{where} breaks the in-block order rule: region {index}: {why}")

@@ -19,6 +19,7 @@ from typing import Any
 from kvpush.core.errors import ConfigError
 from kvpush.core.markers import hookimpl
 from kvpush.core.types import KVRegion, LayoutProvider, ModelSpec, ParallelConfig
+from kvpush.layouts.regions import check_tensors
 from kvpush.layouts.uniform import local_heads, natural_key, tensor_region
 
 LAYOUT_NAME = "token_major"
@@ -108,6 +109,7 @@ def describe_token_major(
                     block_tokens=model.block_size,
                 )
             )
+    check_tensors(kv_caches, regions, model, layout=LAYOUT_NAME)
     return regions
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from kvpush.core.errors import ConfigError
 from kvpush.core.markers import hookimpl
 from kvpush.core.types import KVRegion, LayoutProvider, ModelSpec, ParallelConfig
-from kvpush.layouts.regions import local_heads, natural_key, ordered_layers, tensor_region
+from kvpush.layouts.regions import check_tensors, local_heads, natural_key, ordered_layers, tensor_region
 
 __all__ = [  # the region helpers are re-exported from kvpush.layouts.regions, where they live
     "allocate_kv_caches",
@@ -68,6 +68,7 @@ def describe_uniform(
                     tensor[index], component=component, replicate=False, num_heads=heads, **identity
                 )
             )
+    check_tensors(kv_caches, regions, model, layout="uniform")
     return regions
 
 

@@ -24,7 +24,7 @@ from test_coverage import REFUSALS, build_decode, build_prefill, check_push
 
 import kvpush.transports.loopback
 from kvpush import hookimpl
-from kvpush.core.errors import HandshakeError
+from kvpush.core.errors import ConfigError, HandshakeError
 from kvpush.core.manager import KvpushPluginManager, get_plugin_manager
 from kvpush.core.receiver import PushReceiver
 from kvpush.core.sender import PushSender
@@ -279,6 +279,14 @@ class Push:
         self.receivers: dict[int, PushReceiver] = {}
         self.p_caches: dict[RankKey, dict[str, torch.Tensor]] = {}
         self.d_caches: dict[int, dict[str, torch.Tensor]] = {}
+        self.pp, self.p_tp = pp, p_tp
+        try:
+            self._start(pp, p_tp, d_tp, parallel_of, model_of, dtype_of)
+        except BaseException:
+            self.close()  # a rank refused to start: stop the ones that did
+            raise
+
+    def _start(self, pp: int, p_tp: int, d_tp: int, parallel_of: Any, model_of: Any, dtype_of: Any) -> None:
         gen = torch.Generator().manual_seed(7)
         for p in range(pp):
             for t in range(p_tp):
@@ -308,7 +316,6 @@ class Push:
             receiver.start()
             self.d_server.publish(parallel.rank, receiver.handshake_payload())
             self.receivers[t], self.d_caches[t] = receiver, caches
-        self.pp, self.p_tp = pp, p_tp
 
     def _config(self, engine: str, parallel: ParallelConfig, model: ModelSpec, port: int) -> WorkerConfig:
         return WorkerConfig(
@@ -468,11 +475,15 @@ def test_workers_alignment_plugin_on_p_only_pairing_two_regions_with_one_fails_t
     assert "an overlap" in caplog.text
 
 
-def test_workers_rank_whose_cache_dtype_is_not_the_models_fails_the_request() -> None:
+def test_workers_rank_whose_cache_dtype_is_not_the_models_refuses_to_start() -> None:
     """Stage 1 publishes the model's bfloat16 but holds float32 blocks (twice the bytes per
-    head): D's own check names the block length instead of waiting for P."""
-    outcome = run(dtype_of=lambda pp, tp: "float32" if pp == 1 else None)
-    assert "block length mismatch" in outcome[0], outcome
+    head). It used to start and D named the block length at its handshake; the layout now
+    refuses the rank at start, naming the dtype (a cache of another format with the same
+    element size, fp8 e4m3 vs e5m2, would have passed D's length check: see
+    tests/test_plugin_author_probe.py). D's own length check stays covered by the replay of
+    a rank publishing another dtype (test_replay_refuses_a_rank_with_other_model_geometry)."""
+    with pytest.raises(ConfigError, match=r"holds float32 but ModelSpec.dtype is 'bfloat16'"):
+        run(dtype_of=lambda pp, tp: "float32" if pp == 1 else None)
 
 
 def test_replay_refuses_ranks_whose_regions_hold_other_heads_than_their_tp_size_says() -> None:

@@ -29,7 +29,7 @@ from cluster import wait_until
 from test_coverage_adversarial import Push, with_plugins
 
 from kvpush import hookimpl
-from kvpush.core.errors import PluginError
+from kvpush.core.errors import ConfigError, PluginError
 from kvpush.core.manager import KvpushPluginManager
 from kvpush.core.peers import check_geometry
 from kvpush.core.receiver import PushReceiver
@@ -410,3 +410,261 @@ def test_a_validator_returning_one_string_is_one_problem(kvpush_pm_factory: Any)
     from kvpush.core.types import HandshakeMode
 
     assert pm.validate_peer(local, peer, HandshakeMode.FULL) == ["peer is too old"]
+
+
+# ------------------------------------------------------------------------------ layouts written from the docs
+
+DOC_MODEL = ModelSpec(name="doc-gqa", num_layers=2, num_kv_heads=4, head_dim=8, block_size=4)
+
+
+def describe_from_docs(
+    kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec
+) -> list[KVRegion]:
+    """docs/plugins.md's ``describe_split``, copied for an engine whose K and V tensors are
+    ``(num_blocks, block_size, heads, head_dim)`` (token-major): heads_outer, as in the guide."""
+    heads = local_heads(model, parallel)
+    regions = []
+    for position, layer in enumerate(sorted({k.rpartition(".")[0] for k in kv_caches}, key=natural_key)):
+        for component in ("K", "V"):
+            regions.append(
+                tensor_region(
+                    kv_caches[f"{layer}.{component.lower()}"],
+                    layer_names=(layer,),
+                    component=component,
+                    kv_group=model.group_of(parallel.start_layer + position),
+                    num_heads=heads,
+                    block_order="heads_outer",
+                )
+            )
+    return regions
+
+
+def nhd_caches(model: ModelSpec, tp_size: int, blocks: int = 8) -> dict[str, torch.Tensor]:
+    shape = (blocks, model.block_size, model.num_kv_heads // tp_size, model.head_dim)
+    return {f"layers.{i}.{c}": torch.zeros(shape, dtype=torch.bfloat16) for i in range(2) for c in "kv"}
+
+
+def test_a_docs_layout_declaring_heads_outer_for_token_major_tensors_is_refused() -> None:
+    """The NHD cache declared heads_outer passed every check and, under heterogeneous TP,
+    delivered other heads' bytes reported done (tests/test_block_order.py shows the delivery).
+    tensor_region now compares the declared order with the tensor's block shape."""
+    provider = LayoutProvider(name="from_docs", describe_regions=describe_from_docs)
+    parallel = ParallelConfig(tp_size=2, tp_rank=0, num_layers=2)
+    with pytest.raises(
+        ConfigError, match=r"declares heads_outer.*block_order='tokens_outer', block_tokens=4"
+    ):
+        provider.describe(nhd_caches(DOC_MODEL, 2), parallel, DOC_MODEL)
+    # the same tensors declared tokens_outer with the wrong token count are refused too
+    with pytest.raises(ConfigError, match="declares tokens_outer with block_tokens=2 and num_heads=2"):
+        tensor_region(
+            nhd_caches(DOC_MODEL, 2)["layers.0.k"],
+            layer_names=("layers.0",),
+            component="K",
+            num_heads=2,
+            block_order="tokens_outer",
+            block_tokens=2,
+        )
+
+
+def double_blocks(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec) -> list[KVRegion]:
+    """A layout whose regions describe two cache blocks as one (block length and stride a
+    multiple of the right ones), e.g. a scheduler block of two kernel blocks."""
+    from kvpush.layouts.uniform import describe_uniform
+
+    return [
+        attrs.evolve(
+            r, block_len=2 * r.block_len, block_stride=2 * r.block_stride, num_blocks=r.num_blocks // 2
+        )
+        for r in describe_uniform(kv_caches, parallel, model)
+    ]
+
+
+def padded(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec) -> list[KVRegion]:
+    """A layout over blocks padded to 64 B more than their KV, whose block_len includes it."""
+    from kvpush.layouts.uniform import describe_uniform
+
+    return [
+        attrs.evolve(
+            r, block_len=r.block_len + 64, block_stride=r.block_stride + 64, num_blocks=r.num_blocks - 1
+        )
+        for r in describe_uniform(kv_caches, parallel, model)
+    ]
+
+
+class GeometryLayouts:
+    @hookimpl
+    def kvpush_layouts(self) -> list[LayoutProvider]:
+        return [
+            LayoutProvider(name="double_blocks", describe_regions=double_blocks),
+            LayoutProvider(name="padded", describe_regions=padded),
+        ]
+
+
+def uniform_caches(model: ModelSpec, fill: bool, dtype: str | None = None) -> dict[str, torch.Tensor]:
+    from kvpush.layouts.uniform import allocate_kv_caches
+
+    caches = allocate_kv_caches(
+        attrs.evolve(model, dtype=dtype or model.dtype), ParallelConfig(tp_size=1, num_layers=2), 8
+    )
+    if fill:
+        gen = torch.Generator().manual_seed(3)
+        for tensor in caches.values():
+            tensor.view(torch.int8).copy_(
+                torch.randint(-100, 100, tensor.view(torch.int8).shape, generator=gen)
+            )
+    return caches
+
+
+def test_a_layout_describing_two_blocks_as_one_is_refused_before_writing_outside_ds_blocks() -> None:
+    """Both engines run the layout, so the peers agree and every check passed: D named blocks
+    0 and 2, and P's WRITE covered cache blocks 0-1 and 4-5 (reported done, blocks D never
+    named overwritten). The in-block order rule now refuses the layout when a rank starts."""
+    pm = with_plugins(("geometry", GeometryLayouts()))
+    d_caches = uniform_caches(DOC_MODEL, fill=False)
+    with pytest.raises(ConfigError, match=r"breaks the in-block order rule.*one block per block id"):
+        pair = Pair(
+            layout="double_blocks",
+            p_caches=uniform_caches(DOC_MODEL, fill=True),
+            d_caches=d_caches,
+            p_pm=pm,
+            d_pm=pm,
+            p_model=DOC_MODEL,
+        )
+        try:
+            pair.push(((3, 1),), ((0, 2),))
+        finally:
+            pair.close()
+    assert untouched(d_caches)
+
+
+def test_a_padded_block_length_is_refused() -> None:
+    provider = with_plugins(("geometry", GeometryLayouts())).layout("padded")
+    with pytest.raises(ConfigError, match=r"without padding \(put it in block_stride\)"):
+        provider.describe(
+            uniform_caches(DOC_MODEL, fill=False), ParallelConfig(tp_size=1, num_layers=2), DOC_MODEL
+        )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"block_size": 8}, "8 tokens"),  # the engine's blocks hold 4 tokens, the spec says 8
+        ({"head_dim": 4}, "head_dim 4"),
+        ({"dtype": "float32"}, "of float32"),
+    ],
+    ids=["block_size", "head_dim", "element_size"],
+)
+def test_a_model_spec_that_does_not_describe_the_cache_is_refused_at_start(change: dict, match: str) -> None:
+    """A docs-style layout (no shape check of its own) given a ModelSpec that is not its
+    cache's: the rank used to start, and was refused only at the peer's handshake when the
+    peer's bytes per head differed (never when both sides were misconfigured alike)."""
+    model = attrs.evolve(DOC_MODEL, **change)
+    caches = {
+        f"layers.{i}.{c}": t[j]
+        for i in range(2)
+        for j, c in enumerate("kv")
+        for t in [uniform_caches(DOC_MODEL, False)[f"layers.{i}"]]
+    }
+    provider = LayoutProvider(name="from_docs", describe_regions=describe_from_docs)
+    with pytest.raises(ConfigError, match=match):
+        provider.describe(caches, ParallelConfig(tp_size=1, num_layers=2), model)
+
+
+def test_fp8_caches_of_different_formats_under_one_model_spec_are_refused() -> None:
+    """P holds float8_e4m3fn, D float8_e5m2, both engines configured with the same ModelSpec
+    (dtype float8_e4m3fn): same bytes per head, so every check passed and D reported done with
+    bytes it reads as other numbers. D's layout now refuses its rank at start."""
+    model = attrs.evolve(DOC_MODEL, dtype="float8_e4m3fn")
+    pm = with_plugins()
+    with pytest.raises(
+        ConfigError, match=r"KV cache 'layers.0' holds float8_e5m2 but ModelSpec.dtype is 'float8_e4m3fn'"
+    ):
+        pair = Pair(
+            layout="uniform",
+            p_caches=uniform_caches(model, fill=True),
+            d_caches=uniform_caches(model, fill=False, dtype="float8_e5m2"),
+            p_pm=pm,
+            d_pm=pm,
+            p_model=model,
+        )
+        try:
+            pair.push(((3, 1),), ((0, 2),))
+        finally:
+            pair.close()
+
+
+def beyond_tensor(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec) -> list[KVRegion]:
+    """A layout that counts one block more than its tensors hold (an off-by-one)."""
+    from kvpush.layouts.uniform import describe_uniform
+
+    return [
+        attrs.evolve(r, num_blocks=r.num_blocks + 1) for r in describe_uniform(kv_caches, parallel, model)
+    ]
+
+
+def test_check_tensors_refuses_a_region_outside_its_tensors_and_a_foreign_dtype() -> None:
+    from kvpush.layouts.regions import check_tensors
+
+    caches = uniform_caches(DOC_MODEL, fill=False)
+    parallel = ParallelConfig(tp_size=1, num_layers=2)
+    with pytest.raises(ConfigError, match="outside every KV tensor"):
+        check_tensors(caches, beyond_tensor(caches, parallel, DOC_MODEL), DOC_MODEL, layout="beyond")
+    with pytest.raises(ConfigError, match=r"holds bfloat16 but ModelSpec.dtype is 'float16'"):
+        check_tensors(caches, [], attrs.evolve(DOC_MODEL, dtype="float16"))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="LayoutProvider.describe (core/types.py) does not call layouts.regions.check_tensors, "
+    "so a third-party layout's regions are not checked against its tensors (fix proposed: one call)",
+)
+def test_a_third_party_layout_counting_a_block_past_its_tensor_is_refused_at_start() -> None:
+    provider = LayoutProvider(name="beyond", describe_regions=beyond_tensor)
+    with pytest.raises(ConfigError, match="outside every KV tensor"):
+        provider.describe(
+            uniform_caches(DOC_MODEL, fill=False), ParallelConfig(tp_size=1, num_layers=2), DOC_MODEL
+        )
+
+
+def test_a_kv_region_whose_blocks_hold_k_then_v_is_refused() -> None:
+    """A layout over ``(blocks, 2, heads, tokens, head_dim)`` tensors (K then V inside each
+    block) that describes one ``KV`` region per layer, heads_outer: its bytes per block are
+    right, so it passed every check, and P TP1 -> D TP2 gave D rank 0 the K of every head in
+    place of its K and V (both D ranks reported done, in a loopback run of this layout).
+    tensor_region now names the fix (two regions). With 2 heads per rank the two shapes are
+    the same and cannot be told apart (a residual risk the docs state)."""
+    tensor = torch.zeros(8, 2, 4, 4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"K and V are outermost.*tensor\[:, 0\] as component 'K'"):
+        tensor_region(
+            tensor, layer_names=("layers.0",), component="KV", num_heads=4, block_order="heads_outer"
+        )
+
+
+def test_the_geometry_rule_accepts_vllm_hybrid_kernel_blocks_of_their_own_size() -> None:
+    """With several KV groups a group's kernel blocks may hold fewer tokens than the model's
+    block (vLLM's sliding-window group at half size): whole tokens pass, a padded length does
+    not."""
+    from kvpush.layouts.regions import check_regions
+    from kvpush.layouts.vllm import VllmLayerCache, describe_vllm
+
+    kinds = ("full", "sliding_window", "full", "sliding_window")
+    model = ModelSpec(
+        name="hybrid", num_layers=4, num_kv_heads=4, head_dim=8, block_size=16,
+        layer_groups=(0, 1, 0, 1), layer_kinds=kinds,
+    )  # fmt: skip
+    tensors = [torch.zeros(64, 4, 16, 16, dtype=torch.bfloat16) for _ in range(2)]
+    caches = {
+        f"model.layers.{i}.self_attn.attn": VllmLayerCache(
+            tensor=tensors[i // 2] if i % 2 == 0 else tensors[i // 2].view(128, 4, 8, 16),
+            group=i % 2,
+            attention_kind=kinds[i],
+            blocks_per_logical=1 + i % 2,
+        )
+        for i in range(4)
+    }
+    parallel = ParallelConfig(tp_size=1, tp_rank=0, num_layers=4)
+    regions = describe_vllm(caches, parallel, model)
+    check_regions(regions, parallel, model, layout="vllm")
+    padded_regions = [attrs.evolve(r, block_len=r.block_len - 64) for r in regions]
+    with pytest.raises(ConfigError, match="a whole number of tokens"):
+        check_regions(padded_regions, parallel, model, layout="vllm")
