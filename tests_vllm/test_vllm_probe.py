@@ -238,3 +238,52 @@ def test_a_prefill_finished_by_repetition_detection_is_pushed(llama_dir: str) ->
     assert set(meta.send) == {"rep-1"} and not meta.abandon
     assert meta.send["rep-1"].block_ids == ((1, 2, 3),)  # the prompt's blocks
     connector.shutdown()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core/decode_core.py keys P engines by engine_id alone: a request naming a known id at "
+    "another address is registered with the known engine (fix proposed to core's owner)",
+)
+def test_two_prefill_engines_sharing_one_engine_id(llama_dir: str) -> None:
+    """Two P engines started with one engine_id (one config file deployed twice): D's request
+    naming the second engine's address must not be registered with the first (which never
+    pushes it: D would wait for its registration timeout and P's blocks for their lease). It is
+    received byte-exact from the engine it names, or fails at once naming the conflict."""
+    from conftest import free_port
+    from harness import EngineSpec
+
+    made: list[Engine] = []
+    try:
+        for _ in range(2):
+            spec = EngineSpec(
+                model_dir=llama_dir, role="kv_producer", engine_id="prefill-shared", port=free_port()
+            )
+            made.append(Engine(spec))
+        d_spec = EngineSpec(
+            model_dir=llama_dir,
+            role="kv_consumer",
+            engine_id=f"decode-{free_port()}",
+            port=free_port(),
+            extra={"push_registration_timeout": 60},
+        )
+        d = Engine(d_spec)
+        made.append(d)
+        p_a, p_b = made[0], made[1]
+        model = PrefillModel()
+        for p in (p_a, p_b):  # one request through each P engine, in turn
+            tokens = prompt(410 + len(d.finished_recving), 40)
+            key = f"xfer-shared-id-{suffix()}"
+            p_id, d_id = f"cmpl-shared-{suffix()}", f"cmpl-shared-{suffix()}"
+            p.add(make_request(p_id, tokens, 1, {"do_remote_decode": True, "transfer_id": key}))
+            d.add(make_request(d_id, tokens, 3, d_params(p, transfer_id=key)))
+            started = time.monotonic()
+            while d_id not in d.finished_recving:
+                assert time.monotonic() - started < 30, f"D's request to {p.port} waited for its timeout"
+                p.step(model)
+                d.step()
+            if d_id not in d.failed_recving:
+                verify(d, d_id, tokens)
+    finally:
+        for engine in reversed(made):
+            engine.close()
