@@ -434,3 +434,40 @@ def test_an_engine_request_named_like_the_hello_is_registered_under_an_alias() -
             assert torch.equal(kv_bytes(got)[:, [1]], kv_bytes(pair.p_caches[layer])[:, [2]]), layer
     finally:
         pair.close()
+
+
+# ------------------------------------------------------------------------------ rank processes
+
+
+def test_across_processes_d_hears_ps_refusal_of_a_payload_contradicting_its_hash() -> None:
+    """P and D as separate rank processes over real NIXL. D's side channel serves a payload
+    whose model contradicts its compatibility hash (mixed builds, a tampered payload): D's own
+    handshake (of P) passes, P's full handshake of D refuses it. D's request fails within a
+    round trip naming P's check, not at its HELLO bound; D restarted with a sound payload (a new
+    incarnation) is pushed byte for byte."""
+    import msgpack
+
+    from engines import Engines
+    from kvpush.core.sidechannel import fetch_metadata
+
+    with Engines(request_timeout_s=60, handshake_timeout_s=HANDSHAKE_TIMEOUT_S) as engines:
+        payload = fetch_metadata("127.0.0.1", engines.d_server.port, RankKey(0, 0))
+        outer = msgpack.unpackb(payload, raw=False)
+        inner = msgpack.unpackb(outer["meta"], raw=False)
+        inner["model"]["head_dim"] *= 2  # the hash stays the sound model's
+        outer["meta"] = msgpack.packb(inner, use_bin_type=True)
+        engines.d_server.publish(RankKey(0, 0), msgpack.packb(outer, use_bin_type=True))
+        engines.plan("r-1", [1, 2], [3, 4])
+        engines.add("r-1")
+        took = engines.wait_decode(["r-1"], timeout_s=HANDSHAKE_TIMEOUT_S + 10)
+        kind, reason = engines.decode_outcome("r-1")[RankKey(0, 0)]
+        assert kind == "failed" and "refused this D rank's handshake metadata" in reason, reason
+        assert "publishes a model that differs" in reason and "head_dim" in reason, reason
+        assert took < 5, f"D learned of P's refusal after {took:.1f}s"
+        engines.restart_decode()  # sound metadata, a new incarnation under the same names
+        engines.plan("r-2", [5, 6], [7, 8])
+        engines.add("r-2")
+        engines.finish("r-2")
+        engines.wait_decode(["r-2"], timeout_s=20)
+        kind, verified = engines.decode_outcome("r-2")[RankKey(0, 0)]
+        assert kind == "done" and verified["ok"], verified
