@@ -531,6 +531,8 @@ class Engine:
         self.steps = 0
         self.reported: dict[tuple[int, str], set[str]] = {}
         """Request ids each worker reported in finished_sending / finished_recving."""
+        self.failed_by_rank: dict[int, set[str]] = {}
+        """Request ids each worker reported in failed_recving (vLLM's aggregator unites them)."""
 
     @property
     def port(self) -> int:
@@ -571,6 +573,7 @@ class Engine:
                 again = seen & set(ids or ())
                 assert not again, f"worker {worker.rank} reported finished_{kind} twice: {sorted(again)}"
                 seen.update(ids or ())
+            self.failed_by_rank.setdefault(worker.rank, set()).update(kv.failed_recving or ())
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:

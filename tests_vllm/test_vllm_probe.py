@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from harness import Engine, PrefillModel, assert_scheduler_empty, make_request, prompt, run_until, suffix
-from test_vllm_adversarial import d_params, drain, verify
+from test_vllm_adversarial import FAULTY_NONE, d_params, drain, verify
 
 
 def forget_reports(engine: Engine, rid: str) -> None:
@@ -287,3 +287,42 @@ def test_two_prefill_engines_sharing_one_engine_id(llama_dir: str) -> None:
     finally:
         for engine in reversed(made):
             engine.close()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_tp2_receives_where_some_ranks_fail_and_others_land(
+    engines: Any, llama_dir: str, policy: str
+) -> None:
+    """P TP2 -> D TP2 with half of P's WRITEs failing: a request one D rank received and the
+    other failed reaches vLLM failed (once, when both ranks reported: vLLM's aggregator sees
+    the failed rank's report first), never as received; one both ranks received holds P's KV
+    byte-exact on each. Both engines end clean."""
+    flaky = {"transport": "faulty", "transport_options": {"inner": "nixl", "fail_writes": 0.5, "seed": 7}}
+    p = engines(llama_dir, "kv_producer", tp=2, extra=flaky)
+    d = engines(llama_dir, "kv_consumer", tp=2, extra=FAULTY_NONE, policy=policy)
+    model = PrefillModel()
+    requests = []
+    for i in range(10):
+        tokens = prompt(420 + i, 40 + 7 * i)
+        p_id, d_id = f"cmpl-half-{i}-{suffix()}", f"cmpl-half-{i}-{suffix()}"
+        p.add(make_request(p_id, tokens, 1, {"do_remote_decode": True, "transfer_id": f"xfer-half-{i}"}))
+        d.add(make_request(d_id, tokens, 3, d_params(p, transfer_id=f"xfer-half-{i}")))
+        requests.append((d_id, tokens))
+    checked: set[str] = set()
+    started = time.monotonic()
+    while len(checked) < len(requests):
+        assert time.monotonic() - started < 60, "D requests waited for their timeout"
+        p.step(model)
+        d.step()
+        for d_id, tokens in requests:
+            if d_id in d.finished_recving and d_id not in checked:
+                checked.add(d_id)
+                if d_id not in d.failed_recving:
+                    verify(d, d_id, tokens)
+    failed = {d_id for d_id, _ in requests} & d.failed_recving
+    by_rank = [d.failed_by_rank.get(rank, set()) for rank in (0, 1)]
+    assert failed == by_rank[0] | by_rank[1], "a rank's failure did not reach vLLM"
+    assert by_rank[0] ^ by_rank[1], "no request was received by one D rank and failed by the other"
+    drain(p, d, model)
+    for d_id in failed:
+        assert d.finish_reason(d_id) == ("error" if policy == "fail" else "length")
