@@ -326,3 +326,60 @@ def test_tp2_receives_where_some_ranks_fail_and_others_land(
     drain(p, d, model)
     for d_id in failed:
         assert d.finish_reason(d_id) == ("error" if policy == "fail" else "length")
+
+
+def test_a_request_id_reused_after_an_abort_with_a_write_in_flight(engines: Any, llama_dir: str) -> None:
+    """D aborts request X while P's WRITE into it is held (2 s); once vLLM freed X, the client
+    sends X again (same request id, a new dispatch). Nothing of the first push may complete or
+    land in the retry: the retry holds its own prompt's KV byte-exact, and the first request's
+    blocks, handed back to vLLM, receive nothing after the release."""
+    slow = {
+        "transport": "faulty",
+        "transport_options": {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 2.0},
+    }
+    p = engines(llama_dir, "kv_producer", extra=slow)
+    d = engines(llama_dir, "kv_consumer", extra=FAULTY_NONE)
+    model = PrefillModel()
+    from vllm.v1.request import RequestStatus
+
+    rid = f"cmpl-reuse-inflight-{suffix()}"
+    first = prompt(430, 64)
+    p.add(
+        make_request(
+            f"cmpl-ri-p0-{suffix()}", first, 1, {"do_remote_decode": True, "transfer_id": "xfer-ri-0"}
+        )
+    )
+    d.add(make_request(rid, first, 3, d_params(p, transfer_id="xfer-ri-0")))
+    run_until([p, d], lambda: d.stats.get("push_regs_sent", 0) >= 1, "D to register", kv_producer=model)
+    step_for([p, d], 0.7, model)  # P finished the prefill and posted the held WRITE
+    old_blocks = d.block_ids(rid)[0]
+    d.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+    run_until(
+        [p, d], lambda: rid not in d.scheduler.requests, "vLLM to free the aborted request", kv_producer=model
+    )
+    forget_reports(d, rid)
+    for worker in d.workers:
+        worker.call("fill", block_ids=old_blocks, value=0x5A5A)
+    second = prompt(431, 64)
+    p_id = f"cmpl-ri-p1-{suffix()}"
+    p.add(make_request(p_id, second, 1, {"do_remote_decode": True, "transfer_id": "xfer-ri-1"}))
+    d.add(make_request(rid, second, 3, d_params(p, transfer_id="xfer-ri-1")))
+    run_until([p, d], lambda: rid in d.finished_recving, "D to end the retry", kv_producer=model)
+    assert rid not in d.failed_recving, "the retry failed"
+    verify(d, rid, second)
+    reused = set(old_blocks) & set(d.block_ids(rid)[0])
+    for worker in d.workers:
+        untouched = [b for b in old_blocks if b not in reused]
+        assert worker.call("holds", block_ids=untouched, value=0x5A5A), (
+            "the first push landed after the release"
+        )
+    drain(p, d, model)
+    assert p_id in p.finished_sending
+
+
+def step_for(engines_: list[Engine], seconds: float, model: PrefillModel) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for engine in engines_:
+            engine.step(model if engine.spec.role == "kv_producer" else None)
+        time.sleep(0.002)
