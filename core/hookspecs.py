@@ -80,7 +80,7 @@ def kvpush_layouts() -> Iterable[LayoutProvider]:
           natural name order), because PP slicing pairs a stage's regions with a window of the
           decode side's list by position.
         - components: distinct inside a layer (``K``, ``V``, ``KV``, ``latent``), the same
-          sequence for every layer of a KV group.
+          sequence for every layer of a KV group; regions of one group never share bytes.
         - in-block order: ``block_order`` says how a block is laid out; ``heads_outer`` blocks
           hold ``num_heads`` equal head slices (``block_len`` divides by ``num_heads``),
           ``tokens_outer`` blocks one row per head per token (``block_tokens`` set); a

@@ -482,10 +482,11 @@ class KvpushPluginManager:
 
 
 def _raised(plugin: str, hook_name: str, err: Exception) -> PluginError:
-    return PluginError(
-        f"plugin {plugin!r} raised {type(err).__name__} in {hook_name}: {err}. Fix the plugin, or "
-        f"skip it with {DISABLE_ENV}={plugin} on both engines"
-    )
+    if plugin in BUILTIN_PLUGINS:
+        fix = "this is a kvpush bug: report it with the traceback"
+    else:
+        fix = f"fix the plugin, or skip it with {DISABLE_ENV}={plugin} on both engines"
+    return PluginError(f"plugin {plugin!r} raised {type(err).__name__} in {hook_name}: {err}; {fix}")
 
 
 def _block_ids_changed(plugin: str, job: PushJob, spec: ReadSpec) -> str:

@@ -24,7 +24,7 @@ The layout rules (:data:`RULES`), checked by :func:`check_regions` whenever a ra
     Inside a layer each region has a distinct ``component`` (``K``, ``V``, ``KV`` or
     ``latent``), and every layer lists the same components in the same order (a layer of
     another KV group may differ; semantic matching pairs by ``(layer_names, kv_group,
-    component)``).
+    component)``). Regions of one KV group never share bytes (groups may overlay each other).
 ``in-block order``
     A region declares how its blocks are laid out (``KVRegion.block_order``,
     :mod:`kvpush.core.block_order`): ``heads_outer`` (``(heads, tokens, head_dim)``, "HND"; head
@@ -32,7 +32,12 @@ The layout rules (:data:`RULES`), checked by :func:`check_regions` whenever a ra
     (``(tokens, heads, head_dim)``, "NHD", with ``block_tokens``; a head slice is one range per
     token). A region that declares neither moves whole blocks only: heterogeneous TP is refused
     at handshake. ``block_len`` must divide by ``num_heads``; a replicated region (MLA latent)
-    has ``num_heads == 1``.
+    has ``num_heads == 1``. A region that declares an order holds exactly ``num_heads`` x
+    ``model.block_size`` tokens x ``head_dim`` of ``model.dtype`` per block (twice for ``KV``;
+    with several KV groups, any whole number of tokens): :func:`block_geometry`.
+    :func:`tensor_region` checks a tensor's block shape against the declared order, and
+    :func:`check_tensors` (called by the built-in layouts) that tensors are of ``model.dtype``
+    and hold every region.
 """
 
 from __future__ import annotations
@@ -197,6 +202,37 @@ def block_geometry(region: KVRegion, model: ModelSpec, *, tokens: int | None = N
     )
 
 
+def _shared_bytes(regions: Sequence[KVRegion]) -> tuple[int, int] | None:
+    """Two regions of one KV group whose blocks share a byte (indices), or None. Groups may
+    overlay each other (vLLM's hybrid groups view one tensor); regions of a group may not."""
+    order = sorted(range(len(regions)), key=lambda i: (regions[i].kv_group, regions[i].base_addr))
+    active: list[int] = []
+    found: list[tuple[int, int]] = []
+    for i in order:
+        region = regions[i]
+        active = [
+            j
+            for j in active
+            if regions[j].kv_group == region.kv_group and regions[j].end_addr > region.base_addr
+        ]
+        found += [(min(i, j), max(i, j)) for j in active if _blocks_meet(regions[j], region)]
+        active.append(i)
+    return min(found, default=None)  # the first pair in the layout's own order
+
+
+def _blocks_meet(a: KVRegion, b: KVRegion) -> bool:
+    """Whether a block of ``a`` and a block of ``b`` share a byte (their spans overlap)."""
+    import numpy as np
+
+    small, big = (a, b) if a.num_blocks <= b.num_blocks else (b, a)
+    starts = small.base_addr + np.arange(small.num_blocks, dtype=np.int64) * small.block_stride
+    ends = starts + small.block_len
+    stride, base = big.block_stride, big.base_addr
+    lo = np.maximum((starts - base - big.block_len) // stride + 1, 0)  # first big block ending past start
+    hi = np.minimum(-((base - ends) // stride) - 1, big.num_blocks - 1)  # last one starting before end
+    return bool(np.any(lo <= hi))
+
+
 def check_tensors(
     kv_caches: Mapping[str, Any], regions: Sequence[KVRegion], model: ModelSpec, *, layout: str = "?"
 ) -> None:
@@ -339,3 +375,13 @@ def check_regions(
         why = None if model is None else block_geometry(region, model, tokens=None if one_group else 0)
         if why is not None:
             raise ConfigError(f"{where} breaks the in-block order rule: region {index}: {why}")
+    shared = _shared_bytes(regions)
+    if shared is not None:
+        i, j = shared
+        a, b = regions[i], regions[j]
+        raise ConfigError(
+            f"{where} breaks the components rule: region {i} ({a.layer_names[0]} {a.component}) "
+            f"and region {j} ({b.layer_names[0]} {b.component}) of KV group {a.kv_group} share "
+            f"bytes; each region is its own memory (K of tensor[0], V of tensor[1], ...). Two "
+            f"regions over one tensor get one side's bytes written twice and the other's never"
+        )

@@ -668,3 +668,87 @@ def test_the_geometry_rule_accepts_vllm_hybrid_kernel_blocks_of_their_own_size()
     padded_regions = [attrs.evolve(r, block_len=r.block_len - 64) for r in regions]
     with pytest.raises(ConfigError, match="a whole number of tokens"):
         check_regions(padded_regions, parallel, model, layout="vllm")
+
+
+def k_twice(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec) -> list[KVRegion]:
+    """A copy-paste slip: V described over ``tensor[0]`` too. Both engines run it, so every
+    check passed; a loopback push reported done with K's bytes in D's K (twice) and D's V
+    never written."""
+    from kvpush.layouts.regions import ordered_layers
+
+    heads = local_heads(model, parallel)
+    return [
+        tensor_region(tensor[0], layer_names=(name,), component=c, num_heads=heads, block_order="heads_outer")
+        for name, tensor in ordered_layers(kv_caches, parallel)
+        for c in ("K", "V")
+    ]
+
+
+def kv_interleaved(
+    kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec
+) -> list[KVRegion]:
+    """K and V interleaved block by block, ``(blocks, 2, heads, tokens, head_dim)``, described
+    right: K is ``tensor[:, 0]``, V ``tensor[:, 1]`` (spans overlap, bytes do not)."""
+    from kvpush.layouts.regions import ordered_layers
+
+    heads = local_heads(model, parallel)
+    return [
+        tensor_region(
+            tensor[:, i], layer_names=(name,), component=c, num_heads=heads, block_order="heads_outer"
+        )
+        for name, tensor in ordered_layers(kv_caches, parallel)
+        for i, c in enumerate(("K", "V"))
+    ]
+
+
+def test_regions_sharing_bytes_are_refused_and_interleaved_k_v_are_not() -> None:
+    parallel = ParallelConfig(tp_size=1, num_layers=2)
+    stacked = {f"layers.{i}": torch.zeros(2, 8, 4, 4, 8, dtype=torch.bfloat16) for i in range(2)}
+    provider = LayoutProvider(name="k_twice", describe_regions=k_twice)
+    with pytest.raises(
+        ConfigError, match=r"region 0 \(layers.0 K\) and region 1 \(layers.0 V\) .* share bytes"
+    ):
+        provider.describe(stacked, parallel, DOC_MODEL)
+    interleaved = {f"layers.{i}": torch.zeros(8, 2, 4, 4, 8, dtype=torch.bfloat16) for i in range(2)}
+    regions = LayoutProvider(name="kv_interleaved", describe_regions=kv_interleaved).describe(
+        interleaved, parallel, DOC_MODEL
+    )
+    assert [r.block_stride for r in regions] == [2 * regions[0].block_len] * 4
+
+
+class DocsLayout:
+    @hookimpl
+    def kvpush_layouts(self) -> list[LayoutProvider]:
+        return [LayoutProvider(name="from_docs", describe_regions=describe_from_docs)]
+
+
+def hnd_caches(fill: bool, pad: int) -> dict[str, torch.Tensor]:
+    """K and V ``(blocks, heads, tokens, head_dim)`` per layer; with ``pad``, each block is
+    followed by ``pad`` unused elements (a padded block stride)."""
+    heads, tokens, dim, blocks = DOC_MODEL.num_kv_heads, DOC_MODEL.block_size, DOC_MODEL.head_dim, 8
+    caches = {}
+    for i, name in enumerate(f"layers.{layer}.{c}" for layer in range(2) for c in "kv"):
+        storage = (
+            random_bf16(blocks, heads * tokens * dim + pad, seed=i)
+            if fill
+            else torch.zeros(blocks, heads * tokens * dim + pad, dtype=torch.bfloat16)
+        )
+        caches[name] = storage[:, : heads * tokens * dim].unflatten(1, (heads, tokens, dim))
+    return caches
+
+
+def test_a_padded_block_stride_on_one_side_only_pushes_exactly_over_nixl() -> None:
+    """P's blocks are padded (stride > length), D's are not: tensor_region takes the padding
+    into block_stride, and every byte of D's named blocks is P's, nothing else written."""
+    pm = with_plugins(("docs", DocsLayout()))
+    p_caches, d_caches = hnd_caches(fill=True, pad=24), hnd_caches(fill=False, pad=0)
+    pair = Pair(layout="from_docs", p_caches=p_caches, d_caches=d_caches, p_pm=pm, d_pm=pm, p_model=DOC_MODEL)
+    try:
+        assert pair.push(((3, 1, 6),), ((0, 2, 5),)) is None
+    finally:
+        pair.close()
+    for name, got in d_caches.items():
+        assert torch.equal(got[[0, 2, 5]].view(torch.int16), p_caches[name][[3, 1, 6]].view(torch.int16)), (
+            name
+        )
+        assert not got[[1, 3, 4, 6, 7]].view(torch.int16).any(), name
