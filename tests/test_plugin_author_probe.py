@@ -752,3 +752,44 @@ def test_a_padded_block_stride_on_one_side_only_pushes_exactly_over_nixl() -> No
             name
         )
         assert not got[[1, 3, 4, 6, 7]].view(torch.int16).any(), name
+
+
+class PassThrough:
+    """A read-spec plugin that answers what the built-in TP mapping would (equal TP)."""
+
+    @hookimpl(tryfirst=True)
+    def kvpush_build_read_specs(self, job: PushJob) -> list[ReadSpec] | None:
+        if job.local.parallel.tp_size != job.decode_tp_size:
+            return None
+        return [
+            ReadSpec(
+                dst_tp_rank=job.local.parallel.tp_rank,
+                local_block_ids=job.local_block_ids,
+                remote_block_ids=job.remote_block_ids,
+            )
+        ]
+
+
+def test_two_read_spec_plugins_answering_in_another_order_on_each_side_never_deliver(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two first-result plugins load in another order on P and D (entry points found in another
+    order): D's replay takes the pass-through answer and accepts, P's takes the swapping one.
+    P's own handshake check refuses it; nothing is written."""
+    swap, same = probe_plugins.SwappedBlockIds(), PassThrough()
+    p_pm = with_plugins(("same", same), ("swap", swap))  # pluggy asks the last registered first
+    d_pm = with_plugins(("swap", swap), ("same", same))
+    with caplog.at_level(logging.WARNING):
+        outcome = run_push(pp=1, p_pm=p_pm, d_pm=d_pm)
+    assert all(outcome.values()), outcome
+    assert "'swap' swaps P's and D's block ids" in caplog.text + "".join(map(str, outcome.values()))
+
+
+def run_push(**kwargs: Any) -> dict[int, str | None]:
+    push = Push(**kwargs)
+    try:
+        outcome = push.push(timeout_s=30)
+        push.assert_exact_or_failed(outcome)
+    finally:
+        push.close()
+    return outcome
