@@ -588,8 +588,9 @@ class LayoutProvider:
         self, kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec
     ) -> tuple[KVRegion, ...]:
         """``describe_regions`` checked against the layout rules; a broken rule is a ``ConfigError``."""
-        from kvpush.layouts.regions import check_regions
+        from kvpush.layouts.regions import check_regions, check_tensors
 
         regions = tuple(self.describe_regions(kv_caches, parallel, model))
         check_regions(regions, parallel, model, layout=self.name)
+        check_tensors(kv_caches, regions, model, layout=self.name)
         return regions

@@ -613,17 +613,23 @@ def test_check_tensors_refuses_a_region_outside_its_tensors_and_a_foreign_dtype(
         check_tensors(caches, [], attrs.evolve(DOC_MODEL, dtype="float16"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LayoutProvider.describe (core/types.py) does not call layouts.regions.check_tensors, "
-    "so a third-party layout's regions are not checked against its tensors (fix proposed: one call)",
-)
+def last_beyond(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec) -> list[KVRegion]:
+    """An off-by-one in the last region only: it shares no bytes with another region."""
+    from kvpush.layouts.uniform import describe_uniform
+
+    regions = describe_uniform(kv_caches, parallel, model)
+    return [*regions[:-1], attrs.evolve(regions[-1], num_blocks=regions[-1].num_blocks + 1)]
+
+
 def test_a_third_party_layout_counting_a_block_past_its_tensor_is_refused_at_start() -> None:
-    provider = LayoutProvider(name="beyond", describe_regions=beyond_tensor)
+    """``LayoutProvider.describe`` checks every layout's regions against its tensors
+    (``check_tensors``), not only the built-in layouts that call it themselves."""
+    parallel = ParallelConfig(tp_size=1, num_layers=2)
+    caches = uniform_caches(DOC_MODEL, fill=False)
+    with pytest.raises(ConfigError, match=r"outside every KV tensor|share bytes"):
+        LayoutProvider(name="beyond", describe_regions=beyond_tensor).describe(caches, parallel, DOC_MODEL)
     with pytest.raises(ConfigError, match="outside every KV tensor"):
-        provider.describe(
-            uniform_caches(DOC_MODEL, fill=False), ParallelConfig(tp_size=1, num_layers=2), DOC_MODEL
-        )
+        LayoutProvider(name="last-beyond", describe_regions=last_beyond).describe(caches, parallel, DOC_MODEL)
 
 
 def test_a_kv_region_whose_blocks_hold_k_then_v_is_refused() -> None:
