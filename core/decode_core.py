@@ -909,6 +909,7 @@ class DecodeCore:
         engine.info = None
         engine.stamps.clear()
         engine.stamped.clear()
+        engine.stamp_seq.clear()
         engine.heard.clear()
         engine.hello_pending.clear()
 
