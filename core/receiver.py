@@ -391,20 +391,18 @@ class PushReceiver(RankWorker):
     # ------------------------------------------------------------------ handshakes
 
     def _connect(self, action: Connect) -> None:
-        assert self.peers is not None
+        assert self.peers is not None and self.core is not None
         me = self.config.parallel
 
         def discover(first: AgentMetadata) -> list[RankKey]:
             return sorted(self.pm.expected_producers(first.parallel, me.tp_rank, me.tp_size))
 
-        future = self.peers.ensure(
-            action.engine_id,
-            action.host,
-            action.port,
-            (),
-            self.pm.handshake_mode(Role.DECODE, Role.PREFILL),
-            discover=discover,
-        )
+        try:
+            mode = self.pm.handshake_mode(Role.DECODE, Role.PREFILL)
+        except Exception as err:  # a plugin's error: the engine's requests fail now, naming it
+            self._execute(self.core.connected(action.engine_id, None, str(err), lease_clock()))
+            return
+        future = self.peers.ensure(action.engine_id, action.host, action.port, (), mode, discover=discover)
         future.add_done_callback(lambda f: self.run_on_writer(lambda: self._connected(action, f)))
 
     def _connected(self, action: Connect, future: Future[PeerEngine]) -> None:
