@@ -329,6 +329,18 @@ class DecodeCore:
         out = self._engine_wanted(request, now)
         engine = self._engines[params.remote_engine_id]
         engine.requests.add(rid)
+        if (engine.host, engine.port) != (params.remote_host, params.remote_port):
+            # Registered with the engine known under this id, it would never be pushed (another
+            # P engine holds the key): fail now, naming both addresses.
+            return out + self._close(
+                rid,
+                f"P engine {engine.engine_id!r} is known here at {engine.host}:{engine.port} with "
+                f"requests in progress, and this request names it at {params.remote_host}:"
+                f"{params.remote_port}: two P engines share one engine_id (give each its own), or P "
+                f"moved while requests to its old address are still in progress (requests succeed "
+                f"once those ended)",
+                now,
+            )
         if engine.state is _EngineState.FAILED:
             why = (
                 engine.error
@@ -346,6 +358,18 @@ class DecodeCore:
         backoff passed (its failure count carries over)."""
         params = request.params
         engine = self._engines.get(params.remote_engine_id)
+        moved: list[Any] = []
+        address = (params.remote_host, params.remote_port)
+        if engine is not None and (engine.host, engine.port) != address and not engine.requests:
+            # Named at another address, and nothing here uses the old one: P moved (or another
+            # engine shares its id, one request at a time). Handshake afresh where it is named.
+            why = (
+                f"P engine {engine.engine_id!r} is named at {address[0]}:{address[1]}, not "
+                f"{engine.host}:{engine.port} any more"
+            )
+            self.forget_engine(engine.engine_id)
+            moved.append(DropPeer(params.remote_engine_id, why))
+            engine = None
         retry = engine is not None and engine.state is _EngineState.FAILED and engine.info is None
         if engine is not None and not (retry and now >= self._retry_at(engine)):
             return []
@@ -353,7 +377,7 @@ class DecodeCore:
         engine = _Producer(params.remote_engine_id, params.remote_host, params.remote_port)
         engine.failures = failures
         self._engines[engine.engine_id] = engine
-        return [Connect(engine.engine_id, engine.host, engine.port)]
+        return [*moved, Connect(engine.engine_id, engine.host, engine.port)]
 
     def cancel(self, request_id: str, now: float) -> list[Any]:
         """The engine aborts ``request_id``; reported in ``cancelled`` once its blocks are free."""

@@ -240,11 +240,6 @@ def test_a_prefill_finished_by_repetition_detection_is_pushed(llama_dir: str) ->
     connector.shutdown()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core/decode_core.py keys P engines by engine_id alone: a request naming a known id at "
-    "another address is registered with the known engine (fix proposed to core's owner)",
-)
 def test_two_prefill_engines_sharing_one_engine_id(llama_dir: str) -> None:
     """Two P engines started with one engine_id (one config file deployed twice): D's request
     naming the second engine's address must not be registered with the first (which never
