@@ -457,13 +457,14 @@ def test_workers_read_spec_plugin_on_p_only_moving_wrong_heads_fails_the_request
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """D plans the built-in way and sees a tiling; P's plugin would give D rank 1 the heads of
-    rank 0: P's own handshake with D rank 1 refuses it (rank 0 gets its right heads). P cannot
-    tell D why (D's agent is not loaded), so D fails at its HELLO bound; P logs the reason."""
+    rank 0: P's own handshake with D rank 1 refuses it (rank 0 gets its right heads), and tells
+    D rank 1 why (P loads its agent notify-only and answers its HELLO FAIL)."""
     with caplog.at_level("WARNING", logger="kvpush.core.peers"):
         outcome = run(
             expect_failure=False, pp=1, p_tp=1, d_tp=2, p_pm=with_plugins(("wrong_heads", WrongHeads()))
         )
-    assert outcome[1], outcome
+    assert outcome[1] and "wrong heads" in outcome[1], outcome
+    assert "refused this D rank's handshake metadata" in outcome[1], outcome
     assert "wrong heads" in caplog.text
 
 
@@ -471,8 +472,9 @@ def test_workers_alignment_plugin_on_p_only_pairing_two_regions_with_one_fails_t
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level("WARNING", logger="kvpush.core.peers"):
-        run(pp=1, p_pm=with_plugins(("first_window", FirstWindow())))
+        outcome = run(pp=1, p_pm=with_plugins(("first_window", FirstWindow())))
     assert "an overlap" in caplog.text
+    assert "an overlap" in outcome[0], outcome  # D hears P's reason, not a HELLO timeout
 
 
 def test_workers_rank_whose_cache_dtype_is_not_the_models_refuses_to_start() -> None:
