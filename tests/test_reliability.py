@@ -320,17 +320,21 @@ def test_cancel_before_and_after_registration_and_during_a_write_across_processe
     options = {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 0.4}
     with Engines(transport="faulty", transport_options=options, decode_tp=2) as engines:
         d_keys = [rank.key for rank in engines.d_ranks]
-        # before registration: the first request's handshake is still running
+        # before registration: the first request's handshake is usually still running (on a
+        # loaded box it may have ended: then the cancel is one after registration, below)
         engines.plan("before", [1], [1])
         engines.add("before")
         engines.cancel("before")
         engines.wait_decode(["before"])
-        for kind, reason in engines.decode_outcome("before").values():
-            assert kind == "cancelled" and "before any PUSH_REG" in reason
+        reasons = [reason for _, reason in engines.decode_outcome("before").values()]
+        assert {kind for kind, _ in engines.decode_outcome("before").values()} == {"cancelled"}
+        early = all("before any PUSH_REG" in reason for reason in reasons)
+        assert all("before any PUSH_REG" in r or "no WRITE in flight" in r for r in reasons), reasons
         engines.finish("before")
         engines.wait_prefill(["before"])
-        # D never registered, so nothing binds the key to D: P's lease releases the blocks.
-        assert "lease" in engines.p_results[RankKey(0, 0)]["before"]
+        # No D rank registered: nothing binds the key to D, P's lease releases the blocks.
+        expected = "lease" if early else "cancelled by D rank"
+        assert expected in engines.p_results[RankKey(0, 0)]["before"]
 
         # after registration, before P finished
         engines.plan("after", [2, 3], [2, 3])
