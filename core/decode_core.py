@@ -335,10 +335,10 @@ class DecodeCore:
             return out + self._close(
                 rid,
                 f"P engine {engine.engine_id!r} is known here at {engine.host}:{engine.port} with "
-                f"requests in progress, and this request names it at {params.remote_host}:"
-                f"{params.remote_port}: two P engines share one engine_id (give each its own), or P "
-                f"moved while requests to its old address are still in progress (requests succeed "
-                f"once those ended)",
+                f"requests or a handshake in progress, and this request names it at "
+                f"{params.remote_host}:{params.remote_port}: two P engines share one engine_id (give "
+                f"each its own), or P moved while this D still works with its old address (requests "
+                f"succeed once that work ended)",
                 now,
             )
         if engine.state is _EngineState.FAILED:
@@ -360,9 +360,11 @@ class DecodeCore:
         engine = self._engines.get(params.remote_engine_id)
         moved: list[Any] = []
         address = (params.remote_host, params.remote_port)
-        if engine is not None and (engine.host, engine.port) != address and not engine.requests:
-            # Named at another address, and nothing here uses the old one: P moved (or another
-            # engine shares its id, one request at a time). Handshake afresh where it is named.
+        settled = engine is not None and engine.state in (_EngineState.READY, _EngineState.FAILED)
+        if settled and (engine.host, engine.port) != address and not engine.requests:
+            # Named at another address, and nothing here uses the old one (no request, no
+            # handshake in flight): P moved, or another engine shares its id (one request at a
+            # time works). Handshake afresh where it is named.
             why = (
                 f"P engine {engine.engine_id!r} is named at {address[0]}:{address[1]}, not "
                 f"{engine.host}:{engine.port} any more"

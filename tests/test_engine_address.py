@@ -58,3 +58,16 @@ def test_a_busy_engine_named_at_another_address_fails_the_new_request_at_once() 
     assert not _connects(out) and not [a for a in out if isinstance(a, DropPeer)]
     done = d.notification(P_AGENT, _note(wire.encode_done("r1", P0, 1)), 1.1)
     assert [(r.request_id, r.outcome) for r in _reports(done)] == [("r1", "done")], "r1 unaffected"
+
+
+def test_an_engine_mid_handshake_named_at_another_address_fails_the_new_request() -> None:
+    """The request that started the handshake was cancelled: nothing uses the engine, but its
+    handshake is still in flight (its result would be taken for the new address's)."""
+    d = _decode()
+    assert _connects(d.add(_meta("r1", "k1", "p-a"), 0.0)) == [("P", "p-a")]
+    d.cancel("r1", 0.01)
+    out = d.add(_meta("r2", "k2", "p-b"), 0.02)
+    (report,) = _reports(out)
+    assert report.request_id == "r2" and report.outcome == "failed", report
+    assert "p-a:5600" in report.reason and "p-b:5600" in report.reason, report.reason
+    assert not _connects(out) and not [a for a in out if isinstance(a, DropPeer)]
