@@ -218,14 +218,12 @@ def instrument_prefill(pair: Any) -> Recorder:
     rec.wrap(sender, "_report", "P.report")
     rec.wrap(sender_module, "descriptor_ids", "P.descriptor_ids")
     rec.wrap(sender_module, "descriptor_id_grid", "P.descriptor_ids")  # cuda_ipc: ids factored
-    rec.wrap(sender_module, "descriptor_id_ragged", "P.descriptor_ids")  # several KV groups
     for hook in ("build_read_specs", "transfer_strategy", "expected_producers"):
         rec.wrap(sender.pm, hook, f"P.hook.{hook}")
     transport = sender.transport
     rec.wrap(transport, "post_write", "P.transport.post")
-    for name in ("post_write_grid", "post_write_ragged"):  # optional; fall back to post_write
-        if hasattr(transport, name):  # (the first stamp wins)
-            rec.wrap(transport, name, "P.transport.post")
+    if hasattr(transport, "post_write_grid"):  # optional; falls back to post_write (first stamp wins)
+        rec.wrap(transport, "post_write_grid", "P.transport.post")
     poll = transport.poll
 
     def timed_poll(handle: Any) -> Any:

@@ -445,7 +445,7 @@ class BenchPair:
                 trace.setdefault("done", time.perf_counter())
             return state
 
-        for name in ("post_write", "post_write_grid", "post_write_ragged"):  # the last two optional
+        for name in ("post_write", "post_write_grid"):  # the second is optional (ids factored)
             if hasattr(transport, name):
                 setattr(transport, name, timed(getattr(transport, name)))
         transport.poll = timed_poll

@@ -682,7 +682,7 @@ class ServePair:
                 self._settled[owners.pop(handle)] = time.monotonic()
             return state
 
-        for name in ("post_write", "post_write_grid", "post_write_ragged"):  # the last two optional
+        for name in ("post_write", "post_write_grid"):  # the second is optional (ids factored)
             if hasattr(transport, name):
                 setattr(transport, name, timed(getattr(transport, name)))
         transport.poll = timed_poll
