@@ -30,7 +30,7 @@ import numpy as np
 
 from kvpush.core.cuda_driver import DriverEvent, driver
 from kvpush.core.errors import ConfigError
-from kvpush.core.planning import IdGrid, RaggedIdGrid
+from kvpush.core.planning import IdGrid
 
 PIECE_BYTES = 1 << 20
 """Spans longer than this are cut into pieces of this size (grid axis 1 stays <= 16 K)."""
@@ -141,37 +141,7 @@ def _kernel() -> Any:
                 else:
                     tl.store(dst + offs, tl.load(src + offs))
 
-            @triton.jit(do_not_specialize=["k", "m"])
-            def copy_ragged_kernel(
-                ltab, rtab, vals, k, m, LEN: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr
-            ):
-                # As copy_grid_kernel, with each region's blocks a slice of its own (RaggedIdGrid):
-                # program i is region r = i // k, block b = i % k, copied when b < counts[r]; vals
-                # (int32): n local then n remote starts, n local then n remote firsts, n counts,
-                # m local then m remote block ids (n = grid size // k, k = the largest count).
-                i = tl.program_id(0)
-                c = tl.program_id(1)
-                n = tl.num_programs(0) // k
-                r = i // k
-                b = i - r * k
-                valid = b < tl.load(vals + 4 * n + r)
-                lpos = tl.where(valid, tl.load(vals + 2 * n + r) + b, 0)
-                rpos = tl.where(valid, tl.load(vals + 3 * n + r) + b, 0)
-                lid = (tl.load(vals + r) + tl.load(vals + 5 * n + lpos)).to(tl.int64)
-                rid = (tl.load(vals + n + r) + tl.load(vals + 5 * n + m + rpos)).to(tl.int64)
-                src = ltab + tl.load(ltab + lid, mask=valid, other=0) * 2
-                dst = rtab + tl.load(rtab + rid, mask=valid, other=0) * 2
-                offs = c * BLOCK + tl.arange(0, BLOCK)
-                mask = valid & (offs < LEN)
-                tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-
-            _KERNEL = (
-                copy_spans_kernel,
-                copy_aligned_kernel,
-                copy_indirect_kernel,
-                copy_grid_kernel,
-                copy_ragged_kernel,
-            )
+            _KERNEL = (copy_spans_kernel, copy_aligned_kernel, copy_indirect_kernel, copy_grid_kernel)
     return _KERNEL
 
 
@@ -517,7 +487,7 @@ class SpanCopier:
         def fill(view: np.ndarray) -> None:
             view[:count], view[count : 2 * count] = lids, rids
 
-        return self._launch_by_ids(2, ltab, rtab, count, 2 * count, fill, (count,), after)
+        return self._launch_by_ids(2, ltab, rtab, count, 2 * count, fill, count, after)
 
     def launch_grid(
         self, ltab: DeviceTable, rtab: DeviceTable, local: IdGrid, remote: IdGrid, *, after: Any = None
@@ -532,35 +502,7 @@ class SpanCopier:
             view[:n], view[n : 2 * n] = local.starts.reshape(-1), remote.starts.reshape(-1)
             view[2 * n : 2 * n + k], view[2 * n + k : 2 * (n + k)] = local.blocks, remote.blocks
 
-        return self._launch_by_ids(3, ltab, rtab, n * k, 2 * (n + k), fill, (k,), after)
-
-    def launch_ragged(
-        self,
-        ltab: DeviceTable,
-        rtab: DeviceTable,
-        local: RaggedIdGrid,
-        remote: RaggedIdGrid,
-        *,
-        after: Any = None,
-    ) -> Any:
-        """:meth:`launch_grid` for regions in several KV groups (:class:`RaggedIdGrid`, both
-        of one shape: regions, counts and block ids per side); ``5 x regions + 2 x blocks`` ids
-        go up and the grid is regions x the largest count (programs past a region's count copy
-        nothing)."""
-        n, m = len(local.starts), len(local.blocks)
-        if (n, m) != (len(remote.starts), len(remote.blocks)) or not np.array_equal(
-            local.counts, remote.counts
-        ):
-            raise ConfigError("launch_ragged: the two id grids differ in shape")
-        k = int(local.counts.max(initial=0))
-
-        def fill(view: np.ndarray) -> None:
-            view[:n], view[n : 2 * n] = local.starts, remote.starts
-            view[2 * n : 3 * n], view[3 * n : 4 * n] = local.first, remote.first
-            view[4 * n : 5 * n] = local.counts
-            view[5 * n : 5 * n + m], view[5 * n + m : 5 * n + 2 * m] = local.blocks, remote.blocks
-
-        return self._launch_by_ids(4, ltab, rtab, n * k, 5 * n + 2 * m, fill, (k, m), after)
+        return self._launch_by_ids(3, ltab, rtab, n * k, 2 * (n + k), fill, k, after)
 
     def _launch_by_ids(
         self,
@@ -570,12 +512,12 @@ class SpanCopier:
         rows: int,
         words: int,
         fill: Any,
-        last_args: tuple[int, ...],
+        last_arg: int,
         after: Any,
     ) -> Any:
         """Launch kernel ``which`` of :func:`_kernel` over ``rows`` descriptor pairs of two usable
         tables of one span length: ``fill`` writes the ``words`` int32 ids into the upload
-        slot; the kernel gets ``(ltab, rtab, ids, *last_args)``. Returns the done event."""
+        slot; the kernel gets ``(ltab, rtab, ids, last_arg)``. Returns the done event."""
         if ltab.length != rtab.length or not (ltab.usable and rtab.usable):
             raise ConfigError("launch by ids: lists differ in span length or descriptor count")
         if not rows:
@@ -595,7 +537,7 @@ class SpanCopier:
             warps = max(1, min(8, block // 256))
             constexprs = {"LEN": elems, "BLOCK": block, "MASK": elems % block != 0}
             self._launch(
-                kernel, grid, (ltab.tensor, rtab.tensor, ids, *last_args), constexprs, warps, self.stream
+                kernel, grid, (ltab.tensor, rtab.tensor, ids, last_arg), constexprs, warps, self.stream
             )
             done = self._done(False)
         finally:

@@ -90,15 +90,15 @@ def descriptor_ids(
     return out.astype(np.int32)
 
 
-def _checked_groups(
-    table: _Table, groups: Sequence[int], block_ids: BlockIds
-) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
-    """Each region's group, each group's block ids (int64) and their counts, after checking
-    every id against the capacity of every region of its group (``ConfigError`` if not)."""
+def _ids_across_groups(table: _Table, groups: Sequence[int], block_ids: BlockIds) -> np.ndarray:
+    """:func:`descriptor_ids` for regions of one row per block in several KV groups, without a
+    loop over regions (a per-region loop cost ~0.5 ms a request for a 64-region hybrid model):
+    region ``i``'s ids are ``offset[i] + block_ids[groups[i]]``, emitted region by region."""
     group_of = _group_array(groups)
     arrays = [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in block_ids]
     lens = np.array([len(a) for a in arrays], dtype=np.int64)
-    used = lens[group_of] > 0
+    per_region = lens[group_of]
+    used = per_region > 0
     if used.any():
         highest = np.array([a.max() if len(a) else -1 for a in arrays], dtype=np.int64)[group_of]
         lowest = np.array([a.min() if len(a) else 0 for a in arrays], dtype=np.int64)[group_of]
@@ -106,15 +106,6 @@ def _checked_groups(
         if len(bad):
             i = int(bad[0])
             _check_capacity(arrays[int(group_of[i])], int(table.capacities[i]), int(group_of[i]))
-    return group_of, arrays, lens
-
-
-def _ids_across_groups(table: _Table, groups: Sequence[int], block_ids: BlockIds) -> np.ndarray:
-    """:func:`descriptor_ids` for regions of one row per block in several KV groups, without a
-    loop over regions (a per-region loop cost ~0.5 ms a request for a 64-region hybrid model):
-    region ``i``'s ids are ``offset[i] + block_ids[groups[i]]``, emitted region by region."""
-    group_of, arrays, lens = _checked_groups(table, groups, block_ids)
-    per_region = lens[group_of]
     total = int(per_region.sum())
     if not total:
         return np.empty(0, dtype=np.int32)
@@ -161,58 +152,6 @@ class IdGrid:
     def ids(self) -> np.ndarray:
         """The expanded int32 ids (what :func:`descriptor_ids` returns)."""
         return np.add(self.starts, self.blocks).reshape(-1)
-
-
-@attrs.frozen(eq=False)
-class RaggedIdGrid:
-    """:class:`IdGrid` for regions of one row per block in several KV groups (hybrid models):
-    region ``r``'s ids are ``starts[r] + blocks[first[r] : first[r] + counts[r]]``, the block
-    ids of its group, region-major as :func:`descriptor_ids` emits them. A transport that
-    resolves ids on the device takes this (``post_write_ragged``, optional) instead of the
-    expanded ids."""
-
-    starts: np.ndarray
-    """int32 ``(regions,)``: the descriptor id of each region's block 0."""
-    blocks: np.ndarray
-    """int32: every group's block ids, group after group, each checked against the capacity
-    of every region of its group."""
-    first: np.ndarray
-    """int32 ``(regions,)``: where in ``blocks`` each region's group's ids start."""
-    counts: np.ndarray
-    """int32 ``(regions,)``: how many block ids each region's group has."""
-
-    def __len__(self) -> int:
-        return int(self.counts.sum())
-
-    def ids(self) -> np.ndarray:
-        """The expanded int32 ids (what :func:`descriptor_ids` returns)."""
-        counts = self.counts.astype(np.int64)
-        total = int(counts.sum())
-        if not total:
-            return np.empty(0, dtype=np.int32)
-        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        picked = self.blocks[np.repeat(self.first.astype(np.int64), counts) + within]
-        return (np.repeat(self.starts.astype(np.int64), counts) + picked).astype(np.int32)
-
-
-def descriptor_id_ragged(
-    regions: Sequence[KVRegion], groups: Sequence[int], block_ids: BlockIds, *, per_token: bool = True
-) -> RaggedIdGrid | None:
-    """:func:`descriptor_ids` as a :class:`RaggedIdGrid` when every region has one row per
-    block (any number of KV groups); None otherwise. Raises ``ConfigError`` for a block id
-    beyond a region's capacity, as :func:`descriptor_ids` does."""
-    table = _region_table(regions, per_token)
-    top, _single = _group_span(groups)
-    if top >= len(block_ids):
-        raise ConfigError(
-            f"regions use KV-cache group {top} but block ids were given for {len(block_ids)} group(s)"
-        )
-    if not table.one_row:
-        return None
-    group_of, arrays, lens = _checked_groups(table, groups, block_ids)
-    blocks = np.concatenate(arrays).astype(np.int32) if arrays else np.empty(0, dtype=np.int32)
-    first = (np.cumsum(lens) - lens)[group_of].astype(np.int32)
-    return RaggedIdGrid(table.column32.reshape(-1), blocks, first, lens[group_of].astype(np.int32))
 
 
 def descriptor_id_grid(

@@ -22,12 +22,7 @@ from kvpush.core import notifications as wire
 from kvpush.core.actions import Abort, Connect, DropPeer, Post, Report, Send
 from kvpush.core.errors import ConfigError, KvpushError, TransferError, WaitTimeout
 from kvpush.core.peers import PeerEngine
-from kvpush.core.planning import (
-    descriptor_id_grid,
-    descriptor_id_ragged,
-    descriptor_ids,
-    trim_for_prefix_hit,
-)
+from kvpush.core.planning import descriptor_id_grid, descriptor_ids, trim_for_prefix_hit
 from kvpush.core.prefill_core import PrefillCore, PrefillSettings
 from kvpush.core.sidechannel import SideChannelUnanswered, fetch_metadata
 from kvpush.core.transport import TransferState
@@ -549,8 +544,17 @@ class PushSender(RankWorker):
         regions = self.metadata.regions
         groups = self._groups(regions)
         aligned = self._aligned(engine.ranks[rank])
-        local_ids, remote_ids, post_grid = self._factored_ids(regions, aligned, groups, spec)
+        post_grid = getattr(self.transport, "post_write_grid", None)  # optional: ids factored
+        local_ids: Any = None
+        if post_grid is not None:
+            local_ids = descriptor_id_grid(regions, groups, spec.local_block_ids)
+            remote_ids: Any = None
+            if local_ids is not None:
+                remote_ids = descriptor_id_grid(aligned, groups, spec.remote_block_ids)
+            if remote_ids is None:
+                local_ids = None
         if local_ids is None:
+            post_grid = None
             local_ids = descriptor_ids(regions, groups, spec.local_block_ids)
             remote_ids = descriptor_ids(aligned, groups, spec.remote_block_ids)
         if len(local_ids) != len(remote_ids):
@@ -586,25 +590,6 @@ class PushSender(RankWorker):
             for group, size in self._group_bytes(regions, spec.local_part[1]).items()
         )
         return handles, nbytes
-
-    def _factored_ids(
-        self, regions: tuple[Any, ...], aligned: tuple[Any, ...], groups: tuple[int, ...], spec: ReadSpec
-    ) -> tuple[Any, Any, Any]:
-        """Both sides' ids in factored form and the transport method that takes them (both
-        optional transport methods: ``post_write_grid`` for one KV group, ``post_write_ragged``
-        for several), or ``(None, None, None)``: the caller expands them."""
-        makers = ((descriptor_id_grid, "post_write_grid"), (descriptor_id_ragged, "post_write_ragged"))
-        for make, name in makers:
-            post = getattr(self.transport, name, None)
-            if post is None:
-                continue
-            local_ids = make(regions, groups, spec.local_block_ids)
-            if local_ids is None:
-                continue
-            remote_ids = make(aligned, groups, spec.remote_block_ids)
-            if remote_ids is not None:
-                return local_ids, remote_ids, post
-        return None, None, None
 
     def _groups(self, regions: tuple[Any, ...]) -> tuple[int, ...]:
         """Each local region's KV group (the regions never change after start)."""

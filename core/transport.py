@@ -55,9 +55,7 @@ class Transport(Protocol):
     Optional, not part of the protocol check: ``post_write_grid(local_list, local_ids,
     remote_list, remote_ids, notif)`` with :class:`kvpush.core.planning.IdGrid` ids (factored:
     region starts and block ids), called instead of ``post_write`` where the layout allows; it
-    must act as ``post_write`` with ``ids()`` (see docs/plugins.md). Likewise
-    ``post_write_ragged`` with :class:`kvpush.core.planning.RaggedIdGrid` ids, for regions in
-    several KV groups (hybrid models).
+    must act as ``post_write`` with ``ids()`` (see docs/plugins.md).
     """
 
     name: str

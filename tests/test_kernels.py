@@ -233,7 +233,7 @@ def _host_only_copier(monkeypatch) -> tuple[kernels.SpanCopier, list[tuple]]:
     )
     copier._driver = type("D", (), {"switch": lambda self, c: None, "restore": lambda self, p: None})()
     copier.context = 0
-    monkeypatch.setattr(kernels, "_kernel", lambda: ("plain", "aligned", "indirect", "grid", "ragged"))
+    monkeypatch.setattr(kernels, "_kernel", lambda: ("plain", "aligned", "indirect", "grid"))
     return copier, launches
 
 
@@ -260,54 +260,3 @@ def test_indirect_and_grid_launches_prepare_ids_grid_and_constants_on_the_host(m
         copier.launch_grid(table, table, grid, IdGrid(starts[:1], grid.blocks))
     with pytest.raises(ConfigError, match="differ"):
         copier.launch_indirect(table, table, [1], [1, 2])
-
-
-def test_a_ragged_launch_prepares_its_ids_and_grid_on_the_host(monkeypatch) -> None:
-    """Regions in two KV groups (:class:`RaggedIdGrid`): starts, firsts and counts per region,
-    then every group's blocks per side; the grid is regions x the largest count."""
-    from kvpush.core.planning import RaggedIdGrid
-
-    copier, launches = _host_only_copier(monkeypatch)
-    table = type("T", (), {"length": 32768, "usable": True, "tensor": "table"})()
-    starts = np.array([0, 64, 128], dtype=np.int32)
-    first, counts = np.array([0, 3, 0], np.int32), np.array([3, 1, 3], np.int32)
-    local = RaggedIdGrid(starts, np.array([3, 7, 11, 2], np.int32), first, counts)
-    remote = RaggedIdGrid(starts + 1, np.array([1, 2, 4, 9], np.int32), first, counts)
-    assert copier.launch_ragged(table, table, local, remote) == "event"
-    constants = {"LEN": 4096, "BLOCK": 2048, "MASK": False}
-    assert launches == [("ragged", (9, 2), ("table", "table", "ids-on-device", 3, 4), constants, 8)]
-    (uploaded,) = copier._ids.uploads
-    assert uploaded.tolist() == [0, 64, 128, 1, 65, 129, 0, 3, 0, 0, 3, 0, 3, 1, 3, 3, 7, 11, 2, 1, 2, 4, 9]
-    with pytest.raises(ConfigError, match="differ in shape"):
-        copier.launch_ragged(table, table, local, RaggedIdGrid(starts, remote.blocks, first, counts + 1))
-
-
-@GPU
-def test_ragged_launch_equals_the_indirect_launch_of_the_expanded_ids() -> None:
-    """``launch_ragged`` copies exactly what ``launch_indirect`` copies for the same ids
-    expanded, with regions of two groups of different block counts (one empty region too)."""
-    from kvpush.core.planning import RaggedIdGrid
-
-    regions, blocks, size = 4, 32, 4096
-    source = torch.randint(0, 255, (regions * blocks * size,), dtype=torch.uint8, device="cuda")
-    addrs = source.data_ptr() + np.arange(regions * blocks) * size
-    ltab = kernels.DeviceTable(addrs, np.full(len(addrs), size), "cuda")
-    starts = np.arange(regions, dtype=np.int32) * blocks
-    first, counts = np.array([0, 4, 0, 4], np.int32), np.array([4, 2, 4, 2], np.int32)
-    lblocks, rblocks = np.array([3, 31, 0, 7, 9, 10], np.int32), np.array([30, 1, 12, 5, 6, 8], np.int32)
-    local, remote = RaggedIdGrid(starts, lblocks, first, counts), RaggedIdGrid(starts, rblocks, first, counts)
-    copier = kernels.copier_for("cuda")
-    outputs = []
-    for ragged in (True, False):
-        target = torch.zeros_like(source)
-        taddrs = target.data_ptr() + np.arange(regions * blocks) * size
-        rtab = kernels.DeviceTable(taddrs, np.full(len(taddrs), size), "cuda")
-        if ragged:
-            event = copier.launch_ragged(ltab, rtab, local, remote)
-        else:
-            event = copier.launch_indirect(ltab, rtab, local.ids(), remote.ids())
-        event.synchronize()
-        outputs.append(target)
-    assert torch.equal(outputs[0], outputs[1]) and outputs[0].any()
-    written = sum(int(c) for c in counts) * size
-    assert int((outputs[0] != 0).sum()) <= written  # nothing past a region's count is copied

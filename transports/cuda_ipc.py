@@ -42,7 +42,7 @@ import numpy as np
 
 from kvpush.core.errors import ConfigError, TransferError
 from kvpush.core.markers import hookimpl
-from kvpush.core.planning import IdGrid, RaggedIdGrid
+from kvpush.core.planning import IdGrid
 from kvpush.core.process_identity import host_identity
 from kvpush.core.transport import TransferState, TransportConfig, TransportCounters
 from kvpush.core.types import KVRegion, MemType, PushJob, ReadSpec, TransportProvider
@@ -567,49 +567,6 @@ class CudaIpcTransport:
             ) from err
         return self._posted(remote.peer, event, notif, len(local_ids), started, checked)
 
-    def post_write_ragged(
-        self,
-        local_list: int,
-        local_ids: RaggedIdGrid,
-        remote_list: int,
-        remote_ids: RaggedIdGrid,
-        notif: bytes,
-    ) -> Any:
-        """:meth:`post_write_grid` for regions in several KV groups (:class:`RaggedIdGrid`,
-        optional transport method): an IPC copy uploads ``5 x regions + 2 x blocks`` ids
-        instead of one per descriptor; anything else posts the expanded ids."""
-        local, remote = self._lists.get(local_list), self._lists.get(remote_list)
-        if (
-            local is None
-            or remote is None
-            or remote.peer is None
-            or not (self.ipc_peer(remote.peer) and local.mem_type == "VRAM")
-            or len(local_ids.starts) != len(remote_ids.starts)
-            or len(local_ids.blocks) != len(remote_ids.blocks)
-            or not np.array_equal(local_ids.counts, remote_ids.counts)
-        ):
-            return self.post_write(local_list, local_ids.ids(), remote_list, remote_ids.ids(), notif)
-        device = int(local.descs[0, 2]) if len(local.descs) else 0
-        ltab, rtab = local.device_table(device), remote.device_table(device)
-        if not (ltab.usable and rtab.usable and ltab.length == rtab.length):
-            return self.post_write(local_list, local_ids.ids(), remote_list, remote_ids.ids(), notif)
-        started = time.perf_counter()
-        for grid, table in ((local_ids, ltab), (remote_ids, rtab)):
-            if not _ragged_in_range(grid, table.count):
-                self.counters.writes_failed += 1
-                raise TransferError("cuda_ipc: a descriptor id is outside its prepared list")
-        checked = time.perf_counter()
-        from kvpush.core.kernels import copier_for
-
-        try:
-            event = copier_for(device).launch_ragged(ltab, rtab, local_ids, remote_ids)
-        except Exception as err:
-            self.counters.writes_failed += 1
-            raise TransferError(
-                f"cuda_ipc: launching a copy of {len(local_ids)} descriptors failed: {err}"
-            ) from err
-        return self._posted(remote.peer, event, notif, len(local_ids), started, checked)
-
     def _posted(
         self, peer: str, event: Any, notif: bytes, descriptors: int, started: float, checked: float
     ) -> _IpcWrite:
@@ -695,28 +652,6 @@ class CudaIpcTransport:
         for handle in list(self._lists):
             self.release_list(handle)
         self.inner.close()
-
-
-def _ragged_in_range(grid: RaggedIdGrid, count: int) -> bool:
-    """Whether every id of ``grid`` lies in ``[0, count)`` and every region's slice in its
-    block list (checked per group: a region's ids are its start plus its group's blocks)."""
-    counts = grid.counts.astype(np.int64)
-    first = grid.first.astype(np.int64)
-    starts = grid.starts.astype(np.int64)
-    used = counts > 0
-    if not used.any():
-        return True
-    if (first[used] < 0).any() or (first[used] + counts[used] > len(grid.blocks)).any():
-        return False
-    for start in np.unique(first[used]):  # one slice per group
-        size = counts[used & (first == start)]
-        if (size != size[0]).any():
-            return False
-        ids = grid.blocks[int(start) : int(start) + int(size[0])].astype(np.int64)
-        region = starts[used & (first == start)]
-        if int(ids.min()) < 0 or int(region.min()) < 0 or int(region.max()) + int(ids.max()) >= count:
-            return False
-    return True
 
 
 def _create_inner(name: str, config: TransportConfig) -> Any:
