@@ -127,10 +127,12 @@ def test_a_second_finish_with_another_ready_is_refused_and_the_first_ready_gover
         first.open()
         assert cluster.wait_decode("d-1") == {0: None} and _d_holds(cluster, 5, final)
         assert cluster.wait_prefill("p-1")[P0] is None  # P's report ends the key (it may trail D's)
-        # Finished once more after it was pushed: refused (the key ended), nothing posted.
+        # The same prefill finished once more after it was pushed: refused (the key ended),
+        # nothing posted. (Another prefill of the key would be a retry: tests/test_retry_after_abort.py.)
         posted = sender.transport.counters.writes_posted
-        sender.request_finished("p-1c", [[3]], match_key="x-1", ready=second)
-        assert "already ended" in (cluster.wait_prefill("p-1c")[P0] or "")
+        del cluster.p_results[P0]["p-1"]
+        sender.request_finished("p-1", [[3]], match_key="x-1", ready=second)
+        assert "already ended" in (cluster.wait_prefill("p-1")[P0] or "")
         assert sender.transport.counters.writes_posted == posted
 
 

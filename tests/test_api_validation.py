@@ -10,6 +10,7 @@ The workers run on the loopback transport: these are checks at the call, before 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,9 +106,20 @@ def test_a_finish_of_a_key_that_already_ended_is_reported_failed(cluster: Cluste
     cluster.finish("p-3", [[12]], "k-3")
     assert cluster.wait_decode("d-3") == {0: None}
     assert cluster.wait_prefill("p-3") == {P0: None}
-    cluster.senders[P0].request_finished("p-3again", [[13]], match_key="k-3")
-    reason = cluster.wait_prefill("p-3again")[P0]
+    sender = cluster.senders[P0]
+    posted = sender.transport.counters.writes_posted
+    del cluster.p_results[P0]["p-3"]
+    sender.request_finished("p-3", [[13]], match_key="k-3")  # the same prefill again
+    reason = cluster.wait_prefill("p-3")[P0]
     assert reason is not None and "already ended" in reason
+    # Another prefill of the key is a new attempt (a retry): it waits for a registration newer
+    # than the key's end, and D's done one is not (never written again).
+    sender.request_finished("p-3b", [[13]], match_key="k-3")
+    time.sleep(0.3)
+    cluster.poll()
+    assert "p-3b" not in cluster.p_results[P0] and sender.transport.counters.writes_posted == posted
+    sender.abort("p-3b", match_key="k-3")
+    assert cluster.wait_prefill("p-3b")[P0] is not None
 
 
 def test_a_finish_with_no_blocks_is_sent_at_once(cluster: Cluster) -> None:
