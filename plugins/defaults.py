@@ -54,6 +54,8 @@ def kvpush_expected_producers(prefill: ParallelConfig, decode_tp_rank: int, deco
     )
 
 
-@hookimpl(trylast=True)
+@hookimpl(tryfirst=True)
 def kvpush_decode_notification(message: bytes) -> Notification | None:
+    """kvpush's own messages are decoded here, before any plugin (one that mistook a DONE, FAIL
+    or PUSH_REG for its own format could complete or fail a request); None for the rest."""
     return notifications.decode_notification(message)  # not via wire's module __getattr__

@@ -626,5 +626,28 @@ def test_hook_kvpush_decode_notification_custom_format(kvpush_pm_factory):
 
     pm = kvpush_pm_factory(("legacy", Legacy))
     assert pm.decode_notification(b"OLD_DONE r7") == Notification(kind=NotificationKind.DONE, request_id="r7")
-    # kvpush's own format still reaches the built-in decoder (it runs last).
+    # kvpush's own format still reaches the built-in decoder (it runs first).
     assert pm.decode_notification(wire.encode_cancel("k")).kind is NotificationKind.CANCEL
+
+
+def test_a_decoder_plugin_never_sees_kvpushs_own_messages(kvpush_pm_factory):
+    """A plugin for another format is asked only about messages kvpush does not decode: one
+    asked first could take a DONE or FAIL for its own (here: any message naming a DONE)."""
+    seen: list[bytes] = []
+
+    class Greedy:
+        @staticmethod
+        @hookimpl
+        def kvpush_decode_notification(message):
+            seen.append(message)
+            if b"DONE" in message:  # its own "OLD_DONE <id>" format, matched too loosely
+                return Notification(kind=NotificationKind.DONE, request_id="theirs")
+            return None
+
+    pm = kvpush_pm_factory(("greedy", Greedy))
+    done = pm.decode_notification(wire.encode_done("d-req", RankKey(0, 0), 1))
+    failed = pm.decode_notification(wire.encode_failed("d-req", RankKey(0, 0), "WRITE not DONE"))
+    assert (done.kind, done.request_id) == (NotificationKind.DONE, "d-req")
+    assert (failed.kind, failed.request_id) == (NotificationKind.FAILED, "d-req")
+    assert seen == []
+    assert pm.decode_notification(b"OLD_DONE r7").request_id == "theirs" and seen == [b"OLD_DONE r7"]
