@@ -236,8 +236,9 @@ def _blocks_meet(a: KVRegion, b: KVRegion) -> bool:
 def check_tensors(
     kv_caches: Mapping[str, Any], regions: Sequence[KVRegion], model: ModelSpec, *, layout: str = "?"
 ) -> None:
-    """Raise ``ConfigError`` when a KV tensor is not of ``model.dtype`` or a region reaches
-    outside every tensor of ``kv_caches`` (values are tensors, or objects with ``.tensor``).
+    """Raise ``ConfigError`` when a KV tensor holding a region is not of ``model.dtype`` or a
+    region reaches outside every tensor of ``kv_caches`` (values are tensors, or objects with
+    ``.tensor``; tensors holding no region are not checked).
 
     ``model.dtype`` feeds the compatibility hash, so it must be the cache's own dtype: two
     engines whose caches hold fp8 of different formats (or bf16 vs fp16) under one
@@ -248,21 +249,25 @@ def check_tensors(
         tensor = getattr(value, "tensor", value)
         if not hasattr(tensor, "data_ptr") or not hasattr(tensor, "dtype"):
             continue
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype != model.dtype:
-            raise ConfigError(
-                f"layout {layout!r}: KV cache {key!r} holds {dtype} but ModelSpec.dtype is "
-                f"{model.dtype!r}; ModelSpec.dtype must be the KV cache's dtype (both engines "
-                f"hash it: a peer whose cache holds another format would read these bytes as "
-                f"other numbers)"
-            )
         extent = 1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride()) if n)
         start = tensor.data_ptr()
-        spans.append((start, start + extent * tensor.element_size()))
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        spans.append((start, start + extent * tensor.element_size(), key, dtype))
     if not spans:
         return
     for index, region in enumerate(regions):
-        if not any(lo <= region.base_addr and region.end_addr <= hi for lo, hi in spans):
+        holders = [s for s in spans if s[0] <= region.base_addr and region.end_addr <= s[1]]
+        # Only tensors that hold a region: a state the engine does not transfer (a group
+        # excluded from transfer) may have a dtype of its own.
+        for _lo, _hi, key, dtype in holders:
+            if dtype != model.dtype:
+                raise ConfigError(
+                    f"layout {layout!r}: KV cache {key!r} holds {dtype} but ModelSpec.dtype is "
+                    f"{model.dtype!r}; ModelSpec.dtype must be the KV cache's dtype (both "
+                    f"engines hash it: a peer whose cache holds another format would read these "
+                    f"bytes as other numbers)"
+                )
+        if not holders:
             raise ConfigError(
                 f"layout {layout!r}: region {index} ({region.layer_names[0]} {region.component}) "
                 f"spans bytes [{region.base_addr:#x}, {region.end_addr:#x}) ({region.num_blocks} "

@@ -595,8 +595,11 @@ def test_check_tensors_refuses_a_region_outside_its_tensors_and_a_foreign_dtype(
     parallel = ParallelConfig(tp_size=1, num_layers=2)
     with pytest.raises(ConfigError, match="outside every KV tensor"):
         check_tensors(caches, beyond_tensor(caches, parallel, DOC_MODEL), DOC_MODEL, layout="beyond")
+    from kvpush.layouts.uniform import describe_uniform
+
+    regions = describe_uniform(caches, parallel, DOC_MODEL)
     with pytest.raises(ConfigError, match=r"holds bfloat16 but ModelSpec.dtype is 'float16'"):
-        check_tensors(caches, [], attrs.evolve(DOC_MODEL, dtype="float16"))
+        check_tensors(caches, regions, attrs.evolve(DOC_MODEL, dtype="float16"))
 
 
 def last_beyond(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: ModelSpec) -> list[KVRegion]:
@@ -605,6 +608,19 @@ def last_beyond(kv_caches: Mapping[str, Any], parallel: ParallelConfig, model: M
 
     regions = describe_uniform(kv_caches, parallel, model)
     return [*regions[:-1], attrs.evolve(regions[-1], num_blocks=regions[-1].num_blocks + 1)]
+
+
+def test_a_tensor_holding_no_region_may_have_a_dtype_of_its_own() -> None:
+    """A state the engine does not transfer (a group excluded from transfer, say float32 next
+    to bfloat16 KV) is not a KV tensor of the model: only tensors that hold a region count."""
+    from kvpush.layouts.regions import check_tensors
+    from kvpush.layouts.uniform import describe_uniform
+
+    parallel = ParallelConfig(tp_size=1, num_layers=2)
+    caches = uniform_caches(DOC_MODEL, fill=False)
+    provider = LayoutProvider(name="u", describe_regions=describe_uniform)
+    regions = provider.describe(caches, parallel, DOC_MODEL)
+    check_tensors({**caches, "state": torch.zeros(4, dtype=torch.float32)}, regions, DOC_MODEL)
 
 
 def test_a_third_party_layout_counting_a_block_past_its_tensor_is_refused_at_start() -> None:
