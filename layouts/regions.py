@@ -36,7 +36,7 @@ The layout rules (:data:`RULES`), checked by :func:`check_regions` whenever a ra
     ``model.block_size`` tokens x ``head_dim`` of ``model.dtype`` per block (twice for ``KV``;
     with several KV groups, any whole number of tokens): :func:`block_geometry`.
     :func:`tensor_region` checks a tensor's block shape against the declared order, and
-    :func:`check_tensors` (called by the built-in layouts) that tensors are of ``model.dtype``
+    :func:`check_tensors` (run by ``LayoutProvider.describe``) that tensors are of ``model.dtype``
     and hold every region.
 """
 
