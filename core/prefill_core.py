@@ -701,9 +701,11 @@ class PrefillCore:
         key, rank = note.request_id, reg.decode_tp_rank
         self.stats["cancels"] += 1
         engine = self._engines.get(reg.decode_engine_id)
-        if engine is None or engine.agents.get(rank) != agent:
+        if engine is not None and rank in engine.agents and engine.agents[rank] != agent:
             self._reject(agent, note, "CANCEL from an agent this rank has not loaded for that D rank")
             return []
+        if engine is None or rank not in engine.agents:
+            return self._cancel_of_unloaded_rank(agent, note, reg, key, now)
         request = self._requests.get(key)
         ack = wire.encode_cancel_ack(reg.request_id, self.s.rank, False, unsettled=False)
         tomb = self._tombstones.get(key)
@@ -733,6 +735,33 @@ class PrefillCore:
         else:
             why = f"cancelled by D rank {rank} before the WRITE was posted"
         return self._fail_request(request, why, now)
+
+    def _cancel_of_unloaded_rank(
+        self, agent: str, note: Notification, reg: PushRegistration, key: str, now: float
+    ) -> list[Any]:
+        """A CANCEL from a D rank this rank has not loaded: nothing is posted to it now (a
+        WRITE needs the rank loaded). Its registration of the key is refused from now on, and
+        the ack (unsettled when a WRITE of the key ever ended unsettled here) goes out once P
+        has loaded the rank (P connects, as for a registration): D holds a request whose
+        copies no fence stops until every producer acknowledged, so a dropped cancel held its
+        blocks for ever."""
+        request, tomb = self._requests.get(key), self._tombstones.get(key)
+        self._refused[(key, _ident(reg))] = now
+        self._timers.arm(("refused", (key, _ident(reg))), now + self.s.registration_ttl_s)
+        unsettled = bool(tomb is not None and tomb.unsettled) or any(
+            d.unsettled for d in ((request.dests or {}).values() if request is not None else ())
+        )
+        ack = wire.encode_cancel_ack(reg.request_id, self.s.rank, False, unsettled=unsettled)
+        engine = self._engine_for(reg)
+        if (reg.decode_host, reg.decode_port) != (engine.host, engine.port):
+            self._reject(agent, note, f"CANCEL names D engine {engine.engine_id!r} at another address")
+            return []
+        rank = reg.decode_tp_rank
+        if sum(map(len, engine.owed.values())) >= MAX_OWED:
+            logger.warning("dropped a CANCEL ack for %s of an unloaded D rank: %d held", key, MAX_OWED)
+            return []
+        engine.owed.setdefault(rank, []).append((agent, ack))
+        return [] if self._closing else self._connect(engine, rank, now, reg.decode_incarnation)
 
     # ------------------------------------------------------------------ handshakes
 

@@ -1462,3 +1462,25 @@ def test_a_fence_during_a_handshake_redoes_the_handshake() -> None:
     assert first.released and second.released
     assert not engine.fenced_while_connecting and engine.state.value == "ready"
     machine.teardown()
+
+
+def test_a_cancel_from_a_d_rank_p_never_loaded_is_acknowledged() -> None:
+    """Found by the kernel-copy machine (PP2 -> TP2, 8,000 random examples): a D rank that P
+    had not loaded cancelled its request; P dropped the CANCEL ("an agent this rank has not
+    loaded"), so D, holding a request whose copies no fence stops until every producer
+    acknowledged, resent it each heartbeat and held the blocks for ever. P now refuses that
+    registration and acknowledges once it has loaded the rank (nothing was posted to it)."""
+    state = KernelCopyCluster()
+    state.start(topology=(2, 1, 2))
+    state.poll(j=0)
+    for _ in range(2):
+        state.new_request(first_rank_only=False, nblocks=1, packed=False, prefill_first=False, sizes="absent")
+        for _ in range(4):
+            state.poll(j=0)
+    state.prefill_finished(bind=False, boom=False, i=56, j=16, one_rank=False)
+    state.advance_clock(dt=0.001, late=None)
+    state.pump(rounds=8, stall_writes=False)
+    state.fault(i=0, j=0, kind="decode_rank_dies")
+    state.cancel(i=0, j=0)
+    state.add_on_another_rank(i=0, j=0)
+    state.teardown()  # drains: every request ends and every block is released
