@@ -261,13 +261,7 @@ class KvpushPluginManager:
         )
 
     def validate_peer(self, local: AgentMetadata, peer: AgentMetadata, mode: HandshakeMode) -> list[str]:
-        kwargs = {"local": local, "peer": peer, "mode": mode}
-        try:
-            results = self.pm.hook.kvpush_validate_peer(**kwargs)
-        except KvpushError:
-            raise
-        except Exception as err:
-            raise self._culprit("kvpush_validate_peer", kwargs, err) from err
+        results = self._call_hook("kvpush_validate_peer", {"local": local, "peer": peer, "mode": mode})
         problems: list[str] = []
         for result in results:
             if isinstance(result, str):  # one problem, not one per character
@@ -390,12 +384,7 @@ class KvpushPluginManager:
         self, prefill: ParallelConfig, decode_tp_rank: int, decode_tp_size: int
     ) -> frozenset[RankKey]:
         kwargs = {"prefill": prefill, "decode_tp_rank": decode_tp_rank, "decode_tp_size": decode_tp_size}
-        try:
-            result = self.pm.hook.kvpush_expected_producers(**kwargs)
-        except KvpushError:
-            raise
-        except Exception as err:
-            raise self._culprit("kvpush_expected_producers", kwargs, err) from err
+        result = self._call_hook("kvpush_expected_producers", kwargs)
         producers = frozenset(result or ())
         bad = [
             p
@@ -424,6 +413,16 @@ class KvpushPluginManager:
         except Exception as err:
             raise self._culprit("kvpush_decode_notification", {"message": message}, err) from err
         return None
+
+    def _call_hook(self, hook_name: str, kwargs: dict[str, Any]) -> Any:
+        """Call a hook through pluggy; a plugin's non-kvpush exception becomes a
+        ``PluginError`` naming the plugin and the hook (:meth:`_culprit`)."""
+        try:
+            return getattr(self.pm.hook, hook_name)(**kwargs)
+        except KvpushError:
+            raise
+        except Exception as err:
+            raise self._culprit(hook_name, kwargs, err) from err
 
     def _first_result(self, hook_name: str, kwargs: dict[str, Any]) -> Any:
         """A ``firstresult`` hook's answer: its implementations called in turn while pluggy's

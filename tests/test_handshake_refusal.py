@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from cluster import kv_bytes, wait_until
+from test_protocol_safety import _registration
 
 import kvpush.transports.loopback
 from kvpush import hookimpl
@@ -233,22 +234,7 @@ def _prefill() -> Any:
 
 
 def _coordinates(**overrides: Any) -> Any:
-    from kvpush.core.types import PushRegistration
-
-    fields = {
-        "request_id": "d-1",
-        "match_key": "x-1",
-        "decode_engine_id": "D",
-        "decode_host": "127.0.0.1",
-        "decode_port": 5601,
-        "decode_tp_size": 1,
-        "block_ids": ((3,),),
-        "remote_engine_id": "P",
-        "decode_incarnation": "d1",
-        "grant": None,
-        "fresh_s": 10.0,
-    }
-    return PushRegistration(**{**fields, **overrides})
+    return _registration(**{"block_ids": ((3,),), "grant": None, **overrides})
 
 
 def _hello(incarnation: str = "d1") -> Any:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from cluster import Cluster, kv_bytes, wait_until
+from test_protocol_safety import _registration
 
 from kvpush.core import notifications as wire
 from kvpush.core.actions import Post, Report, Send
@@ -36,25 +37,6 @@ def _note(message: bytes) -> Any:
     note = wire.decode_notification(message)
     assert note is not None
     return note
-
-
-def _registration(**overrides: Any) -> Any:
-    from kvpush.core.types import PushRegistration
-
-    fields = {
-        "request_id": "d-1",
-        "match_key": "x-1",
-        "decode_engine_id": "D",
-        "decode_host": "127.0.0.1",
-        "decode_port": 5601,
-        "decode_tp_size": 1,
-        "block_ids": [[3]],
-        "remote_engine_id": "P",
-        "decode_incarnation": "d1",
-        "grant": 100.0,
-        "fresh_s": 10.0,
-    }
-    return PushRegistration(**{**fields, **overrides})
 
 
 def _core() -> Any:
