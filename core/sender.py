@@ -77,11 +77,6 @@ class _Finished:
         )
 
 
-class _NeedsWriter(Exception):
-    """Raised in an inline run before a post that needs the transport's agent (nothing was
-    posted): the writer thread runs that action and the rest."""
-
-
 MAX_TOLD_AGENTS = 64
 """Refused D ranks' agents held notify-only at a time (the oldest is removed first)."""
 
@@ -109,13 +104,7 @@ class PushSender(RankWorker):
         self._keys: dict[str, str] = {}
         """Match key -> request id of prefills finished and not yet reported (a second finish of
         a key is refused; close() reports what is left)."""
-        self._packing_stats = {
-            "packed_writes": 0,
-            "packed_fallbacks": 0,
-            "slow_ready_queries": 0,
-            "inline_posts": 0,
-        }
-        """Driver counters; ``inline_posts``: posts made on the engine's thread (``inline_finish``)."""
+        self._packing_stats = {"packed_writes": 0, "packed_fallbacks": 0, "slow_ready_queries": 0}
         self._region_groups: tuple[Any, tuple[int, ...]] | None = None
         self._block_bytes: dict[int, tuple[Any, dict[int, int]]] = {}
         self._aligned_regions: dict[int, tuple[Any, Any, Any, tuple[Any, ...]]] = {}
@@ -204,8 +193,6 @@ class PushSender(RankWorker):
                 raise ConfigError(f"match_key {key!r} is already being pushed by this rank; finish it once")
             self._keys[key] = request_id
         finished = _Finished(key, request_id, blocks, decode_engine_id or "", ready, fingerprint)
-        if self.config.inline_finish and self.run_inline(lambda: self._finished(finished)):
-            return  # planned (and, where the transport allows, launched) on this thread
         self.run_on_writer(lambda: self._finished(finished))
 
     def abort(self, request_id: str, match_key: str | None = None) -> None:
@@ -338,15 +325,9 @@ class PushSender(RankWorker):
         self._execute(actions)
 
     def _execute(self, actions: Sequence[Any]) -> None:
-        for i, action in enumerate(actions):
-            if self._inline and not isinstance(action, (Post, Report)):
-                self._defer_actions(actions[i:])  # needs the agent: the writer runs it and the rest
-                return
+        for action in actions:
             try:
                 self._run(action)
-            except _NeedsWriter:
-                self._defer_actions(actions[i:])
-                return
             except Exception as err:  # contained: fail the request the action belonged to
                 logger.exception("action %s failed", type(action).__name__)
                 key = getattr(action, "key", None)
@@ -354,13 +335,6 @@ class PushSender(RankWorker):
                     self._execute(
                         self.core.fail(key, f"internal error: {type(err).__name__}: {err}", lease_clock())
                     )
-
-    def _defer_actions(self, actions: Sequence[Any]) -> None:
-        """From an inline run: the writer thread executes ``actions``, in order, as its next
-        command (the core already counts them as executed, as for a post deferred to the end
-        of a notification batch)."""
-        rest = list(actions)
-        self._defer(lambda: self._execute(rest))
 
     def _run(self, action: Any) -> None:
         assert self.core is not None and self.peers is not None
@@ -547,16 +521,12 @@ class PushSender(RankWorker):
             return
         try:
             handles, nbytes = self._post_writes(post)
-        except _NeedsWriter:
-            raise  # nothing was posted: the writer thread posts it (confirm_post changed nothing)
         except Exception as err:
             reason = str(err) if isinstance(err, KvpushError) else f"{type(err).__name__}: {err}"
             sent = getattr(err, "maybe_sent", True)  # unknown errors: bytes may have gone out
             self._execute(self.core.post_failed(post.key, post.dst, reason, lease_clock(), maybe_sent=sent))
             return
         self._fresh_until = time.monotonic() + FRESH_WINDOW_S
-        if self._inline:
-            self._packing_stats["inline_posts"] += 1
         abortable = getattr(self.transport, "abortable", None)  # optional: kernel copies are not
         can_abort = abortable is None or all(abortable(handle) for handle in handles)
         now = lease_clock()
@@ -599,12 +569,8 @@ class PushSender(RankWorker):
         )
         handles = None
         if self.pm.transfer_strategy(job, spec, len(local_ids)) == "packed" and self.staging is not None:
-            if self._inline:
-                raise _NeedsWriter  # packed WRITEs go through the agent
             handles = self._post_packed(reg, spec, engine, rank)
         if handles is None:
-            if self._inline and not self._posts_off_writer(engine.ranks[rank].agent):
-                raise _NeedsWriter
             notif = self._sealed(
                 engine.ranks[rank].agent,
                 wire.encode_done(reg.request_id, self.metadata.rank, self.config.parallel.tp_size),
@@ -624,18 +590,6 @@ class PushSender(RankWorker):
             for group, size in self._group_bytes(regions, spec.local_part[1]).items()
         )
         return handles, nbytes
-
-    def _posts_off_writer(self, agent: str) -> bool:
-        """Whether the transport posts WRITEs to ``agent`` without its agent (optional transport
-        method ``thread_safe_post``: a kernel launch any thread holding the owner lock may do)."""
-        thread_safe = getattr(self.transport, "thread_safe_post", None)
-        if thread_safe is None or not thread_safe(agent):
-            return False
-        if self.config.cuda_device is not None:  # the writer thread's device must be current here
-            import torch
-
-            return bool(torch.cuda.current_device() == self.config.cuda_device)
-        return True
 
     def _groups(self, regions: tuple[Any, ...]) -> tuple[int, ...]:
         """Each local region's KV group (the regions never change after start)."""

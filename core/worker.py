@@ -2,15 +2,11 @@
 
 The sender and receiver are thin *drivers* around pure protocol cores
 (:mod:`kvpush.core.prefill_core`, :mod:`kvpush.core.decode_core`): the writer thread is the only
-thread that calls the transport's agent after start-up; each step it drains notifications first,
-then runs queued commands (engine calls, handshake results), then polls WRITEs and fires the
-core's timers, executing the actions the core returns. The core and the driver's tables belong
-to whoever holds the rank's owner lock: the writer for each step, or (P only) an engine thread
-whose ``request_finished`` runs inline and launches a copy that needs no agent call
-(:meth:`RankWorker.run_inline`); anything needing the agent is deferred to the writer.
-Handshakes fetch metadata on another thread and hand the loading back to it. Every event is
-handled in isolation: an exception fails the request it belongs to (never the loop, never the
-rest of a batch).
+thread that touches the transport after start-up; each step it drains notifications first, then
+runs queued commands (engine calls, handshake results), then polls WRITEs and fires the core's
+timers, executing the actions the core returns. Handshakes fetch metadata on another thread and
+hand the loading back to it. Every event is handled in isolation: an exception fails the request
+it belongs to (never the loop, never the rest of a batch).
 """
 
 from __future__ import annotations
@@ -114,14 +110,6 @@ class WorkerConfig:
     """Linux: the writer thread's timer slack (``PR_SET_TIMERSLACK``). The kernel may end a
     timed wait this much late; its default, 50 µs, made every 50 µs poll last ~70-130 µs.
     0 leaves the thread's default. Elsewhere ignored."""
-    inline_finish: bool = True
-    """P: ``request_finished`` handles the finished prefill on the calling thread when no writer
-    round is running and nothing is queued before it (the engine's thread acts as the rank's
-    writer under its owner lock): planning, and the post itself when the transport can post to
-    that peer from any thread (``thread_safe_post``: a ``cuda_ipc`` kernel launch), so the
-    launch does not wait for the writer thread to wake. Actions that need the transport's agent
-    (notifications, NIXL WRITEs, handshakes) still go to the writer. Costs the caller the
-    planning and the launch (~0.1-0.4 ms); False: every finish is queued for the writer."""
     cuda_device: int | None = None
     """CUDA device the writer thread makes current (UCX needs it for CUDA IPC); None on CPU."""
     staging_bytes: int = 64 << 20
@@ -156,8 +144,6 @@ class WorkerConfig:
             raise ConfigError(
                 f"WorkerConfig.keepalive_s must be >= 0 (0 turns it off), got {self.keepalive_s!r}"
             )
-        if not isinstance(self.inline_finish, bool):
-            raise ConfigError(f"WorkerConfig.inline_finish must be a bool, got {self.inline_finish!r}")
         if type(self.timer_slack_ns) is not int or self.timer_slack_ns < 0:
             raise ConfigError(
                 f"WorkerConfig.timer_slack_ns must be an int >= 0 (0 keeps the default), got "
@@ -201,12 +187,6 @@ class RankWorker:
         """Held while no wake-up is pending: :meth:`_signal` releases it, the writer's wait
         takes it back (one C call each way, where an ``Event`` runs a Python condition)."""
         self._wake.acquire()
-        self._owner = threading.Lock()
-        """Held by whichever thread acts as this rank's writer: the writer thread for each round,
-        or an engine thread running a command inline (:meth:`run_inline`). The core, the
-        transport and the driver's tables are touched only by its holder."""
-        self._inline = False
-        """True while an engine thread holds ``_owner`` (actions needing the agent are deferred)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._local_lists: dict[tuple[int, int], int] = {}
@@ -382,33 +362,6 @@ class RankWorker:
         self._commands.put(command)
         self._signal()
 
-    def run_inline(self, command: Callable[[], None]) -> bool:
-        """Run ``command`` on the calling thread as this rank's writer, if no writer round is
-        running and no command is queued before it (order is kept); never waits. Returns
-        False when it did not run (queue it with :meth:`run_on_writer`). While it runs,
-        ``_inline`` is True: the driver defers what needs the transport's agent."""
-        if not self._commands.empty() or not self._owner.acquire(blocking=False):
-            return False
-        try:
-            if self._stop.is_set() or not self._running:
-                return False
-            self._inline = True
-            try:
-                command()
-            except Exception:
-                logger.exception("kvpush command of %s (run inline) failed", self.agent_name)
-            finally:
-                self._inline = False
-        finally:
-            self._owner.release()
-        self._signal()  # the writer recomputes its wait: a WRITE may be in flight now
-        return True
-
-    def _defer(self, command: Callable[[], None]) -> None:
-        """Queue ``command`` for the writer thread itself (from an inline run: it needs the agent)."""
-        self._commands.put(command)
-        self._signal()
-
     def _signal(self) -> None:
         """Wake the writer (at most one wake-up is pending; a second one is the same)."""
         try:  # noqa: SIM105 (contextlib.suppress costs a context manager on every request)
@@ -445,17 +398,16 @@ class RankWorker:
 
             torch.cuda.set_device(self.config.cuda_device)
         while not self._stop.is_set():
-            with self._owner:
-                try:
-                    self._step()
-                except BaseException:  # a plugin's SystemExit must not end the rank's only writer
-                    logger.exception("kvpush writer of %s hit an error; continuing", self.agent_name)
-                timeout = self.config.busy_poll_s if self._busy() else self.config.idle_poll_s
-                if self._fresh_until and time.monotonic() < self._fresh_until:
-                    timeout = min(timeout, FRESH_POLL_S)  # a WRITE was just posted: see it end soon
-                deadline = self._next_deadline()
-                if deadline is not None:
-                    timeout = max(0.0, min(timeout, deadline - lease_clock()))
+            try:
+                self._step()
+            except BaseException:  # a plugin's SystemExit must not end the rank's only writer
+                logger.exception("kvpush writer of %s hit an error; continuing", self.agent_name)
+            timeout = self.config.busy_poll_s if self._busy() else self.config.idle_poll_s
+            if self._fresh_until and time.monotonic() < self._fresh_until:
+                timeout = min(timeout, FRESH_POLL_S)  # a WRITE was just posted: see it end soon
+            deadline = self._next_deadline()
+            if deadline is not None:
+                timeout = max(0.0, min(timeout, deadline - lease_clock()))
             self._wake.acquire(timeout=timeout)  # a pending wake-up returns at once (consumed)
 
     def _step(self) -> None:
@@ -597,10 +549,9 @@ class RankWorker:
                     "writer of %s did not stop within 10s; its transport is left open", self.agent_name
                 )
                 return
-        with self._owner:  # an inline command still running ends first; none starts after
-            if was_running:
-                self._closed()
-            self._release_resources()
+        if was_running:
+            self._closed()
+        self._release_resources()
 
     def _before_stop(self) -> None:
         """Runs in ``close()`` while the writer still runs (bounded): tell peers we are going."""

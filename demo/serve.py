@@ -85,8 +85,6 @@ class Workload:
     seed: int = 0
     poll_s: float = 50e-6
     timeout_s: float = 30.0
-    inline_finish: bool = True
-    """P's ``WorkerConfig.inline_finish`` (one rank pair only; ``--no-inline-finish``)."""
     switch_interval_us: float = 0.0
     """When > 0, ``sys.setswitchinterval`` of P and D (how soon a thread waiting for the GIL
     gets it from a busy one; Python's default is 5000 us)."""
@@ -123,8 +121,6 @@ class Workload:
         for name, value in (("prefill-pp", pp), ("prefill-tp", ptp), ("decode-tp", dtp)):
             if value < 1:
                 raise ValueError(f"--{name} must be at least 1, got {value}")
-        if self.multi_rank and not self.inline_finish:
-            raise ValueError("--no-inline-finish applies to one rank pair; drop --prefill-pp/-tp/--decode-tp")
         try:
             tp_ratio(ptp, dtp)
         except Exception as err:
@@ -391,7 +387,6 @@ def _worker_config(w: Workload, engine: str, port: int, device: str) -> Any:
         request_timeout_s=w.timeout_s,
         cuda_device=cuda,
         transport=w.transport,
-        inline_finish=w.inline_finish,
     )
 
 
@@ -1202,10 +1197,7 @@ def run(
             if sweep and ok and not queue and len(results) < 12:
                 queue.append(rate * 2)
         stats = _sender_stats(pair)
-        mix = {
-            k: stats.get(k, 0) - strategy_before.get(k, 0)
-            for k in ("packed_writes", "packed_fallbacks", "inline_posts")
-        }
+        mix = {k: stats.get(k, 0) - strategy_before.get(k, 0) for k in ("packed_writes", "packed_fallbacks")}
         transport = getattr(getattr(pair, "sender", None), "transport", None)
         mix["ipc_writes"] = getattr(transport, "ipc_writes", 0) - ipc_before
         if getattr(transport, "ipc_writes", 0):
@@ -1367,12 +1359,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--switch-interval-us", type=float, default=0.0, help="sys.setswitchinterval of P and D (0: Python's)"
     )
-    group.add_argument(
-        "--no-inline-finish",
-        dest="inline_finish",
-        action="store_false",
-        help="P queues every finish for its writer thread (WorkerConfig.inline_finish=False; one rank pair)",
-    )
 
 
 def workload_from(args: argparse.Namespace) -> Workload:
@@ -1396,7 +1382,6 @@ def workload_from(args: argparse.Namespace) -> Workload:
         transport=args.transport or "nixl",
         seed=args.seed,
         switch_interval_us=args.switch_interval_us,
-        inline_finish=getattr(args, "inline_finish", True),
         prefill_pp=args.prefill_pp,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,

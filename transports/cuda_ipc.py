@@ -234,8 +234,6 @@ class CudaIpcTransport:
         )
         self._driver: Driver | None = None
         self._spans: list[tuple[int, int, int]] = []  # registered (addr, len, device) in VRAM
-        self._all_vram = False
-        """Every KV region registered is in VRAM (an IPC post then never uses the inner transport)."""
         self._exports: list[dict[str, Any]] | None = None
         self._lists: dict[int, _List] = {}
         self._next_list = 1
@@ -280,7 +278,6 @@ class CudaIpcTransport:
                 "cuda_ipc mode 'ipc' needs KV caches in VRAM; use mode 'auto' or the nixl transport"
             )
         self._spans += vram
-        self._all_vram = len(vram) == len(regions)
         self._exports = None
 
     def register_buffer(self, addr: int, length: int, mem_type: MemType, device_id: int) -> None:
@@ -441,12 +438,6 @@ class CudaIpcTransport:
     def ipc_peer(self, peer: str) -> bool:
         """True when WRITEs to ``peer`` go over CUDA IPC."""
         return self.use_ipc and peer in self._peers
-
-    def thread_safe_post(self, peer: str) -> bool:
-        """True when a WRITE to ``peer`` is a kernel launch that makes no call into the inner
-        transport (IPC on, the peer opened, every registered region in VRAM): any thread that
-        holds the rank's owner lock may post it (optional transport method)."""
-        return self.ipc_peer(peer) and self._all_vram
 
     @property
     def all_peers_ipc(self) -> bool:

@@ -41,9 +41,6 @@ class LoopbackTransport:
         """The next N ``post_write`` calls raise ``TransferError``."""
         self.fail_writes = 0
         """The next N posted WRITEs end in error (no bytes copied, no notification)."""
-        self.thread_safe_posts = False
-        """Tests: answer ``thread_safe_post`` True, so a P rank posts inline on its engine's
-        thread (the way ``cuda_ipc`` launches do)."""
         self.posts: list[dict[str, Any]] = []
         self.sent: list[tuple[str, bytes]] = []
         self._lists: dict[int, tuple[str | None, np.ndarray]] = {}
@@ -119,13 +116,7 @@ class LoopbackTransport:
         _, local = self._lists[local_list]
         handle = next(_IDS)
         self.posts.append(
-            {
-                "peer": peer,
-                "local_ids": list(local_ids),
-                "remote_ids": list(remote_ids),
-                "notif": notif,
-                "thread": threading.get_ident(),
-            }
+            {"peer": peer, "local_ids": list(local_ids), "remote_ids": list(remote_ids), "notif": notif}
         )
         self.counters.writes_posted += 1
         if self.fail_writes:
@@ -140,9 +131,6 @@ class LoopbackTransport:
         _AGENTS[peer].inbox.append((self._agent_name, notif))
         self._states[handle] = TransferState.DONE
         return handle
-
-    def thread_safe_post(self, peer: str) -> bool:
-        return self.thread_safe_posts
 
     def poll(self, handle: int) -> TransferState:
         return self._states.get(handle, TransferState.FAILED)
