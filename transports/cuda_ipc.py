@@ -10,9 +10,11 @@ that IPC cannot reach. Options:
   handshake with ``TransferError``), ``"nixl"`` (always the inner transport).
 
 How it works. ``metadata()`` wraps the inner transport's bytes with this rank's host identity
-(hostname and boot id), pid, and a CUDA IPC handle of every device allocation behind its
-registered memory (KV regions and staging area). ``load_peer`` opens a peer's handles when the
-peer is reachable; ``prepare_remote`` turns the peer's descriptor addresses into this process's
+(hostname and boot id), pid, a random id of this process, and a CUDA IPC handle of every device
+allocation behind its registered memory (KV regions and staging area). ``load_peer`` opens a
+peer's handles when the peer is reachable, and refuses a handle that maps fewer bytes than the
+peer claims (a peer is this same process only when it states this process's random id: pids
+repeat across containers); ``prepare_remote`` turns the peer's descriptor addresses into this process's
 mapped addresses once; ``post_write`` gathers the request's ``(src, dst, len)`` triples and
 launches one kernel (:class:`kvpush.core.kernels.SpanCopier`, on the writer's own stream after
 the engine's stream) that copies scattered blocks into scattered blocks: no staging, no
@@ -28,6 +30,7 @@ While every loaded peer is reached by IPC, the built-in strategy answer for a VR
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import logging
 import os
@@ -56,6 +59,14 @@ CUDA_ERROR_ALREADY_MAPPED = 208
 
 _LIVE: weakref.WeakValueDictionary[str, CudaIpcTransport] = weakref.WeakValueDictionary()
 
+_PROCESS = [os.urandom(16).hex()]
+"""A random id of this process, published in the metadata: a peer is "this process" (its
+addresses used as they are, no handle opened) only when it states this id. A pid cannot tell:
+two containers on one host (same hostname and boot id, e.g. host networking) each have their own
+PID namespace and often the same pid, and P would then copy into its own address space at D's
+addresses. Renewed in a forked child."""
+os.register_at_fork(after_in_child=lambda: _PROCESS.__setitem__(0, os.urandom(16).hex()))
+
 
 # ------------------------------------------------------------------------------ metadata blob
 
@@ -80,7 +91,31 @@ def decode_blob(blob: bytes) -> tuple[bytes, dict[str, Any] | None]:
         info = json.loads(blob[start : start + size])
     except (ValueError, RecursionError) as err:  # RecursionError: a deeply nested header
         raise TransferError(f"cuda_ipc peer metadata header is not JSON: {err}") from err
+    if not isinstance(info, dict):
+        raise TransferError(f"cuda_ipc peer metadata header is not a JSON object: {type(info).__name__}")
     return blob[start + size :], info
+
+
+def _allocations(info: dict[str, Any]) -> list[tuple[int, int, bytes]]:
+    """The peer's ``(base, size, IPC handle)`` list, sorted by base, checked: positive sizes,
+    no overlap, 64-byte handles (``TransferError`` naming what is wrong)."""
+    out = []
+    for alloc in info.get("allocations") or ():
+        try:
+            base, size = alloc["base"], alloc["size"]
+            handle = bytes.fromhex(alloc["handle"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise TransferError(
+                f"cuda_ipc: a peer allocation entry is malformed ({err!r}): {alloc!r}"
+            ) from err
+        if type(base) is not int or type(size) is not int or base <= 0 or size <= 0 or len(handle) != 64:
+            raise TransferError(f"cuda_ipc: a peer allocation entry is out of range: {alloc!r}")
+        out.append((base, size, handle))
+    out.sort()
+    for (base, size, _), (following, _, _) in itertools.pairwise(out):
+        if base + size > following:
+            raise TransferError(f"cuda_ipc: peer allocations overlap at {following:#x}")
+    return out
 
 
 # ------------------------------------------------------------------------------ CUDA driver
@@ -307,7 +342,12 @@ class CudaIpcTransport:
         return self._exports
 
     def metadata(self) -> bytes:
-        info = {"host": host_identity(), "pid": os.getpid(), "allocations": self._export()}
+        info = {
+            "host": host_identity(),
+            "pid": os.getpid(),
+            "process": _PROCESS[0],
+            "allocations": self._export(),
+        }
         return encode_blob(self.inner.metadata(), info)
 
     # ------------------------------------------------------------------ peers
@@ -323,7 +363,7 @@ class CudaIpcTransport:
         if reason is None:
             assert info is not None
             try:
-                self._peers[name] = self._open(info)
+                self._peers[name] = self._open(name, info)
             except TransferError as err:
                 reason = str(err)
         if reason is not None:
@@ -348,31 +388,50 @@ class CudaIpcTransport:
         driver = self._cuda()
         local = {device for _, _, device in self._spans}
         for alloc in info["allocations"]:
-            if alloc["device"] not in uuids:
+            if not isinstance(alloc, dict) or alloc.get("device") not in uuids:
                 return f"the peer's GPU {alloc['device']} is not visible here"
             peer_dev = uuids.index(alloc["device"])
             if not all(driver.can_access(dev, peer_dev) for dev in local):
                 return f"no peer access from GPUs {sorted(local)} to GPU {peer_dev}"
         return None
 
-    def _open(self, info: dict[str, Any]) -> _Peer:
-        allocations = sorted(info["allocations"], key=lambda a: a["base"])
-        bases = np.array([a["base"] for a in allocations], dtype=np.int64)
-        sizes = np.array([a["size"] for a in allocations], dtype=np.int64)
-        if int(info.get("pid", -1)) == os.getpid():  # same process: the addresses are ours
+    def _open(self, name: str, info: dict[str, Any]) -> _Peer:
+        """Map the peer's allocations here: open each IPC handle and check that it maps at
+        least the bytes the peer claims (the kernel writes up to the claimed end); a peer in this
+        very process (``process`` id) must be a live cuda_ipc agent of it exporting exactly
+        these allocations, whose addresses are then used as they are."""
+        allocations = _allocations(info)
+        bases = np.array([a[0] for a in allocations], dtype=np.int64)
+        sizes = np.array([a[1] for a in allocations], dtype=np.int64)
+        pid = int(info["pid"]) if isinstance(info.get("pid"), int) else -1
+        if info.get("process") == _PROCESS[0]:
+            twin = _LIVE.get(name)
+            exported = [(e["base"], e["size"]) for e in twin._export()] if twin is not None else None
+            if exported != [(base, size) for base, size, _ in allocations]:
+                raise TransferError(
+                    f"cuda_ipc: peer {name} states this process's id, but no cuda_ipc agent of this "
+                    f"process named {name} exports the allocations it lists"
+                )
             return _Peer(pid=os.getpid(), bases=bases, sizes=sizes, mapped=bases.copy(), opened=[])
         driver = self._cuda()
         driver.bind(self._spans[0][2])
         opened: list[int] = []
         try:
-            for alloc in allocations:
-                opened.append(driver.open(bytes.fromhex(alloc["handle"])))
+            for base, size, handle in allocations:
+                ptr = driver.open(handle)
+                opened.append(ptr)
+                start, length = driver.allocation(ptr)
+                if start != ptr or length < size:
+                    raise TransferError(
+                        f"cuda_ipc: peer {name} claims {size} bytes at {base:#x}, but its IPC handle "
+                        f"maps {length} bytes here (at {start:#x} for {ptr:#x}); refusing to write there"
+                    )
         except TransferError:
             for ptr in opened:
                 driver.close(ptr)
             raise
         mapped = np.array(opened, dtype=np.int64)
-        return _Peer(pid=int(info["pid"]), bases=bases, sizes=sizes, mapped=mapped, opened=opened)
+        return _Peer(pid=pid, bases=bases, sizes=sizes, mapped=mapped, opened=opened)
 
     def _close_peer(self, name: str) -> None:
         for write in list(self._writes):  # a kernel still using the mapping would fault on close
