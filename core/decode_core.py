@@ -1043,7 +1043,13 @@ class DecodeCore:
                 grant = receive.grants.get(agent)
                 older = grant is None or grant < note.stamp  # else P holds it as a new attempt's
                 if receive.phase is _Phase.REGISTERED and agent in self._agents_of(receive) and older:
-                    receive.settled.update(r for r, a in engine.info.agents.items() if a == agent)
+                    # P stopped, but the answer does not say whether a WRITE of it ended
+                    # unsettled (aborted at its deadline, with bytes still on the way; its FAIL,
+                    # which says so, was lost): fenced before the blocks go back, as any P that
+                    # does not state it.
+                    ranks = {r for r, a in engine.info.agents.items() if a == agent}
+                    receive.unsettled.update(ranks & (receive.expected - receive.settled))
+                    receive.settled.update(ranks)
                     receive.settle_seq = self._fence_seq
                     out += self._close(
                         rid, "P no longer holds this request (it failed, expired or P restarted)", now
