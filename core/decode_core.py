@@ -217,6 +217,9 @@ class _Receive:
     awaiting: set[str] = attrs.field(factory=set)
     """Producer agents whose fresh stamp it waits for before registering (its key ended here)."""
     refreshed: bool = False
+    regranted: bool = False
+    """A grant for its key went to one of its unsettled producers after the fence it waits
+    for was issued (for another request of the key): that fence does not cover it."""
 
 
 @attrs.define(eq=False)
@@ -922,6 +925,13 @@ class DecodeCore:
             receive = self._requests.get(rid)
             if receive is None or receive.fence_id != fence_id:
                 continue
+            if receive.regranted:
+                # P may post what it holds for the key after this fence, on a new connection:
+                # quarantine again from that grant, then fence again.
+                receive.regranted = False
+                receive.fence_id = None
+                self._timers.arm(("quarantine", rid), self._quarantine_end(receive, now))
+                continue
             out += self._finish_close(
                 rid, receive, f"released after P's connections were fenced ({fence.why})"
             )
@@ -1256,8 +1266,7 @@ class DecodeCore:
         grant = engine.stamps.get(agent)
         reg = self._coordinates("(heartbeat)", None, grant=grant)
         if grant is not None:
-            for rid in keys.values():
-                self._requests[rid].last_grant = now
+            self._granted(engine, agent, set(keys), now)
         names = sorted(keys)
         out = []
         for start in range(0, len(names), HEARTBEAT_KEYS_PER_MESSAGE):
@@ -1265,6 +1274,29 @@ class DecodeCore:
             out.append(Send(agent, wire.encode_heartbeat(chunk, reg, self.s.tp_rank)))
             self.stats["heartbeats_sent"] += 1
         return out
+
+    def _granted(self, engine: _Producer, agent: str, keys: set[str], now: float) -> None:
+        """A grant for ``keys`` went to ``agent``. P renews by key whatever registration of a
+        key it holds for this rank, which need not be the request the heartbeat was sent for:
+        another request of this rank under the same key with the same P engine (a request
+        added twice, a retry while the first is still closing) may be the one P holds. So
+        every such request whose producer at ``agent`` has not settled takes the grant: a
+        closing one's quarantine moves out, and one already waiting for a fence is not
+        released on it (P may post after the fence on a new connection); it waits for a
+        quarantine and a fence again (:meth:`fenced`)."""
+        for rid in engine.requests:
+            receive = self._requests[rid]
+            if receive.key not in keys or receive.phase is _Phase.WAITING:
+                continue
+            if not any(receive.agents.get(r) == agent for r in receive.expected - receive.settled):
+                continue
+            receive.last_grant = now
+            if receive.phase is not _Phase.CLOSING:
+                continue
+            if receive.fence_id is not None:
+                receive.regranted = True
+            elif not receive.held and self._timers.when(("quarantine", rid)) is not None:
+                self._timers.arm(("quarantine", rid), self._quarantine_end(receive, now))
 
     def _coordinates(
         self, rid: str, receive: _Receive | None = None, grant: float | None = None
