@@ -114,6 +114,11 @@ class PushReceiver(RankWorker):
         """Engine request id -> the id its latest registration carries (reused ids only)."""
         self._engine_id_of: OrderedDict[str, str] = OrderedDict()
         """Alias -> the engine's request id (the core and the wire know only aliases)."""
+        self._live: dict[str, str] = {}
+        """Core id -> engine id of every request the core holds (added, not yet done or
+        released). Never trimmed: the memories above are, oldest first, and a request in
+        progress may outlive ``ID_MEMORY`` later ones (held for a P's copies, a long prefill):
+        its alias must still map back, and no alias may take its id."""
         self._aliases = itertools.count(1)
         self._done: list[str] = []
         self._completed_at: dict[str, float] = {}
@@ -190,13 +195,14 @@ class PushReceiver(RankWorker):
             self._claims.claim(rid, request.block_ids)  # ConfigError: blocks another request holds
             self._active.add(rid)
             request = self._registered_as(request)
+            self._live[request.request_id] = rid
         self.run_on_writer(lambda: self._add_guarded(request))
 
     def _registered_as(self, request: RequestMetadata) -> RequestMetadata:
         """``request`` under the id its registration carries: its own the first time, a fresh
         alias when the engine reuses the id (caller holds the results lock)."""
         rid = request.request_id
-        used = rid in self._used_ids or rid in self._engine_id_of  # or an alias of another id
+        used = rid in self._used_ids or rid in self._engine_id_of or rid in self._live  # or an alias
         used = used or rid in RESERVED_REQUEST_IDS  # "(hello)": a FAIL naming it is P's refusal
         self._used_ids[rid] = None
         self._used_ids.move_to_end(rid)
@@ -206,7 +212,7 @@ class PushReceiver(RankWorker):
             self._alias_of.pop(rid, None)
             return request
         alias = f"{rid}#{next(self._aliases)}"
-        while alias in self._used_ids or alias in self._engine_id_of:  # an id the engine used
+        while alias in self._used_ids or alias in self._engine_id_of or alias in self._live:
             alias = f"{rid}#{next(self._aliases)}"
         self._alias_of[rid] = alias
         self._engine_id_of[alias] = rid
@@ -221,7 +227,20 @@ class PushReceiver(RankWorker):
 
     def _engine_id(self, core_id: str) -> str:
         """The engine's request id for an id of the core (an alias maps back)."""
-        return self._engine_id_of.get(core_id, core_id)
+        live = self._live.get(core_id)
+        return live if live is not None else self._engine_id_of.get(core_id, core_id)
+
+    def _ended(self, core_id: str) -> str:
+        """``core_id`` is done or released: it leaves ``_live``; its alias stays the newest
+        remembered (a cancelled report follows its release). Returns the engine's id."""
+        rid = self._engine_id(core_id)
+        self._live.pop(core_id, None)
+        if core_id != rid:
+            self._engine_id_of[core_id] = rid
+            self._engine_id_of.move_to_end(core_id)
+            if len(self._engine_id_of) > ID_MEMORY:
+                self._engine_id_of.popitem(last=False)
+        return rid
 
     def add_request_params(
         self, request_id: str, block_ids: BlockIdsLike, kv_transfer_params: Mapping[str, Any]
@@ -349,7 +368,7 @@ class PushReceiver(RankWorker):
             self._report(action)
         elif isinstance(action, Release):
             with self._results_ready:
-                rid = self._engine_id(action.request_id)
+                rid = self._ended(action.request_id)
                 self._released.append(rid)
                 self._active.discard(rid)
                 if self._claims is not None:
@@ -375,8 +394,9 @@ class PushReceiver(RankWorker):
 
     def _report(self, report: Report) -> None:
         with self._results_ready:
-            rid = self._engine_id(report.request_id)
-            if report.outcome == "done":
+            done = report.outcome == "done"
+            rid = self._ended(report.request_id) if done else self._engine_id(report.request_id)
+            if done:
                 self._done.append(rid)
                 self._completed_at[rid] = time.perf_counter()
                 self._active.discard(rid)
@@ -596,6 +616,7 @@ class PushReceiver(RankWorker):
                     "released (P never acknowledged: do not reuse them while P may write)",
                 )
             self._active.clear()
+            self._live.clear()
             if self._claims is not None:
                 self._claims.clear()
             self._results_ready.notify_all()
