@@ -1290,7 +1290,10 @@ def plot(result: dict[str, Any], path: str) -> str:
     )
     ax.set_title(f"{w['preset']}{shape}: P {w['device']} -> D {decode}, {w.get('transport', 'nixl')}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    else:  # no run finished (a legend of nothing warns)
+        ax.text(0.5, 0.5, "no runs", transform=ax.transAxes, ha="center")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
