@@ -218,6 +218,13 @@ class _Receive:
     """Producer agents whose fresh stamp it waits for before registering (its key ended here)."""
     refreshed: bool = False
     regranted: bool = False
+    unanswered: set[str] = attrs.field(factory=set)
+    """Producer agents silent when its quarantine ended (released on a fence, not an answer):
+    P may still hold its registration, which a later grant for its key would revive."""
+    acks: set[str] = attrs.field(factory=set)
+    """Producer agents whose acknowledgement of an earlier registration's CANCEL it waits for
+    before registering (see :meth:`DecodeCore._owed_cancels`)."""
+    acks_asked: bool = False
     """A grant for its key went to one of its unsettled producers after the fence it waits
     for was issued (for another request of the key): that fence does not cover it."""
 
@@ -258,6 +265,11 @@ class DecodeCore:
         self._fence_seq = 0
         self._seq = 0
         """Counts stamps and ends: orders "a stamp arrived" against "a key ended" here."""
+        self._unanswered: OrderedDict[tuple[str, str], dict[str, tuple[str, str, bytes]]] = OrderedDict()
+        """(P engine, match key) -> agent -> (its incarnation, the request id, its CANCEL) of
+        registrations released on a fence with that producer silent (at most ENDED_MEMORY)."""
+        self._unanswered_ids: dict[str, tuple[str, str]] = {}
+        """Request id -> its entry in ``_unanswered`` (a late CANCEL_ACK finds it)."""
         self._ended_keys: OrderedDict[tuple[str, str], int] = OrderedDict()
         """(P engine, match key) of requests that ended here lately -> ``_seq`` then: a request
         registering such a key again first gets a stamp issued after it ended."""
@@ -544,6 +556,8 @@ class DecodeCore:
                 out += self._on_hello_timeout(name, now)
             elif kind == "stamp":
                 out += self._stamp_awaited(name, None, now)
+            elif kind == "acks":
+                out += self._on_acks_timeout(name, now)
             elif kind == "hello_resend":
                 engine = self._engines.get(name)
                 if engine is not None and engine.state is _EngineState.HELLO and engine.hello_pending:
@@ -579,6 +593,15 @@ class DecodeCore:
         ]
         if mismatch:
             return self._close(rid, "kv_transfer_params disagree with P: " + "; ".join(mismatch), now)
+        if not receive.acks_asked:
+            receive.acks_asked = True
+            owed = self._owed_cancels(receive.engine_id, receive.key, info)
+            if owed:
+                receive.acks = set(owed)
+                self._timers.arm(("acks", rid), now + self.s.hello_timeout_s)
+                return [Send(agent, message) for agent, message in sorted(owed.items())]
+        if receive.acks:
+            return []  # registers once they are acknowledged
         ended = self._ended_keys.get((receive.engine_id, receive.key))
         if ended is not None and not receive.refreshed:
             # A retry under a key that ended here: P answers a registration whose grant is not
@@ -620,10 +643,74 @@ class DecodeCore:
         self._timers.disarm(("early", rid))
         return out
 
+    def _owed_cancels(self, engine_id: str, key: str, info: ProducerInfo) -> dict[str, bytes]:
+        """CANCELs of ``key``'s earlier registrations on this rank that were released on a fence
+        with a producer silent (its CANCEL lost): that producer may still hold the registration
+        (P keeps one per key and rank, renewed by key), and the first grant a new request of the
+        key sent it would revive it, into released blocks. Asked again, and acknowledged, before
+        the new request registers; only for the incarnations that could hold it."""
+        owed = self._unanswered.get((engine_id, key), {})
+        agents = set(info.agents.values())
+        return {
+            agent: message
+            for agent, (incarnation, _, message) in owed.items()
+            if agent in agents and info.incarnations.get(agent) == incarnation
+        }
+
+    def _on_owed_ack(self, agent: str, note: Notification, now: float) -> list[Any]:
+        """A CANCEL_ACK for a request that ended here: one of :meth:`_owed_cancels` answered?"""
+        where = self._unanswered_ids.get(note.request_id)
+        owed = self._unanswered.get(where) if where is not None else None
+        entry = owed.get(agent) if owed is not None else None
+        if where is not None and owed is not None and entry is not None and entry[1] == note.request_id:
+            engine_id, key = where
+            del owed[agent]
+            if not any(rid == note.request_id for _, rid, _ in owed.values()):
+                self._unanswered_ids.pop(note.request_id, None)
+            if not owed:
+                del self._unanswered[where]
+            # P ended the key only now: a registration of it needs a stamp issued after this.
+            self._seq += 1
+            self._ended_keys[(engine_id, key)] = self._seq
+            self._ended_keys.move_to_end((engine_id, key))
+            if len(self._ended_keys) > ENDED_MEMORY:
+                self._ended_keys.popitem(last=False)
+            engine = self._engines.get(engine_id)
+            out: list[Any] = []
+            for rid in sorted(engine.requests if engine is not None else ()):
+                receive = self._requests[rid]
+                if receive.key != key or agent not in receive.acks:
+                    continue
+                receive.acks.discard(agent)
+                if receive.acks or receive.phase is not _Phase.WAITING:
+                    continue
+                self._timers.disarm(("acks", rid))
+                if engine is not None and engine.state is _EngineState.READY:
+                    out += self._register(rid, now)
+                elif engine is not None and rid not in engine.waiting:
+                    engine.waiting.append(rid)
+            return out
+        return []
+
+    def _on_acks_timeout(self, rid: str, now: float) -> list[Any]:
+        receive = self._requests.get(rid)
+        if receive is None or receive.phase is not _Phase.WAITING or not receive.acks:
+            return []
+        return self._close(
+            rid,
+            f"P agent(s) {sorted(receive.acks)} did not acknowledge within {self.s.hello_timeout_s:g}s "
+            f"the cancel of an earlier registration of match key {receive.key!r} on this rank, which "
+            f"they may still hold (its blocks were released on a fence); retry under a fresh "
+            f"transfer_id",
+            now,
+        )
+
     def _on_result(self, agent: str, engine: _Producer | None, note: Notification, now: float) -> list[Any]:
         rid = note.request_id
         receive = self._requests.get(rid)
         if receive is None:
+            if note.kind is NotificationKind.CANCEL_ACK and self._unanswered:
+                return self._on_owed_ack(agent, note, now)
             if note.kind is NotificationKind.CANCEL_ACK or rid in self._ended:
                 self.stats["duplicate_notifications"] += note.kind is NotificationKind.DONE
                 return []  # late: the request already ended here
@@ -648,6 +735,7 @@ class DecodeCore:
         if manifest is not None:
             receive.arrived.setdefault(producer, set()).add(manifest.chunk)
         if receive.phase is _Phase.CLOSING:
+            receive.unanswered.discard(agent)
             if receive.held and not self._same_incarnation(receive, agent):
                 # A process that took over the agent's name never had this request: only the
                 # one that could copy into it (or its exit) settles it.
@@ -778,6 +866,20 @@ class DecodeCore:
         return self._finish_close(rid, receive, how)
 
     def _finish_close(self, rid: str, receive: _Receive, how: str) -> list[Any]:
+        if receive.unanswered:
+            owed = self._unanswered.setdefault((receive.engine_id, receive.key), {})
+            self._unanswered.move_to_end((receive.engine_id, receive.key))
+            message = wire.encode_cancel(receive.key, self._coordinates(rid, receive), self.s.tp_rank)
+            for agent in receive.unanswered:
+                replaced = owed.get(agent)
+                if replaced is not None and replaced[1] != rid:
+                    self._unanswered_ids.pop(replaced[1], None)
+                owed[agent] = (receive.incarnations.get(agent, ""), rid, message)
+            self._unanswered_ids[rid] = (receive.engine_id, receive.key)
+            if len(self._unanswered) > ENDED_MEMORY:
+                _, evicted = self._unanswered.popitem(last=False)
+                for _, old_rid, _ in evicted.values():
+                    self._unanswered_ids.pop(old_rid, None)
         report = [Report(rid, "cancelled", f"{receive.reason} ({how})")] if receive.cancelled else []
         out = self._end(rid, receive, None, release=True) + report
         engine = self._engines.get(receive.engine_id)
@@ -802,6 +904,7 @@ class DecodeCore:
         names = ", ".join(str(r) for r in sorted(silent))
         if not receive.writes_abortable:
             return self._hold(rid, receive, silent, names, now)
+        receive.unanswered = {receive.agents[r] for r in silent if r in receive.agents}
         # P may not post any more (the grant window and its WRITE deadline passed), but a WRITE
         # it posted may still sit in the network: fence P's connections, then release.
         return self._await_fence(
@@ -965,7 +1068,7 @@ class DecodeCore:
         """Forget a request: the one place request state is deleted."""
         del self._requests[rid]
         self._ended.add(rid)
-        for kind in ("watchdog", "quarantine", "stamp"):
+        for kind in ("watchdog", "quarantine", "stamp", "acks"):
             self._timers.disarm((kind, rid))
         ended = (receive.engine_id, receive.key)
         self._seq += 1

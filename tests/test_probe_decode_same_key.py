@@ -123,3 +123,116 @@ def test_a_grant_sent_after_the_fence_was_issued_is_not_covered_by_it() -> None:
     except Violation as err:
         raise AssertionError(f"a WRITE landed in a released request's blocks: {err}") from None
     machine.teardown()
+
+
+def test_a_late_copy_of_a_released_request_s_push_reg_is_not_revived_by_a_retry() -> None:
+    """``old`` registers (a copy of its PUSH_REG is delayed in the network), is cancelled with
+    the CANCEL lost, and is released after its quarantine and a fence; P never learned that it
+    ended. The engine retries under the same key (``retry``, other blocks): its PUSH_REG
+    reaches P, then the late copy of ``old``'s replaces it there (P keeps one registration per
+    key and D rank). P finishes; the copy's grant is stale, so P asks D for a fresh one; D
+    answers for the key, which it still waits for (``retry``)."""
+    machine = CoreCluster()
+    machine.start(topology=(1, 1, 1))
+    d = machine.d_procs[0]
+    old = Request(key="K", rid="r-old", seq=next(machine.seq), nblocks=1, sizes="right", packed=False)
+    _add(machine, old)
+    for _ in range(8):  # handshakes, HELLO, until D sends old's PUSH_REG
+        if "push_reg" in _kinds(machine):
+            break
+        _flow(machine, rounds=1)
+    assert "push_reg" in _kinds(machine)
+    for msg in list(machine.net):
+        if wire.decode_notification(msg.data).kind.value == "push_reg":
+            late = type(msg)(msg.src, msg.dst, msg.dst_inc, msg.data, held=True)
+            machine.net.append(late)  # a duplicate, delayed
+    _flow(machine)  # P holds old's registration
+    d.requests[old.rid].cancel_calls += 1
+    machine._run_d(d, d.core.cancel(old.rid, machine.now(d)))
+    _drop_first(machine, "cancel")  # lost
+    for _ in range(8):
+        machine.advance_clock(dt=5.0)
+        machine.pump(rounds=8, stall_writes=True)
+    assert d.requests[old.rid].released
+    retry = Request(key="K", rid="r-retry", seq=next(machine.seq), nblocks=1, sizes="right", packed=False)
+    _add(machine, retry)
+    for _ in range(10):  # one message round at a time, the clock moving between them
+        _flow(machine, rounds=1)
+        machine.t += 0.01
+    for msg in machine.net:
+        msg.held = False  # the late copy of old's PUSH_REG arrives
+    _flow(machine)
+    # P's engine finishes the key's prefill: old's first (P ended that attempt), then the retry's
+    machine.prefill_finished(i=machine.requests.index(old), j=0, one_rank=False, bind=False, boom=False)
+    machine.prefill_finished(i=machine.requests.index(retry), j=0, one_rank=False, bind=False, boom=False)
+    try:
+        for _ in range(6):
+            machine.pump(rounds=8, stall_writes=False)
+            machine.advance_clock(dt=0.06)
+    except Violation as err:
+        raise AssertionError(f"a WRITE landed in a released request's blocks: {err}") from None
+    assert d.requests[retry.rid].outcomes == ["done"]  # D asked P to drop old's first
+    machine.teardown()
+
+
+def _released_unacknowledged(machine: CoreCluster) -> Request:
+    """``old`` registered, was cancelled with the CANCEL lost, and was released after its
+    quarantine and a fence; P still holds its registration (it never learned it ended)."""
+    machine.start(topology=(1, 1, 1))
+    d = machine.d_procs[0]
+    old = Request(key="K", rid="r-old", seq=next(machine.seq), nblocks=1, sizes="right", packed=False)
+    _add(machine, old)
+    machine.pump(rounds=8, stall_writes=True)
+    d.requests[old.rid].cancel_calls += 1
+    machine._run_d(d, d.core.cancel(old.rid, machine.now(d)))
+    _drop_first(machine, "cancel")  # lost
+    for _ in range(8):
+        machine.advance_clock(dt=5.0)
+        machine.pump(rounds=8, stall_writes=True)
+    assert d.requests[old.rid].released
+    return old
+
+
+def test_a_retry_whose_push_reg_is_lost_does_not_revive_a_released_request() -> None:
+    """As above without the late copy: the retry's own PUSH_REG is lost, so P still holds
+    ``old``'s registration, and the retry's heartbeats (naming the key) renewed it."""
+    machine = CoreCluster()
+    old = _released_unacknowledged(machine)
+    d = machine.d_procs[0]
+    retry = Request(key="K", rid="r-retry", seq=next(machine.seq), nblocks=1, sizes="right", packed=False)
+    _add(machine, retry)
+    for _ in range(10):
+        if "push_reg" in _kinds(machine):
+            _drop_first(machine, "push_reg")  # lost
+            break
+        _flow(machine, rounds=1)
+        machine.t += 0.01
+    for _ in range(2):  # D's heartbeats name the key
+        machine.advance_clock(dt=5.0)
+        _flow(machine)
+    machine.prefill_finished(i=machine.requests.index(old), j=0, one_rank=False, bind=False, boom=False)
+    try:
+        for _ in range(6):
+            machine.pump(rounds=8, stall_writes=False)
+            machine.advance_clock(dt=0.06)
+    except Violation as err:
+        raise AssertionError(f"a WRITE landed in a released request's blocks: {err}") from None
+    assert d.requests[retry.rid].outcomes in ([], ["failed"])  # never done: nothing wrote it
+    machine.teardown()
+
+
+def test_a_retry_fails_when_p_never_acknowledges_the_earlier_cancel() -> None:
+    """The CANCEL D asks again before the retry registers is lost too: the retry fails at
+    the bound (HELLO timeout) naming why, and nothing was registered, so it is released."""
+    machine = CoreCluster()
+    _released_unacknowledged(machine)
+    d = machine.d_procs[0]
+    retry = Request(key="K", rid="r-retry", seq=next(machine.seq), nblocks=1, sizes="right", packed=False)
+    _add(machine, retry)
+    assert _kinds(machine) == ["cancel"]
+    _drop_first(machine, "cancel")
+    machine.advance_clock(dt=6.0)
+    mine = d.requests[retry.rid]
+    assert mine.outcomes == ["failed"] and mine.released
+    assert d.core.stats["push_regs_sent"] == 1  # old's only
+    machine.teardown()
