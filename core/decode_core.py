@@ -390,9 +390,12 @@ class DecodeCore:
         retry = engine is not None and engine.state is _EngineState.FAILED and engine.info is None
         if engine is not None and not (retry and now >= self._retry_at(engine)):
             return []
-        failures = engine.failures if engine is not None else 0
+        failed = engine
         engine = _Producer(params.remote_engine_id, params.remote_host, params.remote_port)
-        engine.failures = failures
+        if failed is not None:
+            # Its closing requests stay the engine's: grants the new handshake's requests give
+            # their key must reach them (:meth:`_granted`), and it is not forgotten under them.
+            engine.failures, engine.requests = failed.failures, failed.requests
         self._engines[engine.engine_id] = engine
         return [*moved, Connect(engine.engine_id, engine.host, engine.port)]
 

@@ -236,3 +236,46 @@ def test_a_retry_fails_when_p_never_acknowledges_the_earlier_cancel() -> None:
     assert mine.outcomes == ["failed"] and mine.released
     assert d.core.stats["push_regs_sent"] == 1  # old's only
     machine.teardown()
+
+
+def test_a_failed_engine_handshaken_afresh_keeps_its_closing_requests() -> None:
+    """P's answers stop reaching D for longer than ``peer_silence_s``: D fails the engine,
+    ``second`` closes (its CANCEL lost) and D forgets P's agents. A new request of the key
+    (``first``) handshakes afresh; the engine's new record knew nothing of ``second``, so the
+    grants ``first``'s heartbeats gave the key (its PUSH_REG delayed: P still holds
+    ``second``'s registration) did not move ``second``'s quarantine, and D released it while
+    P held a registration D kept fresh."""
+    machine = CoreCluster()
+    machine.start(topology=(1, 1, 1))
+    d = machine.d_procs[0]
+    second = Request(key="K", rid="r-second", seq=next(machine.seq), nblocks=1, sizes="right", packed=False)
+    _add(machine, second)
+    machine.pump(rounds=8, stall_writes=True)  # P holds second's registration
+    for _ in range(6):  # P's answers are lost (D's CANCEL too): P's agent is dead to D at 20 s
+        machine.advance_clock(dt=5.0)
+        machine.net = [m for m in machine.net if m.src == d.agent]
+        while "cancel" in _kinds(machine):
+            _drop_first(machine, "cancel")
+        for msg in list(machine.net):
+            machine.net.remove(msg)
+            machine._deliver(msg)
+        machine.net = [m for m in machine.net if m.src == d.agent]
+    assert d.requests[second.rid].outcomes == ["failed"] and not d.requests[second.rid].released
+    machine.advance_clock(dt=2.0)  # past the engine's backoff
+    first = Request(key="K", rid="r-first", seq=next(machine.seq), nblocks=1, sizes="right", packed=False)
+    _add(machine, first)
+    for _ in range(10):  # handshake afresh, HELLO; first's PUSH_REG is delayed
+        for msg in machine.net:
+            if wire.decode_notification(msg.data).kind.value == "push_reg":
+                msg.held = True
+        _flow(machine, rounds=1)
+        machine.t += 0.01
+    for _ in range(8):  # first's heartbeats renew what P holds for the key: second's
+        machine.advance_clock(dt=5.0)
+        _flow(machine)
+    machine.prefill_finished(i=machine.requests.index(first), j=0, one_rank=False, bind=False, boom=False)
+    try:
+        machine.pump(rounds=8, stall_writes=False)
+    except Violation as err:
+        raise AssertionError(f"a WRITE landed in a released request's blocks: {err}") from None
+    machine.teardown()
