@@ -344,10 +344,15 @@ class RankWorker:
                 raise ConfigError(
                     f"{what} of {request_id!r} repeat a block id in group {group}: {list(ids)[:16]}"
                 )
-            if group not in capacity and ids:
-                raise ConfigError(
-                    f"{what} of {request_id!r} name KV group {group}; this rank has {len(capacity)}"
-                )
+            if group not in capacity:
+                # A group of the model this rank holds no layer of (a PP stage of a hybrid
+                # model): the engine hands every stage all groups' ids; nothing of it moves here.
+                if ids and group >= self.config.model.num_groups:
+                    raise ConfigError(
+                        f"{what} of {request_id!r} name KV group {group}; the model has "
+                        f"{self.config.model.num_groups}"
+                    )
+                continue
             if ids and max(ids) >= capacity[group]:
                 raise ConfigError(
                     f"{what} of {request_id!r}: block id {max(ids)} is beyond group {group}'s "
