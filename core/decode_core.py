@@ -1154,22 +1154,26 @@ class DecodeCore:
                 out += self._engine_ready(engine, now)
         failed = set(note.failed_keys)
         if failed:
-            for rid in [r for r in engine.requests if self._requests[r].key in failed]:
-                receive = self._requests[rid]
+            ranks = {r for r, a in engine.info.agents.items() if a == agent}
+            for rid in sorted(r for r in engine.requests if self._requests[r].key in failed):
+                receive = self._requests.get(rid)
+                if receive is None:
+                    continue
                 grant = receive.grants.get(agent)
                 older = grant is None or grant < note.stamp  # else P holds it as a new attempt's
-                if receive.phase is _Phase.REGISTERED and agent in self._agents_of(receive) and older:
+                if receive.phase is _Phase.REGISTERED and ranks & receive.expected and older:
                     # P stopped, but the answer does not say whether a WRITE of it ended
                     # unsettled (aborted at its deadline, with bytes still on the way; its FAIL,
                     # which says so, was lost): fenced before the blocks go back, as any P that
-                    # does not state it.
-                    ranks = {r for r, a in engine.info.agents.items() if a == agent}
+                    # does not state it. (The fence may reset the engine: see below.)
                     receive.unsettled.update(ranks & (receive.expected - receive.settled))
                     receive.settled.update(ranks)
                     receive.settle_seq = self._fence_seq
                     out += self._close(
                         rid, "P no longer holds this request (it failed, expired or P restarted)", now
                     )
+        if engine.info is None:
+            return out  # a fence above reset the engine: the rest of the answer is about old agents
         if note.unknown_keys:
             out += self._on_unknown(engine, agent, set(note.unknown_keys), now)
         if note.want:

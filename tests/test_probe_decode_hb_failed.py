@@ -54,3 +54,33 @@ def test_a_heartbeat_answer_failed_after_an_aborted_write_does_not_release_witho
     except Violation as err:
         raise AssertionError(f"released without a fence: {err}") from None
     machine.teardown()
+
+
+def test_a_fence_while_handling_a_heartbeat_answer_does_not_break_the_rest_of_it() -> None:
+    """Found by the kernel-copy machine once the answer's ``failed`` fenced: the fence reset
+    the engine (its agents forgotten, a handshake afresh) in the middle of the answer, and
+    reading the rest of it (``unknown``) raised on the forgotten agents."""
+    from test_core_properties import KernelCopyCluster
+
+    state = KernelCopyCluster()
+    state.start(topology=(1, 2, 2))
+    state.poll(j=0)
+    state.new_request(first_rank_only=False, nblocks=1, packed=False, prefill_first=True, sizes="absent")
+    state.poll(j=0)
+    state.new_request(first_rank_only=False, nblocks=1, packed=False, prefill_first=False, sizes="absent")
+    state.handshake(i=11, ok=False, refused=False)
+    state.pump(rounds=3, stall_writes=False)
+    state.advance_clock(dt=1.0, late=None)
+    state.new_request(first_rank_only=False, nblocks=1, packed=False, prefill_first=False, sizes="absent")
+    state.new_request(first_rank_only=False, nblocks=1, packed=False, prefill_first=False, sizes="wrong")
+    state.handshake(i=0, ok=True, refused=False)
+    state.pump(rounds=8, stall_writes=False)
+    state.add_on_another_rank(i=0, j=0)
+    state.retry(finish_first=False, i=55)
+    state.new_request(first_rank_only=True, nblocks=1, packed=False, prefill_first=False, sizes="absent")
+    state.prefill_finished(bind=False, boom=True, i=14, j=0, one_rank=True)
+    state.delay_message(i=0)
+    state.advance_clock(dt=4.0, late=None)
+    state.delay_message(i=0)
+    state.pump(rounds=8, stall_writes=False)
+    state.teardown()
