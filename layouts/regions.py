@@ -25,6 +25,14 @@ The layout rules (:data:`RULES`), checked by :func:`check_regions` whenever a ra
     ``latent``), and every layer lists the same components in the same order (a layer of
     another KV group may differ; semantic matching pairs by ``(layer_names, kv_group,
     component)``). Regions of one KV group never share bytes (groups may overlay each other).
+``kv_group``
+    When the ``ModelSpec`` lists the model's KV-cache groups (``layer_groups``), each region's
+    ``kv_group`` is ``model.group_of(layer)`` of the layer it holds (the rank's ``i``-th layer
+    in natural name order is model layer ``start_layer + i``). Engines hand block ids in that
+    group order, and both sides hash the ``ModelSpec``: a layout numbering groups its own way on
+    both engines pairs consistently, so no handshake check can see that every layer is read
+    and written at the block ids of another group. (A ``ModelSpec`` that lists no groups leaves
+    the numbering to the layout, which must then follow the engine's block-id order.)
 ``in-block order``
     A region declares how its blocks are laid out (``KVRegion.block_order``,
     :mod:`kvpush.core.block_order`): ``heads_outer`` (``(heads, tokens, head_dim)``, "HND"; head
@@ -61,7 +69,7 @@ __all__ = [
     "tensor_region",
 ]
 
-RULES = ("layer_names", "region order", "components", "in-block order")
+RULES = ("layer_names", "region order", "components", "kv_group", "in-block order")
 """The names layout-rule errors use (see the module docstring)."""
 
 
@@ -363,6 +371,8 @@ def check_regions(
                 f"{list(components)} but layer {first[0][0]!r} of the same KV group lists "
                 f"{list(first[1])}; every layer of a group lists the same components in the same order"
             )
+    if model is not None and model.layer_groups:
+        _check_groups(regions, parallel, model, sorted(seen, key=natural_key), where)
     one_group = len({r.kv_group for r in regions}) == 1 and (model is None or model.num_groups == 1)
     for index, region in enumerate(regions):
         what = f"region {index} ({region.layer_names[0]} {region.component})"
@@ -390,3 +400,29 @@ def check_regions(
             f"bytes; each region is its own memory (K of tensor[0], V of tensor[1], ...). Two "
             f"regions over one tensor get one side's bytes written twice and the other's never"
         )
+
+
+def _check_groups(
+    regions: Sequence[KVRegion], parallel: ParallelConfig, model: ModelSpec, names: list[str], where: str
+) -> None:
+    """The kv_group rule: ``names`` are the rank's distinct layer names in natural order (the
+    layer_names and region order rules hold), so ``names[i]`` is model layer ``start_layer + i``."""
+    layer_of = {name: parallel.start_layer + i for i, name in enumerate(names)}
+    for index, region in enumerate(regions):
+        for name in region.layer_names:
+            layer = layer_of[name]
+            if not 0 <= layer < len(model.layer_groups):
+                raise ConfigError(
+                    f"{where} breaks the kv_group rule: layer {name!r} is model layer {layer} but "
+                    f"ModelSpec.layer_groups lists {len(model.layer_groups)} layers"
+                )
+            want = model.group_of(layer)
+            if region.kv_group != want:
+                raise ConfigError(
+                    f"{where} breaks the kv_group rule: region {index} of layer {name!r} (model "
+                    f"layer {layer}) says kv_group {region.kv_group} but ModelSpec.group_of({layer}) "
+                    f"is {want}; engines hand block ids in the ModelSpec's group order, so this "
+                    f"layer would be read and written at another group's block ids. Set "
+                    f"kv_group=model.group_of(parallel.start_layer + position), or leave "
+                    f"ModelSpec.layer_groups empty when the engine numbers its groups otherwise"
+                )

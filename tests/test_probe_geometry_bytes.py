@@ -64,7 +64,8 @@ def logical_views(
     """``(layer, component, view)`` with ``view`` a ``(blocks, heads, tokens, row_bytes)`` uint8
     view of the tensor, from the layout's documented tensor shapes (independent of its regions)."""
     out = []
-    for name, tensor in caches.items():
+    for name, value in caches.items():
+        tensor = getattr(value, "tensor", value)  # a VllmLayerCache holds its view
         layer = _layer_index(name)
         if layout in ("uniform", "hma"):
             if model.attention == "mla":
@@ -102,7 +103,8 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
-def _noise(tensor: torch.Tensor, gen: torch.Generator) -> None:
+def _noise(value: Any, gen: torch.Generator) -> None:
+    tensor = getattr(value, "tensor", value)
     flat = storage_bytes(tensor)
     flat.copy_(torch.randint(0, 256, (flat.numel(),), generator=gen, dtype=torch.uint8))
 
@@ -132,12 +134,19 @@ class ProbeCluster:
         allocate: Any = None,
         device: str = "cpu",
         transport: str = "loopback",
+        plugins: Sequence[tuple[str, Any]] = (),
+        shapes: str | None = None,
+        layer_groups: Sequence[int] = (),
         **config: Any,
     ) -> None:
         self.layout, self.model, self.device = layout, model, device
+        self.shapes = shapes or layout
+        """Whose documented tensor shapes :func:`logical_views` reads (a test layout's base)."""
+        self.layer_groups = tuple(layer_groups)
+        """Each layer's KV group when the ModelSpec does not list them (the engine's own)."""
         self.prefill_pp, self.prefill_tp, self.decode_tp = prefill_pp, prefill_tp, decode_tp
         self.pm = get_plugin_manager(
-            load_entrypoints=False, plugins=[("loopback", kvpush.transports.loopback)]
+            load_entrypoints=False, plugins=[("loopback", kvpush.transports.loopback), *plugins]
         )
         if strategy is not None:
             self.pm.register(ForcedStrategy(strategy), "forced_strategy")
@@ -196,13 +205,14 @@ class ProbeCluster:
             self.close()
             raise
         self.d_before = {
-            tp: {k: storage_bytes(t).clone() for k, t in c.items()} for tp, c in self.d_caches.items()
+            tp: {k: storage_bytes(getattr(t, "tensor", t)).clone() for k, t in c.items()}
+            for tp, c in self.d_caches.items()
         }
 
     def _write(self, views: Any, rank_tp: int, seed: int, p_ids: Sequence[Sequence[int]], ids: Any) -> None:
         """Write the pattern of positions ``offset ..`` into blocks ``ids(group)`` of ``views``."""
         for layer, comp, view in views:
-            group = self.model.group_of(layer)
+            group = self.layer_groups[layer] if self.layer_groups else self.model.group_of(layer)
             blocks = list(ids(group))
             if not blocks:
                 continue
@@ -223,7 +233,7 @@ class ProbeCluster:
 
     def fill_prefill(self, rid: str, p_ids: Sequence[Sequence[int]]) -> None:
         for rank, caches in self.p_caches.items():
-            views = logical_views(self.layout, caches, self.model)
+            views = logical_views(self.shapes, caches, self.model)
             self._write(views, rank.tp_rank, _seed(rid), p_ids, lambda g: p_ids[g])
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -276,12 +286,13 @@ class ProbeCluster:
         of requests reported done, the old noise everywhere else."""
         bad = []
         for tp, caches in self.d_caches.items():
-            for name, tensor in caches.items():
+            for name, value in caches.items():
+                tensor = getattr(value, "tensor", value)
                 want = self.d_before[tp][name].clone()
                 mirror = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
                     want.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
                 )
-                views = logical_views(self.layout, {name: mirror}, self.model)
+                views = logical_views(self.shapes, {name: mirror}, self.model)
                 for rid, p_ids, d_ids in requests:
                     if done.get((tp, rid), "") is None:
                         self._write(views, tp, _seed(rid), p_ids, lambda g, d_ids=d_ids: d_ids[g])
@@ -452,8 +463,8 @@ def _topology(rng: random.Random) -> tuple[Any, ...]:
         layer_groups=groups,
     )
     count = model.num_groups
-    p_blocks = [rng.randint(3, 10) for _ in range(count)]
-    d_blocks = [rng.randint(3, 10) for _ in range(count)]
+    p_blocks = [rng.randint(10, 14) for _ in range(count)]  # room for two requests
+    d_blocks = [rng.randint(6, 12) for _ in range(count)]
     if layout == "uniform":  # every group allocated like group 0
         p_blocks, d_blocks = [p_blocks[0]] * count, [d_blocks[0]] * count
     requests = []
@@ -531,20 +542,133 @@ SPLIT = ModelSpec(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ConfigError,
-    reason="core/worker.py _check_blocks refuses block ids of a KV group the rank has no layer "
-    "of (diff in the geometry probe report); a PP stage of a hybrid model gets every group's ids",
-)
 @pytest.mark.parametrize("layout", ["hma", "vllm"])
 def test_a_pp_stage_holding_layers_of_one_kv_group_only_pushes_its_layers(layout: str) -> None:
     """Layers (0, 0, 1, 1) over PP=2: stage 0 holds only group 0, stage 1 only group 1. The
-    handshakes accept it (the layer windows tile D's regions), but the engine hands every
-    stage the request's block ids of every group, and P refuses those of the group it holds
-    no layer of: every request fails (D waits out its watchdog) instead of being pushed."""
+    handshakes accept it (the layer windows tile D's regions), and the engine hands every
+    stage the request's block ids of every group. P refused those of the group it held no
+    layer of (``request_finished`` raised ``ConfigError``): every request failed instead of
+    being pushed (fixed in core/worker.py, ee8c4f3)."""
     requests = [("r", [[1, 2, 3], [4, 5]], [[7, 6], [0, 3]])]
     with ProbeCluster(layout, SPLIT, prefill_pp=2, decode_tp=2, p_blocks=[8, 8], d_blocks=[8, 8]) as cluster:
         done = cluster.push(requests)
         assert set(done.values()) == {None}
         assert cluster.mismatches(requests, done) == []
+
+
+ENGINE_MODEL = ModelSpec(
+    name="engine", num_layers=4, num_kv_heads=4, head_dim=8, block_size=4, dtype="bfloat16"
+)
+"""The ModelSpec ``kvpush.engines.vllm`` builds for a hybrid model: it lists no layer groups
+(the groups come from vLLM's ``KVCacheConfig``, through :class:`VllmLayerCache`)."""
+
+
+def engine_caches(groups: Sequence[int]) -> Any:
+    """An ``allocate`` giving each layer a :class:`VllmLayerCache` of group ``groups[layer]``,
+    as :func:`kvpush.layouts.vllm.layer_caches` does from vLLM's ``KVCacheConfig``."""
+    from kvpush.layouts.vllm import VllmLayerCache
+
+    def allocate(
+        model: ModelSpec, parallel: ParallelConfig, blocks: Sequence[int], device: str
+    ) -> dict[str, Any]:
+        heads = model.num_kv_heads // parallel.tp_size
+        out = {}
+        for layer in range(parallel.start_layer, parallel.end_layer):
+            shape = (blocks[groups[layer]], heads, model.block_size, 2 * model.head_dim)
+            tensor = torch.zeros(shape, dtype=getattr(torch, model.dtype), device=device)
+            out[LAYER_NAME.format(layer)] = VllmLayerCache(tensor=tensor, group=groups[layer])
+        return out
+
+    return allocate
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ConfigError,
+    reason="core/worker.py _check_blocks still refuses ids of a group >= ModelSpec.num_groups, "
+    "and the vLLM engine's ModelSpec lists no groups (diff in the geometry probe report)",
+)
+def test_a_vllm_engine_pp_stage_without_the_last_kv_group_pushes_its_layers() -> None:
+    """The same split as above with the ModelSpec the vLLM engine builds (no layer_groups, so
+    ``num_groups`` is 1; the layout takes each layer's group from vLLM's KVCacheConfig):
+    stage 0 holds only group 0 and gets group 1's block ids, which P refuses as a group beyond
+    the model's. Every request of that stage fails instead of being pushed."""
+    groups = (0, 0, 1, 1)
+    requests = [("r", [[1, 2, 3], [4, 5]], [[7, 6], [0, 3]])]
+    with ProbeCluster(
+        "vllm",
+        ENGINE_MODEL,
+        prefill_pp=2,
+        decode_tp=2,
+        p_blocks=[8, 8],
+        d_blocks=[8, 8],
+        allocate=engine_caches(groups),
+        layer_groups=groups,
+    ) as cluster:
+        done = cluster.push(requests)
+        assert set(done.values()) == {None}
+        assert cluster.mismatches(requests, done) == []
+
+
+# ------------------------------------------------------------------------------ KV-group numbering
+
+
+FULL_SECOND = ModelSpec(
+    name="full-second",
+    num_layers=4,
+    num_kv_heads=4,
+    head_dim=8,
+    block_size=4,
+    dtype="bfloat16",
+    layer_groups=(1, 0, 0, 1),
+)
+"""A hybrid model whose ModelSpec numbers the group of layer 0 as group 1."""
+
+
+def describe_pool_order(kv_caches: Any, parallel: ParallelConfig, model: ModelSpec) -> list[Any]:
+    """The hma regions with KV groups numbered in the order the rank meets them (layer 0's
+    group first), as a layout numbering an engine's pools would, not as the ModelSpec does."""
+    import attrs
+
+    from kvpush.layouts.hma import describe_hma
+
+    regions = describe_hma(kv_caches, parallel, model)
+    order: list[int] = []
+    for region in regions:
+        if region.kv_group not in order:
+            order.append(region.kv_group)
+    return [attrs.evolve(r, kv_group=order.index(r.kv_group)) for r in regions]
+
+
+class PoolOrderLayout:
+    @kvpush.hookimpl
+    def kvpush_layouts(self) -> list[Any]:
+        from kvpush.core.types import LayoutProvider
+        from kvpush.layouts.hma import allocate_hma_caches
+
+        return [
+            LayoutProvider(
+                name="pool_order", describe_regions=describe_pool_order, allocate=allocate_hma_caches
+            )
+        ]
+
+
+def test_a_layout_numbering_kv_groups_against_the_model_spec_is_refused_at_start() -> None:
+    """Both engines run the same layout, which numbers the KV groups otherwise than the
+    ModelSpec both hash (layer 0's group is 0 for the layout, 1 for the ModelSpec); the
+    engines hand block ids in the ModelSpec's group order. P and D agree with each other, so
+    no handshake check saw it: P read every layer at the block ids of the other group and
+    wrote them there on D, and D reported the request done. The layout rules now refuse such
+    regions when the rank starts, naming the layer, both groups and the fix."""
+    requests = [("r", [[1, 2, 3], [4, 5, 6]], [[7, 6, 5], [0, 3, 2]])]
+    refused = r"kv_group rule.*layer 'layers\.0'.*kv_group 0.*group_of\(0\) is 1"
+    layout = [("pool_order", PoolOrderLayout())]
+    blocks = {"p_blocks": [8, 8], "d_blocks": [8, 8]}
+    with (
+        pytest.raises(ConfigError, match=refused),
+        ProbeCluster(
+            "pool_order", FULL_SECOND, decode_tp=2, plugins=layout, shapes="hma", **blocks
+        ) as cluster,
+    ):
+        done = cluster.push(requests)
+        pytest.fail(f"pushed: D reported {done}, wrong bytes: {cluster.mismatches(requests, done)[:2]}")
