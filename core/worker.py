@@ -347,11 +347,13 @@ class RankWorker:
             if group not in capacity:
                 # A group of the model this rank holds no layer of (a PP stage of a hybrid
                 # model): the engine hands every stage all groups' ids; nothing of it moves here.
-                if ids and group >= self.config.model.num_groups:
-                    raise ConfigError(
-                        f"{what} of {request_id!r} name KV group {group}; the model has "
-                        f"{self.config.model.num_groups}"
-                    )
+                # A rank holding every layer holds every group, and so does a stage whose
+                # ModelSpec lists the groups up to their count (vLLM's lists none: unbounded).
+                model = self.config.model
+                whole = self.config.parallel.pp_size == 1
+                if ids and (whole or (model.layer_groups and group >= model.num_groups)):
+                    held = len(capacity) if whole else model.num_groups
+                    raise ConfigError(f"{what} of {request_id!r} name KV group {group}; the model has {held}")
                 continue
             if ids and max(ids) >= capacity[group]:
                 raise ConfigError(
