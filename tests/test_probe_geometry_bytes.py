@@ -582,17 +582,12 @@ def engine_caches(groups: Sequence[int]) -> Any:
     return allocate
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ConfigError,
-    reason="core/worker.py _check_blocks still refuses ids of a group >= ModelSpec.num_groups, "
-    "and the vLLM engine's ModelSpec lists no groups (diff in the geometry probe report)",
-)
 def test_a_vllm_engine_pp_stage_without_the_last_kv_group_pushes_its_layers() -> None:
     """The same split as above with the ModelSpec the vLLM engine builds (no layer_groups, so
     ``num_groups`` is 1; the layout takes each layer's group from vLLM's KVCacheConfig):
-    stage 0 holds only group 0 and gets group 1's block ids, which P refuses as a group beyond
-    the model's. Every request of that stage fails instead of being pushed."""
+    stage 0 holds only group 0 and gets group 1's block ids, which P refused as a group beyond
+    the model's: every request of that stage failed instead of being pushed (fixed in
+    core/worker.py, 0a0d77f)."""
     groups = (0, 0, 1, 1)
     requests = [("r", [[1, 2, 3], [4, 5]], [[7, 6], [0, 3]])]
     with ProbeCluster(
