@@ -115,6 +115,10 @@ class ProducerInfo:
     processes: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
     """Process identity of each producer agent (published by P; empty when it does not say):
     what D checks to learn that a process whose copies no fence stops has exited."""
+    shares: Mapping[RankKey, frozenset[tuple[int, Any, Any]]] = attrs.field(factory=dict)
+    """Per producer, the ``(D region, block slice start, end)`` pieces (fractions of a block)
+    its plan writes into this rank, as the handshake checked them: its packed DONEs must name
+    exactly these (a producer missing here is not checked)."""
 
 
 class _EngineState(enum.Enum):
@@ -543,6 +547,9 @@ class DecodeCore:
         seen.add(chunk)
         if len(seen) < chunks:
             return []
+        left = self._share_left(receive, producer)
+        if left:
+            return self._close(request_id, left, now)
         return self._count(request_id, receive, producer, now)
 
     # ------------------------------------------------------------------ timers
@@ -728,7 +735,9 @@ class DecodeCore:
         assert producer is not None
         manifest = note.packing if note.kind is NotificationKind.DONE else None
         if note.kind is NotificationKind.DONE:
-            problem = self._packing_problem(receive, producer, manifest)
+            problem = self._packing_problem(receive, producer, manifest) or self._share_problem(
+                receive, producer, manifest
+            )
             if problem and receive.phase is _Phase.CLOSING:
                 # settled only by its CANCEL_ACK or the quarantine: its bytes may still land
                 self._reject(agent, note, problem)
@@ -800,6 +809,45 @@ class DecodeCore:
         except WireError as err:
             return f"sent inconsistent packed chunks: {err}"
         receive.manifests.setdefault(producer, []).append(manifest)
+        return ""
+
+    def _share(self, receive: _Receive, producer: RankKey) -> frozenset[tuple[int, Any, Any]] | None:
+        """The pieces ``producer`` agreed at the handshake to write into this rank (None: unknown)."""
+        engine = self._engines.get(receive.engine_id)
+        info = engine.info if engine is not None else None
+        return info.shares.get(producer) if info is not None else None
+
+    def _share_problem(self, receive: _Receive, producer: RankKey, manifest: PackManifest | None) -> str:
+        """Why a packed DONE writes outside its producer's share ("" when it does not): a D
+        region or block slice the handshake gave another producer, or none at all. Checked
+        before its bytes are scattered."""
+        share = self._share(receive, producer)
+        if manifest is None or not share:
+            return ""
+        wrote = _pieces(manifest.regions, manifest.part)
+        outside = sorted(j for j, _, _ in wrote - share)
+        if outside:
+            return (
+                f"packed D regions {outside[:8]} (block slice {manifest.part}), outside the share its "
+                f"plan agreed at the handshake"
+            )
+        return ""
+
+    def _share_left(self, receive: _Receive, producer: RankKey) -> str:
+        """Once every packed chunk of ``producer`` was scattered: the pieces of its share no
+        chunk named ("" when none), which would otherwise stay unwritten, the request done."""
+        share = self._share(receive, producer)
+        if not share:
+            return ""
+        wrote: set[tuple[int, Any, Any]] = set()
+        for manifest in receive.manifests.get(producer, ()):
+            wrote |= _pieces(manifest.regions, manifest.part)
+        left = sorted({j for j, _, _ in share - wrote})
+        if left:
+            return (
+                f"P rank {producer}'s packed chunks left D regions {left[:8]} of its share unwritten "
+                f"({len(left)} region(s) its plan agreed at the handshake)"
+            )
         return ""
 
     @staticmethod
@@ -1427,3 +1475,12 @@ class DecodeCore:
             fresh_s=self.s.fresh_s,
             prompt_fingerprint=receive.meta.params.prompt_fingerprint if receive is not None else None,
         )
+
+
+def _pieces(regions: Iterable[int], part: tuple[int, int]) -> set[tuple[int, Any, Any]]:
+    """A packed manifest's ``(D region, block slice start, end)`` pieces (fractions of a block)."""
+    from fractions import Fraction
+
+    index, count = part
+    start, end = Fraction(index, count), Fraction(index + 1, count)
+    return {(j, start, end) for j in regions}

@@ -45,6 +45,9 @@ class PeerRank:
     alignment: RegionAlignment | None = None
     remote_lists: dict[tuple[int, int], int] = attrs.field(factory=dict)
     """Prepared remote descriptor lists by block part (full handshakes only)."""
+    share: frozenset[tuple[int, Any, Any]] | None = None
+    """D, of a producer: the ``(D region, block slice start, end)`` pieces its plan writes into
+    this rank, as :func:`check_producers` checked them (what its packed DONEs must cover)."""
 
     @property
     def aligned_regions(self) -> list[KVRegion]:
@@ -220,6 +223,11 @@ class PeerRegistry:
                         f"the producers of engine {engine_id!r} that {self._local.rank} waits for "
                         f"would not write each byte of its blocks exactly once:\n  - "
                         + "\n  - ".join(problems)
+                    )
+                for peer_rank in fetched.values():
+                    pieces, _ = producer_slices(self._pm, peer_rank.meta, self._local)
+                    peer_rank.share = frozenset(
+                        (j, start, end) for j, parts in pieces.items() for start, end, _ in parts
                     )
         except Exception as err:
             self._finish(key, future, error=err)

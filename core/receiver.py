@@ -465,6 +465,7 @@ class PushReceiver(RankWorker):
             write_deadline_s=float(deadline),
             writes_abortable=self._writes_abortable(first.extensions, agents, processes),
             processes=processes,
+            shares={r: share for r in wanted if (share := engine.ranks[r].share)},
         )
 
     def _writes_abortable(

@@ -443,8 +443,9 @@ def test_p_does_not_take_a_grant_from_its_own_future_as_fresh() -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"regions": [0, 99]}, "names region 99"),
-        ({"part": (0, 3)}, "part \\(0, 3\\)"),
+        # Refused against the producer's share (the handshake's plan) before any range check.
+        ({"regions": [0, 99]}, "D regions \\[99\\] .*outside the share"),
+        ({"part": (0, 3)}, "block slice \\(0, 3\\)\\), outside the share"),
         ({"offset": 256}, "staging range D did not reserve"),
     ],
     ids=["region-out-of-range", "part-off-the-rows", "offset-not-reserved"],
