@@ -396,12 +396,15 @@ class PrefillCore:
             out += self._plan_request(request, now)
         return out
 
-    def abort(self, key: str, now: float) -> list[Any]:
+    def abort(self, key: str, now: float, *, request_id: str | None = None) -> list[Any]:
         """The engine aborts a finished prefill: nothing more is posted, D is told (FAIL now, or
         ``failed`` in its next heartbeat answer), and the request is reported failed once nothing
-        of it is in flight."""
+        of it is in flight. ``request_id``: the prefill aborted; another one under the key (a
+        retry finished since that prefill was reported) is left alone."""
         request = self._requests.get(key)
         if request is None or request.blocks is None:
+            return []
+        if request_id is not None and request.request_id != request_id:
             return []
         return self._fail_request(request, "aborted by the prefill engine", now)
 
@@ -627,7 +630,28 @@ class PrefillCore:
         engine = self._engines.get(request.engine_id)
         if engine is None:
             return None
-        return next((e for r, e in sorted(request.regs.items()) if engine.agents.get(r) == e.agent), None)
+        return next((e for r, e in sorted(request.regs.items()) if self._loaded_from(engine, r, e)), None)
+
+    @staticmethod
+    def _loaded_from(engine: _Decode, rank: int, entry: _Reg) -> bool:
+        """Did ``entry`` come from the agent, and the start, P loaded for D rank ``rank``?"""
+        return (
+            rank in engine.agents
+            and engine.agents[rank] == entry.agent
+            and engine.incarnations.get(rank) == entry.reg.decode_incarnation
+        )
+
+    def _dropped_reg(self, key: str, entry: _Reg, engine: _Decode, rank: int) -> None:
+        self.stats["rejected_notifications"] += 1
+        logger.warning(
+            "dropped PUSH_REG of %s: it came from %s (incarnation %s), D rank %s is %s (%s)",
+            key,
+            entry.agent,
+            entry.reg.decode_incarnation,
+            rank,
+            engine.agents.get(rank),
+            engine.incarnations.get(rank),
+        )
 
     def _on_heartbeat(self, agent: str, note: Notification, now: float) -> list[Any]:
         reg = note.registration
@@ -657,6 +681,8 @@ class PrefillCore:
             if request.engine_id != engine.engine_id:
                 held = request.others.get(engine.engine_id, {}).get(rank)
                 if held is not None:  # a candidate for an unbound key: keep its registration
+                    if not self._loaded_from(engine, rank, held):  # renewed by key alone: never
+                        continue
                     held.fresh_until = max(held.fresh_until, self._fresh_until(reg, now))
                     self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
                 elif request.engine_id:  # bound to another D engine: this one was refused
@@ -669,7 +695,7 @@ class PrefillCore:
             else:
                 self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
             entry = request.regs.get(rank)
-            if entry is not None:
+            if entry is not None and self._loaded_from(engine, rank, entry):  # never by key alone
                 entry.fresh_until = max(entry.fresh_until, fresh)
                 dest = request.dests.get(rank) if request.dests else None
                 if dest is not None and dest.state is _Dest.WAIT_FRESH:
@@ -707,8 +733,18 @@ class PrefillCore:
         if engine is None or rank not in engine.agents:
             return self._cancel_of_unloaded_rank(agent, note, reg, key, now)
         request = self._requests.get(key)
-        ack = wire.encode_cancel_ack(reg.request_id, self.s.rank, False, unsettled=False)
         tomb = self._tombstones.get(key)
+        # A WRITE of an ended attempt of the key that ended unsettled (its FAIL saying so may be
+        # lost): the ack says so, as for a D rank P has not loaded, so D fences before release.
+        ended = tomb or (request.past if request is not None else None)
+        ack = wire.encode_cancel_ack(
+            reg.request_id, self.s.rank, False, unsettled=bool(ended is not None and ended.unsettled)
+        )
+        past = request.past if request is not None else None
+        if past is not None and _ident(reg) in past.seen and _ident(reg) not in request.seen:
+            # The CANCEL of an ended attempt's registration (resent, duplicated, late) reaching
+            # a retry under the same key: acknowledged, the retry left alone.
+            return [Send(agent, ack)]
         if tomb is not None and len(tomb.seen) < MAX_SEEN:
             tomb.seen.add(_ident(reg))  # a late PUSH_REG of it meets the tombstone
         elif tomb is not None:
@@ -748,7 +784,9 @@ class PrefillCore:
         request, tomb = self._requests.get(key), self._tombstones.get(key)
         self._refused[(key, _ident(reg))] = now
         self._timers.arm(("refused", (key, _ident(reg))), now + self.s.registration_ttl_s)
-        unsettled = bool(tomb is not None and tomb.unsettled) or any(
+        past = request.past if request is not None else None
+        unsettled = bool(tomb is not None and tomb.unsettled) or bool(past is not None and past.unsettled)
+        unsettled = unsettled or any(
             d.unsettled for d in ((request.dests or {}).values() if request is not None else ())
         )
         ack = wire.encode_cancel_ack(reg.request_id, self.s.rank, False, unsettled=unsettled)
@@ -856,21 +894,15 @@ class PrefillCore:
             else:
                 logger.warning("HELLO for D rank %s came from %s, but its agent is %s", rank, hello, agent)
         for request in list(self._requests.values()):
+            held = request.others.get(engine_id, {})
+            if rank in held and not self._loaded_from(engine, rank, held[rank]):
+                self._dropped_reg(request.key, held.pop(rank), engine, rank)  # as for regs below
             entry = request.regs.get(rank)
             if request.engine_id != engine_id or entry is None:
                 continue
-            if entry.agent != agent or entry.reg.decode_incarnation != incarnation:
+            if not self._loaded_from(engine, rank, entry):
                 del request.regs[rank]
-                self.stats["rejected_notifications"] += 1
-                logger.warning(
-                    "dropped PUSH_REG of %s: it came from %s (incarnation %s), D rank %s is %s (%s)",
-                    request.key,
-                    entry.agent,
-                    entry.reg.decode_incarnation,
-                    rank,
-                    agent,
-                    incarnation,
-                )
+                self._dropped_reg(request.key, entry, engine, rank)
                 continue
             if entry.reg.decode_tp_size != tp_size:
                 out += self._fail_request(
@@ -1085,6 +1117,14 @@ class PrefillCore:
         if rank not in engine.agents:
             dest.state = _Dest.WAIT_CONNECT
             return self._connect(engine, rank, now, entry.reg.decode_incarnation)
+        if not self._loaded_from(engine, rank, entry):
+            # Not the agent (or start) P loaded for that rank: a late registration of a D that
+            # restarted under the same engine id, or one from an agent claiming the rank before
+            # P loaded it. Never written; the rank's own registration may still come.
+            del request.regs[rank]
+            self._dropped_reg(request.key, entry, engine, rank)
+            dest.state = _Dest.WAIT_REG
+            return []
         if entry.fresh_until <= now:
             dest.state = _Dest.WAIT_FRESH
             self.stats["stale_registrations"] += 1
@@ -1276,6 +1316,7 @@ class PrefillCore:
         if past is not None:  # what the key's earlier attempts saw stays answered
             tomb.seen, tomb.told, tomb.prefills = past.seen, past.told, past.prefills
             tomb.overflow = past.overflow
+            tomb.unsettled |= past.unsettled  # their late messages are answered unsettled still
         tomb.seen |= request.seen
         for where, when in request.told.items():
             tomb.told[where] = max(when, tomb.told.get(where, when))

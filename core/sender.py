@@ -198,10 +198,14 @@ class PushSender(RankWorker):
     def abort(self, request_id: str, match_key: str | None = None) -> None:
         """Abort a finished prefill (the engine wants its blocks back): nothing more is posted,
         D fails the request at once instead of at its watchdog, and the request is reported in
-        ``get_finished().failed`` once no WRITE of it is in flight. Unknown ids are ignored."""
+        ``get_finished().failed`` once no WRITE of it is in flight. Unknown ids are ignored, and so
+        is a prefill already reported (another prefill finished since under its key is not it)."""
         self._check_running("abort")
         key = request_id if match_key is None else match_key
-        self.run_on_writer(lambda: self._abort(key))
+        with self._results_lock:
+            if self._keys.get(key) != request_id:
+                return  # not the prefill held under the key (reported already, or a retry's)
+        self.run_on_writer(lambda: self._abort(key, request_id))
 
     def request_abandoned(
         self, request_id: str, match_key: str | None = None, reason: str = "the prefill was abandoned"
@@ -288,12 +292,13 @@ class PushSender(RankWorker):
         start = finished.to_core(self.core)
         self._guarded(finished.key, lambda now: start(now) + ending(now), finished.request_id)
 
-    def _abort(self, key: str) -> None:
-        unready = self._unready.pop(key, None)
-        if unready is not None:
-            self._end_unready(unready[0], lambda now: self.core.abort(key, now))
+    def _abort(self, key: str, request_id: str) -> None:
+        unready = self._unready.get(key)
+        if unready is not None and unready[0].request_id == request_id:
+            del self._unready[key]
+            self._end_unready(unready[0], lambda now: self.core.abort(key, now, request_id=request_id))
             return
-        self._guarded(key, lambda now: self.core.abort(key, now))
+        self._guarded(key, lambda now: self.core.abort(key, now, request_id=request_id))
 
     def _guarded(self, key: str, event: Any, request_id: str | None = None) -> None:
         """Run one core event and its actions; any exception fails ``key``'s request only
