@@ -533,7 +533,11 @@ class PushSender(RankWorker):
             return
         self._fresh_until = time.monotonic() + FRESH_WINDOW_S
         abortable = getattr(self.transport, "abortable", None)  # optional: kernel copies are not
-        can_abort = abortable is None or all(abortable(handle) for handle in handles)
+        try:
+            can_abort = abortable is None or all(bool(abortable(handle)) for handle in handles)
+        except Exception as err:  # the WRITE is posted: it is tracked whatever this says
+            logger.warning("abortable() of a posted WRITE raised %r; it is waited for, not aborted", err)
+            can_abort = False
         now = lease_clock()
         self._execute(self.core.posted(post.key, post.dst, handles, nbytes, now, abortable=can_abort))
 

@@ -48,3 +48,24 @@ def test_an_abort_of_the_prefill_p_holds_still_aborts_it() -> None:
         assert "aborted" in (cluster.wait_prefill("p-1")[P0] or "")
         cluster.add("d-1", [[1, 2]], "x-1")
         assert "aborted" in (cluster.wait_decode("d-1")[0] or "")
+
+
+def test_a_transport_whose_abortable_raises_still_has_its_posted_write_tracked() -> None:
+    """``abortable(handle)`` (optional in a transport) is asked after the WRITE was posted. When
+    it raised, the driver took the post for failed: the handle was never polled nor released,
+    and D was told FAIL with ``unsettled`` False (D releases at once) while the WRITE was on
+    its way. A raising answer now counts as "cannot be taken back": the WRITE is polled and
+    waited for like any other."""
+    with Cluster(request_timeout_s=60) as cluster:
+        sender = cluster.senders[P0]
+
+        def abortable(handle: object) -> bool:
+            raise RuntimeError("abortable() broke the transport contract")
+
+        sender.transport.abortable = abortable  # type: ignore[union-attr]
+        cluster.add("d-1", [[1, 2]], "x-1")
+        cluster.finish("p-1", [[3, 4]], "x-1")
+        assert cluster.wait_prefill("p-1")[P0] is None
+        assert cluster.wait_decode("d-1") == {0: None}
+        _pushed(cluster, [3, 4], [1, 2])
+        assert sender.call_on_writer(lambda: sender.transport.outstanding_handles) == 0
