@@ -104,8 +104,8 @@ class _DestState:
     state: _Dest = _Dest.WAIT_REG
     spec: ReadSpec | None = None
     planned_from: PushRegistration | None = None
-    """The registration ``spec`` was planned from when the request was first planned; the spec
-    is reused only while that registration is still the destination's (planned once)."""
+    """The registration ``spec`` was planned from; the spec is reused only while that
+    registration is still the destination's (planned once per registration)."""
     handles: set[Any] = attrs.field(factory=set)
     bytes: int = 0
     error: str = ""
@@ -592,6 +592,8 @@ class PrefillCore:
             return out
         if request.dests is None:
             return out + self._plan_request(request, now)
+        if rank not in request.dests:  # as when it registers before the plan
+            return out + self._reject_reg(request, rank, "this P rank does not write to that D rank")
         return out + self._advance(request, rank, now)
 
     def _answer_ended(self, tomb: _Tomb, reg: PushRegistration, agent: str, now: float) -> list[Any]:
@@ -1141,7 +1143,10 @@ class PrefillCore:
                     request, f"planning for D rank {rank} failed: {type(err).__name__}: {err}", now
                 )
             dest.spec = specs[0]
-        dest.planned_from = None  # the spec is this destination's from now on, as if planned here
+        # The registration the spec was planned for: a post refused for a stale grant comes
+        # back here, and a registration that replaced this one meanwhile is planned afresh
+        # (its own block ids and request id, never this one's blocks under its DONE).
+        dest.planned_from = entry.reg
         dest.state = _Dest.POSTING
         return [Post(request.key, rank, request.engine_id, dest.spec, entry.reg)]
 
