@@ -620,6 +620,8 @@ class _WorkerSide:
         self.ratios: tuple[int, ...] = ()
         self.block_sizes: tuple[int, ...] = ()
         """Scheduler block size (tokens) of each transfer group."""
+        self.held: frozenset[int] = frozenset()
+        """Transfer groups this rank holds a layer of (a PP stage of a hybrid model may lack some)."""
         self._inflight: dict[str, BlockIds] = {}
         """D: requests added to the receiver and not reported yet (scheduler block ids)."""
         self._load_errors: set[int] = set()
@@ -669,6 +671,7 @@ class _WorkerSide:
         groups = getattr(self.kv_cache_config, "transfer_groups", self.kv_cache_config.kv_cache_groups)
         self.ratios = group_ratios(caches, len(groups))
         self.block_sizes = tuple(int(group.kv_cache_spec.block_size) for group in groups)
+        self.held = frozenset(cache.group for cache in caches.values())
         parallel = ParallelConfig(
             tp_size=parallel_config.tensor_parallel_size,
             tp_rank=tp_rank,
@@ -679,6 +682,10 @@ class _WorkerSide:
             end_layer=end,
         )
         first = next(iter(caches.values()))
+        # Group 0's kernel block (tokens), the same on every PP stage and on D: a stage's first
+        # cache may be of another group whose kernel blocks are of another width (its hash would
+        # then differ from D's and every handshake be refused).
+        block_size = self._group0_kernel_tokens(caches, len(groups))
         settings = self.owner.settings
         served = model_config.served_model_name
         if isinstance(served, (list, tuple)):
@@ -689,7 +696,7 @@ class _WorkerSide:
             attention="mla" if model_config.use_mla else "mha",
             num_kv_heads=1 if model_config.use_mla else model_config.get_total_num_kv_heads(),
             head_dim=model_config.get_head_size(),
-            block_size=first.tensor.shape[2],
+            block_size=block_size,
             dtype=str(first.tensor.dtype).removeprefix("torch."),
         )
         device = first.tensor.device
@@ -719,6 +726,35 @@ class _WorkerSide:
         self.engine.start()
         logger.info("kvpush rank (pp=%d, tp=%d) of engine %s started", pp_rank, tp_rank, config.engine_id)
 
+    def _group0_kernel_tokens(self, caches: dict[str, Any], num_groups: int) -> int:
+        """Tokens of a kernel block of KV group 0 (ModelSpec.block_size): from this rank's own
+        group-0 cache; on a PP stage holding no layer of group 0 (a hybrid model), from a stage
+        that does, over vLLM's PP group (every stage calls this together, as vLLM registers the
+        caches of all workers at once). Without vLLM's parallel state (no PP group to ask): the
+        scheduler block, vLLM's kernel choice for a group without layers; a stage whose group 0
+        is split otherwise then hashes another ModelSpec than D and its handshakes are refused."""
+        group0 = next((c for c in caches.values() if c.group == 0), None)
+        local = int(group0.tensor.shape[2]) if group0 is not None else None
+        if num_groups > 1 and self.vllm_config.parallel_config.pipeline_parallel_size > 1:
+            try:
+                from vllm.distributed.parallel_state import get_pp_group, model_parallel_is_initialized
+            except ImportError:  # pragma: no cover - vLLM moved its parallel state
+                model_parallel_is_initialized = None
+            if model_parallel_is_initialized is not None and model_parallel_is_initialized():
+                import torch.distributed as dist
+
+                group = get_pp_group()
+                gathered: list[int | None] = [None] * group.world_size
+                dist.all_gather_object(gathered, local, group=group.cpu_group)
+                found = {value for value in gathered if value is not None}
+                if len(found) > 1:
+                    raise ConfigError(
+                        f"the PP stages cut KV group 0 into kernel blocks of {sorted(found)} tokens"
+                    )
+                if found:
+                    return found.pop()
+        return local if local is not None else self.block_sizes[0]
+
     def _started(self) -> Any:
         if self.engine is None:
             raise RuntimeError("KvpushConnector: register_kv_caches() has not run on this worker")
@@ -736,12 +772,18 @@ class _WorkerSide:
         from there, D would get tokens 16-63 as 0-47)."""
         from kvpush.layouts.vllm import expand_block_ids
 
-        expanded = expand_block_ids(block_ids, self.ratios)
+        ratios = self.ratios
+        if self.owner.is_producer and len(self.held) < len(ratios):
+            # A group this stage holds no layer of moves nothing here, but P still trims its ids
+            # to D's count of that group, cut at D's kernel width (unknown here: vLLM picks a
+            # group's kernel block per stage). One id per token is never fewer than D's.
+            ratios = tuple(r if g in self.held else self.block_sizes[g] for g, r in enumerate(ratios))
+        expanded = expand_block_ids(block_ids, ratios)
         if num_tokens is None or num_tokens <= 0:
             return expanded
         out = []
         for gid, ids in enumerate(expanded):
-            ratio = self.ratios[gid] if gid < len(self.ratios) else 1
+            ratio = ratios[gid] if gid < len(ratios) else 1
             size = self.block_sizes[gid] if gid < len(self.block_sizes) else 0
             if ratio <= 1 or not size or not ids:
                 out.append(ids)

@@ -373,7 +373,11 @@ def check_regions(
             )
     if model is not None and model.layer_groups:
         _check_groups(regions, parallel, model, sorted(seen, key=natural_key), where)
-    one_group = len({r.kv_group for r in regions}) == 1 and (model is None or model.num_groups == 1)
+    # A region of a group above 0 proves the model has several groups, even when all of this
+    # rank's regions are of that one group (a PP stage of a hybrid model holding no layer of
+    # group 0): its blocks may be kernel blocks of another width than ModelSpec.block_size.
+    kv_groups = {r.kv_group for r in regions}
+    one_group = kv_groups == {0} and (model is None or model.num_groups == 1)
     for index, region in enumerate(regions):
         what = f"region {index} ({region.layer_names[0]} {region.component})"
         if region.num_heads <= 0 or region.block_len % region.num_heads:
