@@ -237,5 +237,13 @@ def test_pp_stage_without_group_0_pushes_byte_exact(
         problems = d.workers[0].call("verify", tokens=tokens, block_ids=blocks)
         assert not problems, problems[:3]
     run_until([p, d], lambda: not p.busy() and not d.busy(), "both engines idle", kv_producer=model)
+    # Prefix hits on both engines (P and D cached the first prompt): D registers only the tail.
+    tokens = prompt(79, 70, prefix=requests[2][0][:48])
+    d_id = _dispatch(p, d, "cmpl-hyb-prefix", tokens)
+    run_until([p, d], lambda: d_id in d.finished_recving, f"D to receive {d_id}", kv_producer=model)
+    assert d_id not in d.failed_recving, f"D's receive of {d_id} failed"
+    problems = d.workers[0].call("verify", tokens=tokens, block_ids=d.block_ids(d_id))
+    assert not problems, problems[:3]
+    run_until([p, d], lambda: not p.busy() and not d.busy(), "both engines idle", kv_producer=model)
     assert_scheduler_empty(p)
     assert_scheduler_empty(d)
