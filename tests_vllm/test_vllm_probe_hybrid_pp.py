@@ -199,28 +199,31 @@ _UNKNOWABLE = pytest.mark.xfail(
 
 
 @pytest.mark.parametrize(
-    ("kernels", "parallel_state"),
+    ("kernels", "parallel_state", "pp"),
     [
-        pytest.param((16, 8), True, id="g1-split"),
-        pytest.param((8, 16), True, id="g0-split"),
-        pytest.param((8, 8), True, id="both-split"),
-        pytest.param((16, 8), False, id="g1-split-no-pp-group"),
-        pytest.param((8, 16), False, id="g0-split-no-pp-group", marks=_UNKNOWABLE),
+        pytest.param((16, 8), True, (2, 1), id="g1-split"),
+        pytest.param((8, 16), True, (2, 1), id="g0-split"),
+        pytest.param((8, 8), True, (2, 1), id="both-split"),
+        pytest.param((16, 8), False, (2, 1), id="g1-split-no-pp-group"),
+        pytest.param((8, 16), False, (2, 1), id="g0-split-no-pp-group", marks=_UNKNOWABLE),
     ],
 )
 def test_pp_stage_without_group_0_pushes_byte_exact(
-    hybrid: Any, llama_dir: str, kernels: tuple[int, int], parallel_state: bool
+    hybrid: Any, llama_dir: str, kernels: tuple[int, int], parallel_state: bool, pp: tuple[int, int]
 ) -> None:
-    """P (pp=2) and D (pp=1) of a hybrid model whose groups use kernel blocks of different widths
-    (or the same width, split): every P stage hashes D's ModelSpec (group 0's kernel block, from
-    vLLM's PP group on the stage holding no layer of group 0), passes the layout rules, and D
-    receives every token of every layer (sliding layers: the window) byte-exact."""
-    dist = {"dist_port": free_port()} if parallel_state else {}
-    p = hybrid(llama_dir, "kv_producer", pp=2, sliding_layers=SLIDING, kernel_block_sizes=kernels, **dist)
-    d = hybrid(llama_dir, "kv_consumer", sliding_layers=SLIDING, kernel_block_sizes=kernels)
+    """P (pp=2) and D (kvpush decodes without PP) of a hybrid model whose groups use kernel blocks of
+    different widths (or the same width, split): every stage hashes the same ModelSpec (group 0's
+    kernel block, from vLLM's PP group on a stage holding no layer of group 0), passes the layout
+    rules, and D receives every token of every layer (sliding layers: the window) byte-exact."""
+    common = {"sliding_layers": SLIDING, "kernel_block_sizes": kernels}
+    p_dist = {"dist_port": free_port()} if parallel_state and pp[0] > 1 else {}
+    d_dist = {"dist_port": free_port()} if parallel_state and pp[1] > 1 else {}
+    p = hybrid(llama_dir, "kv_producer", pp=pp[0], **common, **p_dist)
+    d = hybrid(llama_dir, "kv_consumer", pp=pp[1], **common, **d_dist)
     specs = {f"P{w.rank}": w.call("model_spec") for w in p.workers}
-    specs["D"] = d.workers[0].call("model_spec")
-    assert specs["P0"]["groups"] == [0] and specs["P1"]["groups"] == [1], specs
+    specs.update({f"D{w.rank}": w.call("model_spec") for w in d.workers})
+    staged = [name for name, spec in specs.items() if spec["groups"] == [1]]
+    assert staged, f"no stage without group 0: {specs}"
     assert len({s["block_size"] for s in specs.values()}) == 1, f"ModelSpec.block_size differs: {specs}"
     model = PrefillModel()
     requests = [(prompt(70 + i, length), f"cmpl-hyb-{i}") for i, length in enumerate((40, 48, 77))]
@@ -234,16 +237,18 @@ def test_pp_stage_without_group_0_pushes_byte_exact(
         )
         assert d_id not in d.failed_recving, f"D's receive of {d_id} failed"
         blocks = d.block_ids(d_id)
-        problems = d.workers[0].call("verify", tokens=tokens, block_ids=blocks)
-        assert not problems, problems[:3]
+        for worker in d.workers:
+            problems = worker.call("verify", tokens=tokens, block_ids=blocks)
+            assert not problems, problems[:3]
     run_until([p, d], lambda: not p.busy() and not d.busy(), "both engines idle", kv_producer=model)
     # Prefix hits on both engines (P and D cached the first prompt): D registers only the tail.
     tokens = prompt(79, 70, prefix=requests[2][0][:48])
     d_id = _dispatch(p, d, "cmpl-hyb-prefix", tokens)
     run_until([p, d], lambda: d_id in d.finished_recving, f"D to receive {d_id}", kv_producer=model)
     assert d_id not in d.failed_recving, f"D's receive of {d_id} failed"
-    problems = d.workers[0].call("verify", tokens=tokens, block_ids=d.block_ids(d_id))
-    assert not problems, problems[:3]
+    for worker in d.workers:
+        problems = worker.call("verify", tokens=tokens, block_ids=d.block_ids(d_id))
+        assert not problems, problems[:3]
     run_until([p, d], lambda: not p.busy() and not d.busy(), "both engines idle", kv_producer=model)
     assert_scheduler_empty(p)
     assert_scheduler_empty(d)
