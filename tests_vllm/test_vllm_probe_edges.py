@@ -159,3 +159,47 @@ def test_p_blocks_under_a_slow_write_are_not_reused_by_later_prefills(engines: A
     assert others >= 3, "no prefill ran while the WRITE was in flight"
     _verify(d, d_id, tokens)
     _idle([p, d], model)
+
+
+def test_d_abort_under_slow_writes_from_a_hybrid_pp2_prefill(engines: Any, llama_dir: str) -> None:
+    """P (pp=2, a hybrid model whose stages each hold one KV group) WRITEs slowly when D aborts:
+    vLLM keeps D's blocks until every P stage's cancel settled, and no WRITE lands after."""
+    from vllm.v1.request import RequestStatus
+
+    p = engines(llama_dir, "kv_producer", pp=2, sliding_layers=(2, 3), extra=SLOW)
+    d = engines(
+        llama_dir,
+        "kv_consumer",
+        sliding_layers=(2, 3),
+        extra={"transport": "faulty", "transport_options": {"inner": "nixl"}},
+    )
+    model = PrefillModel()
+    tokens = prompt(975, 70)
+    p_id, d_id = f"cmpl-hab-{suffix()}", f"cmpl-hab-{suffix()}"
+    p.add(make_request(p_id, tokens, 1, {"do_remote_decode": True, "do_remote_prefill": False}))
+    d.add(make_request(d_id, tokens, 3, _d_params(p)))
+    run_until([p, d], lambda: p.kv_transfer_params(p_id) is not None, "P's prefill", kv_producer=model)
+    deadline = time.monotonic() + 0.5  # PUSH_REG reaches P's stages, they post the slow WRITEs
+    while time.monotonic() < deadline:
+        p.step(model)
+        d.step()
+    blocks = sorted({b for group in d.block_ids(d_id) for b in group if b})
+    free_before = d.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
+    aborted = time.monotonic()
+    while d_id not in d.finished_recving:
+        assert time.monotonic() - aborted < 30, "the cancel never settled"
+        assert d_id in d.scheduler.requests, "vLLM freed the request before the cancel settled"
+        assert d.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+        p.step(model)
+        d.step()
+    assert d_id not in d.scheduler.requests
+    for worker in d.workers:
+        worker.call("fill", block_ids=blocks, value=0x5A5A)
+    deadline = time.monotonic() + 2.0  # longer than the WRITE delay: a late WRITE would show
+    while time.monotonic() < deadline:
+        p.step(model)
+        d.step()
+    for worker in d.workers:
+        assert worker.call("holds", block_ids=blocks, value=0x5A5A), "P wrote into freed blocks"
+    _idle([p, d], model)
