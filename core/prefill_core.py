@@ -53,6 +53,9 @@ MAX_DISPLACED = 16
 """Registrations of another prompt a key keeps (replaced on their D rank before the finish)."""
 MAX_OWED = 256
 """FAILs per D engine held until P loads their D rank (refused registrations of unloaded ranks)."""
+MAX_DEFERRED = 1024
+"""Messages of a restarted D engine held while its old agents' WRITEs settle (a kernel copy
+that does not end can hold them long); past it the oldest is dropped, as a lost message."""
 
 
 def _differs(fingerprint: str | None, reg: PushRegistration) -> bool:
@@ -967,6 +970,9 @@ class PrefillCore:
         """D came back under the same engine id with a new incarnation: a new peer. Its
         message is handled once the stale agents are gone (after their WRITEs settled)."""
         engine.deferred.append((agent, note))
+        if len(engine.deferred) > MAX_DEFERRED:
+            dropped_agent, dropped = engine.deferred.pop(0)
+            self._reject(dropped_agent, dropped, f"over {MAX_DEFERRED} messages held for a restarted D")
         if engine.drop_when_idle:
             return []
         reason = (

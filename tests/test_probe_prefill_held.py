@@ -122,3 +122,36 @@ def test_a_heartbeat_of_the_new_start_does_not_renew_the_old_starts_registration
     core.write_settled("x-1", 0, "h0", True, 100.8)
     reports = [a for a in core.write_settled("x-1", 1, "h1", True, 100.8) if isinstance(a, Report)]
     assert [(r.request_id, r.outcome) for r in reports] == [("p-1", "sent")]
+
+
+def test_messages_of_a_restarted_d_held_behind_a_stuck_copy_are_bounded() -> None:
+    """D restarts while a kernel copy to its old start cannot end: P holds the new start's
+    messages until the copy settles. A D that keeps sending (HELLO resends, heartbeats) must
+    not grow that hold without bound: past MAX_DEFERRED the oldest is dropped (as a lost
+    message, which D resends) and counted; the newest are handled once the copy settled."""
+    from test_protocol_safety import _note, _prefill_core, _registration
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.actions import DropPeer, Post
+    from kvpush.core.prefill_core import MAX_DEFERRED
+
+    core = _prefill_core()
+    core.finished("x-1", "p-1", ((5,),), "", 100.0)
+    core.notification("D-agent", _note(wire.encode_hello(_registration(), 0)), 100.0)
+    core.connected("D", 0, "D-agent", "d1", 1, "", 100.0)
+    post = next(
+        a
+        for a in core.notification("D-agent", _note(wire.encode_push_reg(_registration())), 100.0)
+        if isinstance(a, Post)
+    )
+    assert core.confirm_post(post.key, post.dst, 100.0)
+    core.posted(post.key, post.dst, ["copy"], 64, 100.0, abortable=False)  # a kernel copy
+    restarted = _registration(decode_incarnation="d2")
+    rejected = core.stats["rejected_notifications"]
+    for i in range(MAX_DEFERRED + 50):
+        core.notification("D-agent", _note(wire.encode_hello(restarted, 0)), 100.1 + i * 1e-4)
+    engine = core._engines["D"]
+    assert len(engine.deferred) == MAX_DEFERRED
+    assert core.stats["rejected_notifications"] - rejected == 50
+    out = core.write_settled("x-1", 0, "copy", True, 101.0)
+    assert any(isinstance(a, DropPeer) for a in out), "the old start is dropped once the copy ended"
