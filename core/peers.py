@@ -217,18 +217,17 @@ class PeerRegistry:
                         )
                 fetched[rank] = PeerRank(meta=peer, alignment=alignment)
             if discover is not None and self._local.role is Role.DECODE:
-                problems = check_producers(self._pm, self._local, {r: p.meta for r, p in fetched.items()})
+                shares: dict[RankKey, frozenset[tuple[int, Any, Any]]] = {}
+                producers = {r: p.meta for r, p in fetched.items()}
+                problems = check_producers(self._pm, self._local, producers, shares=shares)
                 if problems:
                     raise HandshakeError(
                         f"the producers of engine {engine_id!r} that {self._local.rank} waits for "
                         f"would not write each byte of its blocks exactly once:\n  - "
                         + "\n  - ".join(problems)
                     )
-                for peer_rank in fetched.values():
-                    pieces, _ = producer_slices(self._pm, peer_rank.meta, self._local)
-                    peer_rank.share = frozenset(
-                        (j, start, end) for j, parts in pieces.items() for start, end, _ in parts
-                    )
+                for rank, peer_rank in fetched.items():
+                    peer_rank.share = shares.get(rank)
         except Exception as err:
             self._finish(key, future, error=err)
             return
@@ -406,7 +405,11 @@ def check_published_hash(peer: AgentMetadata, local: AgentMetadata) -> None:
 
 
 def check_producers(
-    pm: KvpushPluginManager, local: AgentMetadata, producers: Mapping[RankKey, AgentMetadata]
+    pm: KvpushPluginManager,
+    local: AgentMetadata,
+    producers: Mapping[RankKey, AgentMetadata],
+    *,
+    shares: dict[RankKey, frozenset[tuple[int, Any, Any]]] | None = None,
 ) -> list[str]:
     """D's check that the producers it waits for write every byte of its blocks exactly once
     (empty: they do). Run at D's handshake, before any registration, with the hooks P plans by
@@ -417,12 +420,14 @@ def check_producers(
       no gap: a gap is a layer no counted producer writes);
     - every region of this rank is tiled by the producers' head slices, each slice carrying the
       heads this rank holds there (a replicated latent: written whole by replicas of one stage).
+
+    ``shares`` (optional) is filled with each producer's ``(region, slice start, end)`` pieces.
     """
     if not producers:
         return ["no producer to wait for"]
     problems = _same_sizes(local, producers)
     if not problems:
-        problems = _layer_windows(producers) or _region_coverage(pm, local, producers)
+        problems = _layer_windows(producers) or _region_coverage(pm, local, producers, shares)
     return problems[:MAX_PROBLEMS]
 
 
@@ -577,7 +582,10 @@ def _heads_per_rank(meta: AgentMetadata) -> list[str]:
 
 
 def _region_coverage(
-    pm: KvpushPluginManager, local: AgentMetadata, producers: Mapping[RankKey, AgentMetadata]
+    pm: KvpushPluginManager,
+    local: AgentMetadata,
+    producers: Mapping[RankKey, AgentMetadata],
+    shares: dict[RankKey, frozenset[tuple[int, Any, Any]]] | None = None,
 ) -> list[str]:
     from fractions import Fraction
 
@@ -595,6 +603,8 @@ def _region_coverage(
             )
         for j, parts in mine.items():
             pieces.setdefault(j, []).extend(parts)
+        if shares is not None:  # what the producer's packed DONEs must name (D's check)
+            shares[rank] = frozenset((j, start, end) for j, parts in mine.items() for start, end, _ in parts)
     if unplanned:
         return problems  # a producer with no plan: every region would read as a gap
     for j, region in enumerate(local.regions):
