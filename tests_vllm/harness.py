@@ -250,10 +250,11 @@ def layer_index(name: str) -> int:
 # ------------------------------------------------------------------ worker processes
 
 
-def _serve(spec: EngineSpec, rank: int, kv_cache_config: Any, conn: Any) -> None:
-    """A worker process: vLLM-allocated caches and the connector's worker half."""
+def _serve(spec: EngineSpec, rank: int, kv_cache_config: Any, conn: Any, worker_class: Any = None) -> None:
+    """A worker process: vLLM-allocated caches and the connector's worker half
+    (``worker_class``: a ``_Worker`` subclass to run instead)."""
     try:
-        worker = _Worker(spec, rank, kv_cache_config)
+        worker = (worker_class or _Worker)(spec, rank, kv_cache_config)
         conn.send((True, worker.handshake))
     except BaseException:
         conn.send((False, traceback.format_exc()))
@@ -447,13 +448,28 @@ def context() -> Any:
 
 
 class WorkerHandle:
+    worker_class: Any = None
+    """The worker class its process runs (None: ``_Worker``)."""
+    wait_at_start = True
+    """Wait for the worker's start here; False: at the first read of ``handshake`` (so every
+    worker of an engine starts before any is waited for)."""
+
     def __init__(self, spec: EngineSpec, rank: int, kv_cache_config: Any) -> None:
         ctx = context()
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(spec, rank, kv_cache_config, child), daemon=True)
+        args = (spec, rank, kv_cache_config, child, self.worker_class)
+        self.process = ctx.Process(target=_serve, args=args, daemon=True)
         self.process.start()
         self.rank = rank
-        self.handshake = self._reply(f"start of worker {rank}", 180.0)
+        self._handshake: Any = None
+        if self.wait_at_start:
+            _ = self.handshake
+
+    @property
+    def handshake(self) -> Any:
+        if self._handshake is None:
+            self._handshake = self._reply(f"start of worker {self.rank}", 180.0)
+        return self._handshake
 
     def _reply(self, what: str, timeout_s: float = WAIT_S) -> Any:
         if not self.conn.poll(timeout_s):

@@ -7,7 +7,6 @@ harness's workers give every group one kernel block size; the workers here give 
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,41 +113,9 @@ class _HybridWorker(harness._Worker):
         return out
 
 
-def _serve(spec: HybridSpec, rank: int, kv_cache_config: Any, conn: Any) -> None:
-    try:
-        worker = _HybridWorker(spec, rank, kv_cache_config)
-        conn.send((True, worker.handshake))
-    except BaseException:
-        conn.send((False, traceback.format_exc()))
-        return
-    while True:
-        name, kwargs = conn.recv()
-        if name == "stop":
-            worker.close()
-            conn.send((True, None))
-            return
-        try:
-            conn.send((True, getattr(worker, name)(**kwargs)))
-        except BaseException:
-            conn.send((False, traceback.format_exc()))
-
-
 class _HybridHandle(WorkerHandle):
-    def __init__(self, spec: HybridSpec, rank: int, kv_cache_config: Any) -> None:
-        ctx = harness.context()
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(spec, rank, kv_cache_config, child), daemon=True)
-        self.process.start()
-        self.rank = rank
-        self._handshake: Any = None
-
-    @property
-    def handshake(self) -> Any:
-        """Read on first use: every worker starts before any is waited for (vLLM's parallel
-        state and the group-0 kernel exchange need all of an engine's workers at once)."""
-        if self._handshake is None:
-            self._handshake = self._reply(f"start of worker {self.rank}", 180.0)
-        return self._handshake
+    worker_class = _HybridWorker
+    wait_at_start = False  # vLLM's parallel state and the group-0 kernel exchange need every worker
 
 
 @pytest.fixture
