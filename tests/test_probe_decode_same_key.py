@@ -9,6 +9,8 @@ same key with the same P engine.
 
 from __future__ import annotations
 
+from typing import Any
+
 from test_core_properties import CoreCluster, Request, Violation
 
 from kvpush.core import notifications as wire
@@ -147,13 +149,7 @@ def test_a_late_copy_of_a_released_request_s_push_reg_is_not_revived_by_a_retry(
             late = type(msg)(msg.src, msg.dst, msg.dst_inc, msg.data, held=True)
             machine.net.append(late)  # a duplicate, delayed
     _flow(machine)  # P holds old's registration
-    d.requests[old.rid].cancel_calls += 1
-    machine._run_d(d, d.core.cancel(old.rid, machine.now(d)))
-    _drop_first(machine, "cancel")  # lost
-    for _ in range(8):
-        machine.advance_clock(dt=5.0)
-        machine.pump(rounds=8, stall_writes=True)
-    assert d.requests[old.rid].released
+    _cancel_lost_until_released(machine, d, old)
     retry = Request(key="K", rid="r-retry", seq=next(machine.seq), nblocks=1, sizes="right", packed=False)
     _add(machine, retry)
     for _ in range(10):  # one message round at a time, the clock moving between them
@@ -175,6 +171,17 @@ def test_a_late_copy_of_a_released_request_s_push_reg_is_not_revived_by_a_retry(
     machine.teardown()
 
 
+def _cancel_lost_until_released(machine: CoreCluster, d: Any, old: Request) -> None:
+    """D cancels ``old``, its CANCEL is lost, and D releases it after its quarantine and a fence."""
+    d.requests[old.rid].cancel_calls += 1
+    machine._run_d(d, d.core.cancel(old.rid, machine.now(d)))
+    _drop_first(machine, "cancel")  # lost
+    for _ in range(8):
+        machine.advance_clock(dt=5.0)
+        machine.pump(rounds=8, stall_writes=True)
+    assert d.requests[old.rid].released
+
+
 def _released_unacknowledged(machine: CoreCluster) -> Request:
     """``old`` registered, was cancelled with the CANCEL lost, and was released after its
     quarantine and a fence; P still holds its registration (it never learned it ended)."""
@@ -183,13 +190,7 @@ def _released_unacknowledged(machine: CoreCluster) -> Request:
     old = Request(key="K", rid="r-old", seq=next(machine.seq), nblocks=1, sizes="right", packed=False)
     _add(machine, old)
     machine.pump(rounds=8, stall_writes=True)
-    d.requests[old.rid].cancel_calls += 1
-    machine._run_d(d, d.core.cancel(old.rid, machine.now(d)))
-    _drop_first(machine, "cancel")  # lost
-    for _ in range(8):
-        machine.advance_clock(dt=5.0)
-        machine.pump(rounds=8, stall_writes=True)
-    assert d.requests[old.rid].released
+    _cancel_lost_until_released(machine, d, old)
     return old
 
 
