@@ -15,19 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_protocol_safety import _registration
+from test_protocol_safety import _note, _registration
 
 from kvpush.core import notifications as wire
 from kvpush.core.actions import Post, Report
 from kvpush.core.types import RankKey
 
 P0 = RankKey(0, 0)
-
-
-def _note(message: bytes) -> Any:
-    note = wire.decode_notification(message)
-    assert note is not None
-    return note
 
 
 def _core() -> Any:
@@ -129,7 +123,7 @@ def test_messages_of_a_restarted_d_held_behind_a_stuck_copy_are_bounded() -> Non
     messages until the copy settles. A D that keeps sending (HELLO resends, heartbeats) must
     not grow that hold without bound: past MAX_DEFERRED the oldest is dropped (as a lost
     message, which D resends) and counted; the newest are handled once the copy settled."""
-    from test_protocol_safety import _note, _prefill_core, _registration
+    from test_protocol_safety import _prefill_core, _registration
 
     from kvpush.core import notifications as wire
     from kvpush.core.actions import DropPeer, Post
