@@ -23,6 +23,10 @@ notification went out over the inner transport, so D sees the same completion me
 a NIXL WRITE. ``remove_peer`` (and a reload of a restarted peer under the same name, a new
 incarnation) closes the handles.
 
+Memory legacy IPC cannot export (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
+``cuMemCreate`` allocators) publishes no handles: in ``auto`` peers then write to this rank over
+the inner transport (``unexported`` says why); ``ipc`` refuses at start.
+
 While every loaded peer is reached by IPC, the built-in strategy answer for a VRAM push is
 ``direct`` (one kernel beats gather + WRITE + scatter); a pinned strategy still wins.
 """
@@ -56,6 +60,9 @@ MAGIC = b"KVPIPC1\0"
 MODES = ("auto", "ipc", "nixl")
 KNOWN_OPTIONS = ("inner", "inner_options", "mode")
 CUDA_ERROR_ALREADY_MAPPED = 208
+MAX_ADDRESS = (1 << 63) - 1
+"""Largest end (base + size) of a peer allocation: translation runs in int64, and an end past
+it wrapped negative (a descriptor reaching past the mapping passed the range check)."""
 
 _LIVE: weakref.WeakValueDictionary[str, CudaIpcTransport] = weakref.WeakValueDictionary()
 
@@ -100,7 +107,10 @@ def _allocations(info: dict[str, Any]) -> list[tuple[int, int, bytes]]:
     """The peer's ``(base, size, IPC handle)`` list, sorted by base, checked: positive sizes,
     no overlap, 64-byte handles (``TransferError`` naming what is wrong)."""
     out = []
-    for alloc in info.get("allocations") or ():
+    entries = info.get("allocations") or ()
+    if not isinstance(entries, list):
+        raise TransferError(f"cuda_ipc: a peer's allocations must be a list, got {type(entries).__name__}")
+    for alloc in entries:
         try:
             base, size = alloc["base"], alloc["size"]
             handle = bytes.fromhex(alloc["handle"])
@@ -108,7 +118,14 @@ def _allocations(info: dict[str, Any]) -> list[tuple[int, int, bytes]]:
             raise TransferError(
                 f"cuda_ipc: a peer allocation entry is malformed ({err!r}): {alloc!r}"
             ) from err
-        if type(base) is not int or type(size) is not int or base <= 0 or size <= 0 or len(handle) != 64:
+        if (
+            type(base) is not int
+            or type(size) is not int
+            or base <= 0
+            or size <= 0
+            or base + size > MAX_ADDRESS
+            or len(handle) != 64
+        ):
             raise TransferError(f"cuda_ipc: a peer allocation entry is out of range: {alloc!r}")
         out.append((base, size, handle))
     out.sort()
@@ -233,11 +250,14 @@ class _Peer:
 
     def translate(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Peer addresses -> addresses mapped in this process (``TransferError`` if outside)."""
-        a = addrs.astype(np.int64)
+        a = addrs.astype(np.int64)  # an address of 2**63 or more turns negative: k < 0 below
+        n = np.asarray(lens).astype(np.int64)  # a length of 2**63 or more turns negative
         k = np.searchsorted(self.bases, a, side="right") - 1
-        if len(a) and (
-            (k < 0).any() or ((a + lens.astype(np.int64)) > (self.bases[k] + self.sizes[k])).any()
-        ):
+        if len(a) and (k < 0).any():
+            raise TransferError("cuda_ipc: a peer descriptor lies outside the allocations it exported")
+        # end - a, never a + n: the sum could pass 2**63 and wrap (ends are below 2**63)
+        room = (self.bases[k] + self.sizes[k]) - a
+        if len(a) and ((n < 0) | (n > room)).any():
             raise TransferError("cuda_ipc: a peer descriptor lies outside the allocations it exported")
         return self.mapped[k] + (a - self.bases[k])
 
@@ -278,6 +298,8 @@ class CudaIpcTransport:
         self.ipc_writes = 0
         self.post_seconds = [0.0, 0.0]
         """Time in IPC posts: building the address lists, launching the copy (totals)."""
+        self.unexported = ""
+        """Why this rank's VRAM cannot be exported over IPC (empty when it can, or not yet asked)."""
         self.fallbacks: dict[str, str] = {}
         """Peer -> why WRITEs to it go over the inner transport (auto mode)."""
         _LIVE[config.agent_name] = self
@@ -322,24 +344,49 @@ class CudaIpcTransport:
             self._exports = None
 
     def _export(self) -> list[dict[str, Any]]:
-        """One IPC handle per device allocation behind the registered VRAM (cached)."""
+        """One IPC handle per device allocation behind the registered VRAM (cached); none at
+        all when any of it cannot be exported (``unexported`` then says why)."""
         if self._exports is None:
             exports: dict[int, dict[str, Any]] = {}
             if self._spans and self.mode != "nixl":
                 driver = self._cuda()
                 uuids = device_uuids()
-                for addr, _length, device in self._spans:
-                    driver.bind(device)
-                    base, size = driver.allocation(addr)
-                    if base not in exports:
-                        exports[base] = {
-                            "base": base,
-                            "size": size,
-                            "handle": driver.export(base).hex(),
-                            "device": uuids[device],
-                        }
+                try:
+                    for addr, _length, device in self._spans:
+                        driver.bind(device)
+                        base, size = driver.allocation(addr)
+                        if base not in exports:
+                            exports[base] = {
+                                "base": base,
+                                "size": size,
+                                "handle": driver.export(base).hex(),
+                                "device": uuids[device],
+                            }
+                except TransferError as err:
+                    self._unexportable(err)
+                    exports = {}
             self._exports = sorted(exports.values(), key=lambda e: e["base"])
         return self._exports
+
+    def _unexportable(self, err: TransferError) -> None:
+        """Legacy CUDA IPC cannot export this memory: memory of ``cuMemCreate``/``cuMemMap``
+        (PyTorch's ``expandable_segments``, virtual-memory allocators) is refused by
+        ``cuIpcGetMemHandle``. ``ipc`` mode refuses to start; ``auto`` publishes no handles."""
+        self.unexported = (
+            f"{err}: legacy CUDA IPC cannot export virtual-memory allocations "
+            "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, cuMemCreate allocators)"
+        )
+        if self.mode == "ipc":
+            raise ConfigError(
+                f"cuda_ipc mode 'ipc' cannot export this rank's KV memory ({self.unexported}); "
+                "start the engine without expandable_segments, or use mode 'auto' (WRITEs to this "
+                "rank then go over the inner transport) or the nixl transport"
+            ) from err
+        logger.warning(
+            "cuda_ipc: this rank's KV memory cannot be exported (%s); peers write to it over %s",
+            self.unexported,
+            getattr(self.inner, "name", "the inner transport"),
+        )
 
     def metadata(self) -> bytes:
         info = {
@@ -348,6 +395,8 @@ class CudaIpcTransport:
             "process": _PROCESS[0],
             "allocations": self._export(),
         }
+        if self.unexported:
+            info["unexported"] = self.unexported
         return encode_blob(self.inner.metadata(), info)
 
     # ------------------------------------------------------------------ peers
@@ -380,6 +429,8 @@ class CudaIpcTransport:
             return "mode 'nixl'"
         if info is None:
             return "the peer does not run the cuda_ipc transport"
+        if isinstance(info.get("unexported"), str):
+            return f"the peer cannot export its KV memory over CUDA IPC ({info['unexported'][:300]})"
         if not self._spans or not info.get("allocations"):
             return "no VRAM registered on one side"
         if info.get("host") != host_identity():
@@ -387,9 +438,13 @@ class CudaIpcTransport:
         uuids = device_uuids()
         driver = self._cuda()
         local = {device for _, _, device in self._spans}
+        if not isinstance(info["allocations"], list):
+            return "the peer's allocations are not a list"
         for alloc in info["allocations"]:
-            if not isinstance(alloc, dict) or alloc.get("device") not in uuids:
-                return f"the peer's GPU {alloc['device']} is not visible here"
+            if not isinstance(alloc, dict):
+                return f"a peer allocation entry is not a map: {str(alloc)[:80]}"
+            if alloc.get("device") not in uuids:
+                return f"the peer's GPU {str(alloc.get('device'))[:80]} is not visible here"
             peer_dev = uuids.index(alloc["device"])
             if not all(driver.can_access(dev, peer_dev) for dev in local):
                 return f"no peer access from GPUs {sorted(local)} to GPU {peer_dev}"
@@ -435,8 +490,17 @@ class CudaIpcTransport:
 
     def _close_peer(self, name: str) -> None:
         for write in list(self._writes):  # a kernel still using the mapping would fault on close
-            if write.peer == name and write.event is not None and not write.failed:
-                write.event.synchronize()
+            if write.peer == name and not write.sent and not write.failed:
+                if write.event is not None:
+                    write.event.synchronize()
+                # Its DONE belongs to the agent being closed: sent later, it would reach whatever
+                # agent holds the name then (a restarted peer loaded under it), telling that
+                # process blocks it never offered were written. The copy ends unreported.
+                write.failed = True
+                self.counters.writes_failed += 1
+                logger.warning(
+                    "cuda_ipc: a copy to %s ended after its peer was removed; its DONE is not sent", name
+                )
         peer = self._peers.pop(name, None)
         self._blobs.pop(name, None)
         self.fallbacks.pop(name, None)
