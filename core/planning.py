@@ -13,7 +13,7 @@ entry ``n`` of the local ids pairs with entry ``n`` of the remote ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -258,18 +258,49 @@ def _check_capacity(ids: np.ndarray, capacity: int, group: int) -> None:
         )
 
 
-def trim_for_prefix_hit(producer: BlockIds, decode: BlockIds, request_id: str) -> BlockIds:
+class HeldBlockIds(tuple):  # type: ignore[type-arg]
+    """A prefill rank's block ids of a request (a tuple of per-group tuples, as :data:`BlockIds`)
+    that name KV groups the rank holds no layer of (a PP stage of a hybrid model), with the
+    groups it does hold (``held``). :meth:`RankWorker._check_blocks` hands these on, so that
+    :func:`trim_for_prefix_hit` checks and trims only the held groups, whoever calls it."""
+
+    held: frozenset[int]
+
+    def __new__(cls, groups: BlockIds, held: frozenset[int]) -> HeldBlockIds:
+        out = super().__new__(cls, groups)
+        out.held = frozenset(held)
+        return out
+
+    def __reduce__(self) -> Any:
+        return (HeldBlockIds, (tuple(self), self.held))
+
+
+def trim_for_prefix_hit(
+    producer: BlockIds, decode: BlockIds, request_id: str, held: Collection[int] | None = None
+) -> BlockIds:
     """End-trim P's blocks to D's count per group.
 
     D registers only its uncached suffix, so P sends the *last* ``len(D)`` blocks of each
     group, never the first (trimming the front writes P's prefix into D's suffix slots).
+
+    ``held``: the KV groups this P rank holds a layer of (default: ``producer.held`` for a
+    :class:`HeldBlockIds`, else every group). A group it holds no layer of moves nothing from
+    this rank (another PP stage writes it): its ids are neither checked against D's count nor
+    used (``()``), whatever the engine handed this rank for it (a vLLM stage cuts a group it
+    lacks at its scheduler block, D at its kernel block: fewer ids than D's). A held group
+    with fewer ids than D registered is refused: D would count blocks P never writes.
     """
+    if held is None:
+        held = getattr(producer, "held", None)
     if len(producer) != len(decode):
         raise ConfigError(
             f"request {request_id!r}: P has {len(producer)} KV-cache groups, D registered {len(decode)}"
         )
     trimmed = []
     for group, (p_ids, d_ids) in enumerate(zip(producer, decode)):
+        if held is not None and group not in held:
+            trimmed.append(())  # no layer of it here: nothing of it moves from this rank
+            continue
         if len(d_ids) > len(p_ids):
             raise ConfigError(
                 f"request {request_id!r}: D registered {len(d_ids)} blocks in group {group} but "

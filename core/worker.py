@@ -26,7 +26,7 @@ from kvpush.core import notif_auth, wire
 from kvpush.core.errors import ConfigError, WaitTimeout, WireError
 from kvpush.core.manager import KvpushPluginManager, get_plugin_manager
 from kvpush.core.peers import PeerRegistry
-from kvpush.core.planning import region_descriptors
+from kvpush.core.planning import HeldBlockIds, region_descriptors
 from kvpush.core.process_identity import this_process
 from kvpush.core.transport import Transport, TransportConfig
 from kvpush.core.types import (
@@ -339,6 +339,7 @@ class RankWorker:
                     capacity.get(region.kv_group, region.num_blocks), region.num_blocks
                 )
             self._capacity = capacity
+        unheld = False
         for group, ids in enumerate(blocks):
             if len(set(ids)) != len(ids):
                 raise ConfigError(
@@ -354,12 +355,18 @@ class RankWorker:
                 if ids and (whole or (model.layer_groups and group >= model.num_groups)):
                     held = len(capacity) if whole else model.num_groups
                     raise ConfigError(f"{what} of {request_id!r} name KV group {group}; the model has {held}")
+                unheld = True
                 continue
             if ids and max(ids) >= capacity[group]:
                 raise ConfigError(
                     f"{what} of {request_id!r}: block id {max(ids)} is beyond group {group}'s "
                     f"{capacity[group]} blocks"
                 )
+        if unheld and self.role is Role.PREFILL:
+            # Tell the trim which groups move from this rank: the ids of a group it holds no
+            # layer of are the engine's count (e.g. vLLM's scheduler blocks where D counts
+            # kernel blocks), never checked against D's nor used.
+            return HeldBlockIds(blocks, frozenset(capacity))
         return blocks
 
     # ------------------------------------------------------------------ writer thread

@@ -620,8 +620,6 @@ class _WorkerSide:
         self.ratios: tuple[int, ...] = ()
         self.block_sizes: tuple[int, ...] = ()
         """Scheduler block size (tokens) of each transfer group."""
-        self.held: frozenset[int] = frozenset()
-        """Transfer groups this rank holds a layer of (a PP stage of a hybrid model may lack some)."""
         self._inflight: dict[str, BlockIds] = {}
         """D: requests added to the receiver and not reported yet (scheduler block ids)."""
         self._load_errors: set[int] = set()
@@ -671,7 +669,6 @@ class _WorkerSide:
         groups = getattr(self.kv_cache_config, "transfer_groups", self.kv_cache_config.kv_cache_groups)
         self.ratios = group_ratios(caches, len(groups))
         self.block_sizes = tuple(int(group.kv_cache_spec.block_size) for group in groups)
-        self.held = frozenset(cache.group for cache in caches.values())
         parallel = ParallelConfig(
             tp_size=parallel_config.tensor_parallel_size,
             tp_rank=tp_rank,
@@ -772,12 +769,10 @@ class _WorkerSide:
         from there, D would get tokens 16-63 as 0-47)."""
         from kvpush.layouts.vllm import expand_block_ids
 
+        # A group this stage holds no layer of (a PP stage of a hybrid model) is expanded at
+        # ratio 1: fewer ids than D's kernel blocks of it, which kvpush neither checks nor uses
+        # (nothing of that group moves from this rank: core.planning.trim_for_prefix_hit).
         ratios = self.ratios
-        if self.owner.is_producer and len(self.held) < len(ratios):
-            # A group this stage holds no layer of moves nothing here, but P still trims its ids
-            # to D's count of that group, cut at D's kernel width (unknown here: vLLM picks a
-            # group's kernel block per stage). One id per token is never fewer than D's.
-            ratios = tuple(r if g in self.held else self.block_sizes[g] for g, r in enumerate(ratios))
         expanded = expand_block_ids(block_ids, ratios)
         if num_tokens is None or num_tokens <= 0:
             return expanded
