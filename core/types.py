@@ -7,6 +7,7 @@ Non-hybrid models have one group.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
@@ -24,8 +25,9 @@ BlockOrder = Literal["unspecified", "heads_outer", "tokens_outer"]
 BLOCK_ORDERS: tuple[str, ...] = ("unspecified", "heads_outer", "tokens_outer")
 BlockIds = tuple[tuple[int, ...], ...]
 BlockIdsLike = Sequence[int] | Sequence[Sequence[int]]
-"""Block ids as an engine passes them: a flat list (one KV group) or one list per KV group.
-kvpush normalises them to :data:`BlockIds` (a tuple of per-group tuples)."""
+"""Block ids as an engine passes them: a flat list (one KV group) or one list per KV group;
+any iterable of ints, numpy / torch integer arrays and scalars included. kvpush normalises them
+to :data:`BlockIds` (a tuple of per-group tuples)."""
 
 
 def to_block_ids(value: Any) -> BlockIds:
@@ -39,6 +41,7 @@ def to_block_ids(value: Any) -> BlockIds:
             _CHECKED.clear()
         _CHECKED[id(value)] = value  # the entry holds the tuple, so its id is not reused
         return value
+    value = _array_ids(value)
     if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Iterable):
         raise ConfigError(f"block ids must be a list of ints or a list of per-group lists, got {value!r}")
     items = list(value)
@@ -47,17 +50,55 @@ def to_block_ids(value: Any) -> BlockIds:
         or all(isinstance(x, int) and not isinstance(x, bool) for x in items)
     ):
         return to_block_ids([items])  # one group, checked like any other
+    items = [_array_ids(item) for item in items]  # per-group arrays, numpy / torch scalars
+    if items and all(_is_int(x) for x in items):
+        return to_block_ids([[int(x) for x in items]])
     groups = []
     for group in items:
         if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
             raise ConfigError(f"block ids must be a list of ints or a list of per-group lists, got {value!r}")
         ids = tuple(group)
-        if not _plain_ids(ids):  # else: int subclasses, or an error naming the bad id
+        if not _plain_ids(ids):  # else: numpy / torch scalars, int subclasses, or a bad id
+            if all(_is_int(block) for block in ids):
+                ids = tuple(int(block) for block in ids)
             for block in ids:
                 if not isinstance(block, int) or isinstance(block, bool) or block < 0:
                     raise ConfigError(f"block id {block!r} in {value!r} is not a non-negative int")
         groups.append(ids)
     return tuple(groups)
+
+
+def _array_ids(value: Any) -> Any:
+    """A numpy array or torch tensor of block ids as (nested) lists of ints; other values as
+    they are. Iterating a 1-D tensor gives 0-d tensors, and a numpy array numpy scalars, which
+    are not ints: engines keep block tables in both (SGLang's ``req_to_token``). An array of
+    another dtype (float, bool) is refused naming it."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not callable(getattr(value, "tolist", None)) or isinstance(value, (str, bytes)):
+        return value
+    name = str(dtype).removeprefix("torch.")
+    if not _INTEGER_DTYPE.fullmatch(name):
+        raise ConfigError(
+            f"block ids must be integers, got an array of dtype {name}: {value!r:.200}; pass "
+            f"an integer array (e.g. .long()/.astype('int64')) or a list of ints"
+        )
+    return value.tolist()
+
+
+_INTEGER_DTYPE = re.compile(r"u?int(8|16|32|64)")
+
+
+def _is_int(value: Any) -> bool:
+    """A plain int, or an integer scalar of numpy/torch (an ``__index__`` that is not a bool)."""
+    if isinstance(value, int):
+        return not isinstance(value, bool)
+    dtype = getattr(value, "dtype", None)
+    return (
+        dtype is not None
+        and _INTEGER_DTYPE.fullmatch(str(dtype).removeprefix("torch.")) is not None
+        and getattr(value, "ndim", 0) == 0
+        and hasattr(value, "__index__")
+    )
 
 
 _INT = frozenset((int,))
