@@ -58,6 +58,21 @@ MAX_DEFERRED = 1024
 that does not end can hold them long); past it the oldest is dropped, as a lost message."""
 
 
+def _grant(reg: PushRegistration) -> float:
+    """The grant a registration carries (none: older than any)."""
+    return float("-inf") if reg.grant is None else reg.grant
+
+
+def _another(current: _Reg | None, reg: PushRegistration) -> bool:
+    """Is ``reg`` another registration of the same D start (incarnation) and rank than
+    ``current``? (One of another start is sorted out by what P loads for the rank.)"""
+    return (
+        current is not None
+        and current.reg.decode_incarnation == reg.decode_incarnation
+        and _ident(current.reg) != _ident(reg)
+    )
+
+
 def _differs(fingerprint: str | None, reg: PushRegistration) -> bool:
     """Both sides stated a prompt fingerprint, and they differ."""
     return fingerprint is not None and reg.prompt_fingerprint not in (None, fingerprint)
@@ -149,6 +164,12 @@ class _Request:
     registrations are answered as the tombstone would, never written."""
     seen: set[_Ident] = attrs.field(factory=set)
     """The D registrations (PUSH_REG, CANCEL) this attempt saw."""
+    gone: set[_Ident] = attrs.field(factory=set)
+    """D registrations this attempt will never write: replaced on their D rank by another,
+    refused while their rank was written, or cancelled. Each was answered (FAIL or
+    CANCEL_ACK) once; a duplicate or late PUSH_REG of one is dropped, never takes its rank back."""
+    gone_overflow: bool = False
+    """More than ``MAX_SEEN`` of them: every later registration of the key is refused."""
     told: dict[tuple[str, int], float] = attrs.field(factory=dict)
     """(D engine, D rank) -> when P answered its heartbeat that this key failed for it."""
 
@@ -542,8 +563,12 @@ class PrefillCore:
             # A registration proven newer than the key's end (if it ended): the next attempt's.
             request = self._requests[key] = _Request(key=key, past=self._retire(key))
             self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
+        ident = _ident(reg)
+        if ident in request.gone:
+            self.stats["duplicate_registrations"] += 1
+            return []  # replaced, refused or cancelled, and answered once: never written
         if len(request.seen) <= MAX_SEEN:  # one more marks the overflow at the end
-            request.seen.add(_ident(reg))
+            request.seen.add(ident)
         candidate = bool(request.engine_id) and request.engine_id != reg.decode_engine_id
         if candidate and request.bound:
             self._reject(agent, note, f"match key {key!r} belongs to D engine {request.engine_id!r}")
@@ -566,18 +591,36 @@ class PrefillCore:
             return []
         if self._restarted(engine, reg):
             return self._decode_restarted(engine, reg, agent, note, now)
+        out: list[Any] = []
+        if request.gone_overflow:
+            return self._refuse(reg, agent, f"over {MAX_SEEN} registrations of {key!r} replaced", False, now)
         if candidate:  # not bound yet: hold it, the router may name this engine at finish
             held = request.others.setdefault(reg.decode_engine_id, {})
+            current = held.get(rank)
+            if _another(current, reg):
+                keep, out = self._supersede(request, current, reg, agent, now)
+                if not keep:
+                    return out
             held[rank] = _Reg(reg, agent, self._fresh_until(reg, now))
-            return [] if rank in engine.agents else self._connect(engine, rank, now, reg.decode_incarnation)
+            if rank not in engine.agents:
+                out += self._connect(engine, rank, now, reg.decode_incarnation)
+            return out
         if request.blocks is not None and _differs(request.fingerprint, reg):
             return self._prompts_differ(request, [_Reg(reg, agent, self._fresh_until(reg, now))], now)
         old = request.regs.get(rank)
-        if request.blocks is None and old is not None and _differs(old.reg.prompt_fingerprint, reg):
-            # Two prompts registered under one key before P finished: P decides at the finish.
-            if len(request.displaced) >= MAX_DISPLACED:
-                request.displaced.pop(0)
-            request.displaced.append(old)
+        if _another(old, reg) or (old is None and request.failure):
+            # Another D registration of this rank under the key (a D request added again, a
+            # retry, two D requests of one rank under one key): P writes one per key and rank.
+            displace = old is not None and request.blocks is None
+            displace = displace and _differs(old.reg.prompt_fingerprint, reg)  # type: ignore[union-attr]
+            keep, out = self._supersede(request, old, reg, agent, now, tell=not displace)
+            if not keep:
+                return out
+            if displace:
+                # Two prompts registered under one key before P finished: P decides at the finish.
+                if len(request.displaced) >= MAX_DISPLACED:
+                    request.displaced.pop(0)
+                request.displaced.append(old)  # type: ignore[arg-type]
         request.engine_id = reg.decode_engine_id
         if rank in request.regs:
             self.stats["duplicate_registrations"] += 1
@@ -586,9 +629,8 @@ class PrefillCore:
                 _Dest.WAIT_CONNECT,
                 _Dest.WAIT_FRESH,
             ):
-                return []
+                return out
         request.regs[rank] = _Reg(reg, agent, self._fresh_until(reg, now))
-        out: list[Any] = []
         if rank not in engine.agents:
             out += self._connect(engine, rank, now, reg.decode_incarnation)
         if request.blocks is None:
@@ -598,6 +640,56 @@ class PrefillCore:
         if rank not in request.dests:  # as when it registers before the plan
             return out + self._reject_reg(request, rank, "this P rank does not write to that D rank")
         return out + self._advance(request, rank, now)
+
+    def _supersede(
+        self,
+        request: _Request,
+        current: _Reg | None,
+        reg: PushRegistration,
+        agent: str,
+        now: float,
+        *,
+        tell: bool = True,
+    ) -> tuple[bool, list[Any]]:
+        """``reg`` is another D registration of a rank for which P holds ``current`` (None: P
+        holds none, but the attempt is failing). P writes one registration per key and D rank;
+        the one not written is told at once (FAIL, nothing unsettled: nothing was ever posted
+        to it), never left to D's watchdog, and is never written afterwards (``gone``).
+        ``reg`` is not taken while its rank is being written or the attempt fails, nor over a
+        registration with a newer grant (D sent that one later: a late or reordered older one
+        must not take the rank back). Returns whether ``reg`` replaces ``current``, and what to
+        send. ``tell`` False: the replaced one is answered at the finish (another prompt's)."""
+        dest = request.dests.get(reg.decode_tp_rank) if request.dests else None
+        waiting = (_Dest.WAIT_REG, _Dest.WAIT_CONNECT, _Dest.WAIT_FRESH)
+        writing = dest is not None and dest.state not in waiting
+        older = current is not None and _grant(reg) < _grant(current.reg)
+        if current is None or writing or older or request.failure:
+            holder = f"D request {current.reg.request_id!r}" if current is not None else "no D request"
+            how = "is being written to" if writing else "ended for" if request.failure else "is held for"
+            why = (
+                f"match key {reg.match_key!r} {how} {holder} of this D rank (P writes one D "
+                f"registration per key and D rank); P will not write D request {reg.request_id!r}"
+            )
+            self.stats["duplicate_registrations"] += 1
+            return False, self._gone(request, reg) + self._refuse(reg, agent, why, False, now)
+        why = (
+            f"D request {reg.request_id!r} of this D rank registered match key {reg.match_key!r} "
+            f"after it (P writes one D registration per key and D rank); P will not write D request "
+            f"{current.reg.request_id!r}"
+        )
+        out = self._gone(request, current.reg) if tell else []
+        if tell:
+            out += self._refuse(current.reg, current.agent, why, False, now)
+        return True, out
+
+    @staticmethod
+    def _gone(request: _Request, reg: PushRegistration) -> list[Any]:
+        """``reg`` will never be written in this attempt (see ``_Request.gone``)."""
+        if len(request.gone) < MAX_SEEN:
+            request.gone.add(_ident(reg))
+        else:
+            request.gone_overflow = True
+        return []
 
     def _answer_ended(self, tomb: _Tomb, reg: PushRegistration, agent: str, now: float) -> list[Any]:
         """A registration of an ended attempt of its key: answered as the attempt ended (FAIL
@@ -756,15 +848,21 @@ class PrefillCore:
             tomb.overflow = True
         if request is not None and len(request.seen) <= MAX_SEEN:
             request.seen.add(_ident(reg))
-        if request is None or request.engine_id != engine.engine_id:
-            # Nothing of this key is being written to this engine. Refuse its later
-            # registrations for the key (a PUSH_REG may still be on its way), then acknowledge:
-            # the cancel affects this engine's own offer only, never another engine's push.
+        ident = _ident(reg)
+        current = request.regs.get(rank) if request is not None else None
+        if request is None or request.engine_id != engine.engine_id or _another(current, reg):
+            # Nothing of this key is being written to this registration: it is held for an
+            # engine the router may still name, or its rank now holds another registration
+            # (replaced, or the CANCEL overtook its PUSH_REG). Refuse it from now on (a PUSH_REG
+            # may still be on its way), then acknowledge: the cancel ends this registration,
+            # never another's (another D request of the rank, other ranks, another engine).
+            out: list[Any] = []
             if request is not None:
-                request.others.pop(engine.engine_id, None)
-            self._refused[(key, _ident(reg))] = now
-            self._timers.arm(("refused", (key, _ident(reg))), now + self.s.registration_ttl_s)
-            return [Send(agent, ack)]
+                self._gone(request, reg)
+                out = self._cancel_held(request, engine, reg, now)
+            self._refused[(key, ident)] = now
+            self._timers.arm(("refused", (key, ident)), now + self.s.registration_ttl_s)
+            return [Send(agent, ack), *out]
         request.cancelled = True
         request.cancel_acks[agent] = reg.request_id
         if any(d.state is _Dest.INFLIGHT for d in (request.dests or {}).values()):
@@ -776,6 +874,32 @@ class PrefillCore:
         else:
             why = f"cancelled by D rank {rank} before the WRITE was posted"
         return self._fail_request(request, why, now)
+
+    def _cancel_held(
+        self, request: _Request, engine: _Decode, reg: PushRegistration, now: float
+    ) -> list[Any]:
+        """D cancelled ``reg``, a registration held for its engine while the key is not bound
+        (the router may name that engine at the finish). Only that registration goes; the
+        engine's other ranks' held registrations of the same D request are told (FAIL, nothing
+        posted), as the cancel of a bound key tells every rank; their registrations of other D
+        requests stay."""
+        held = request.others.get(engine.engine_id)
+        if not held or held.get(reg.decode_tp_rank) is None:
+            return []
+        if _ident(held[reg.decode_tp_rank].reg) != _ident(reg):
+            return []  # that rank holds another registration now: left alone
+        del held[reg.decode_tp_rank]
+        out: list[Any] = []
+        why = f"cancelled by D rank {reg.decode_tp_rank} before P finished; P will not write it"
+        for rank, entry in sorted(held.items()):
+            same = entry.reg.request_id == reg.request_id
+            if same and entry.reg.decode_incarnation == reg.decode_incarnation:
+                del held[rank]
+                self._gone(request, entry.reg)
+                out += self._refuse(entry.reg, entry.agent, why, False, now)
+        if not held:
+            del request.others[engine.engine_id]
+        return out
 
     def _cancel_of_unloaded_rank(
         self, agent: str, note: Notification, reg: PushRegistration, key: str, now: float

@@ -1,0 +1,172 @@
+"""Probes of P's core (``core/prefill_core.py``): a CANCEL names one D registration (D engine,
+incarnation, D rank, D request id), but P acted on it per (key, D rank).
+
+P holds one registration per (match key, D rank). When a D rank registers the key again (a D
+request re-added under the key, a retry, two D requests of one rank under one key), the new
+registration replaces the old one on P. A CANCEL of the replaced registration then failed the
+key's *current* registration on that rank, which P never told (the cancelling agent was in
+``cancel_acks``): the push was lost and the current D request waited for its heartbeat. A
+CANCEL from one D rank of a key not bound to a D engine dropped every held registration of that
+engine, those of its other ranks too. And a duplicate of a replaced registration took the rank
+back: P wrote blocks the D request it named no longer offered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from test_protocol_safety import _registration
+from test_retry_after_abort import _core, _fails, _note, _posts, _register, _reports, _write
+
+from kvpush.core import notifications as wire
+from kvpush.core.actions import Send
+from kvpush.core.types import NotificationKind
+
+
+def _acks(actions: list[Any]) -> list[Any]:
+    return [
+        note
+        for a in actions
+        if isinstance(a, Send) and (note := _note(a.message)).kind is NotificationKind.CANCEL_ACK
+    ]
+
+
+def _cancel(core: Any, now: float, agent: str = "D-agent", **overrides: Any) -> list[Any]:
+    reg = _registration(**overrides)
+    message = wire.encode_cancel(reg.match_key, reg, reg.decode_tp_rank)
+    return core.notification(agent, _note(message), now)
+
+
+def test_a_cancel_of_a_replaced_registration_leaves_the_current_one() -> None:
+    """D rank 0 registered x-1 as d-1, then (d-1 cancelled, the request added again) as d-1#2:
+    P holds d-1#2. d-1's CANCEL is acknowledged; d-1#2 is still pushed, at its own blocks."""
+    core = _core()
+    _register(core, 100.1, grant=100.0)
+    _register(core, 100.2, request_id="d-1#2", block_ids=[[4]], grant=100.15)
+    out = _cancel(core, 100.3)
+    assert [a.request_id for a in _acks(out)] == ["d-1"]
+    assert not _acks(out)[0].unsettled  # nothing was ever posted to d-1
+    assert _fails(out) == [], "the current registration (d-1#2) failed on the old one's cancel"
+    (post,) = _posts(core.finished("x-1", "p-1", ((5,),), "", 100.4))
+    assert post.registration.request_id == "d-1#2" and post.spec.remote_block_ids == ((4,),)
+    assert _reports(_write(core, post, 100.5)) == [("p-1", "sent")]
+
+
+def test_a_cancel_that_overtook_its_registration_leaves_the_current_one() -> None:
+    """d-1's CANCEL reaches P after d-1#2's registration but before d-1's own (late) one: the
+    cancel is acknowledged, d-1's registration is never written, d-1#2 is pushed."""
+    core = _core()
+    _register(core, 100.2, request_id="d-1#2", block_ids=[[4]], grant=100.15)
+    out = _cancel(core, 100.3)
+    assert [a.request_id for a in _acks(out)] == ["d-1"] and _fails(out) == []
+    assert _posts(_register(core, 100.35, grant=100.0)) == []  # d-1's late PUSH_REG
+    (post,) = _posts(core.finished("x-1", "p-1", ((5,),), "", 100.4))
+    assert post.registration.request_id == "d-1#2" and post.spec.remote_block_ids == ((4,),)
+
+
+def test_a_duplicate_of_a_replaced_registration_never_takes_the_rank_back() -> None:
+    """d-1 was replaced by d-1#2 and its CANCEL acknowledged (D released d-1's blocks). A
+    duplicate of d-1's PUSH_REG arrives: P must not write d-1's blocks (nor name d-1)."""
+    core = _core()
+    _register(core, 100.1, grant=100.0)
+    _register(core, 100.2, request_id="d-1#2", block_ids=[[4]], grant=100.15)
+    assert [a.request_id for a in _acks(_cancel(core, 100.3))] == ["d-1"]
+    _register(core, 100.35, grant=100.0)  # the duplicate
+    posts = _posts(core.finished("x-1", "p-1", ((5,),), "", 100.4))
+    assert [(p.registration.request_id, p.spec.remote_block_ids) for p in posts] == [("d-1#2", ((4,),))]
+
+
+def test_a_duplicate_of_a_replaced_registration_without_a_cancel_is_not_written() -> None:
+    """Two D requests of rank 0 under x-1 (d-1, then d-1#2): P pushes one of them. A duplicate of
+    d-1's PUSH_REG arriving later must not take the rank back from d-1#2 (two DONEs' worth of
+    decisions for one rank), and the request P does not write is told at once, not left to
+    D's watchdog."""
+    core = _core()
+    _register(core, 100.1, grant=100.0)
+    replaced = _register(core, 100.2, request_id="d-1#2", block_ids=[[4]], grant=100.15)
+    assert _fails(replaced) == ["d-1"], "the replaced registration waits for D's watchdog"
+    _register(core, 100.25, grant=100.0)  # the duplicate
+    (post,) = _posts(core.finished("x-1", "p-1", ((5,),), "", 100.4))
+    assert post.registration.request_id == "d-1#2"
+
+
+def test_a_registration_arriving_while_its_rank_is_written_is_told() -> None:
+    """d-1's WRITE is in flight when d-1#2 registers x-1 on the same rank: P cannot write
+    d-1#2 (one prefill, one WRITE per rank) and says so at once, with nothing unsettled."""
+    core = _core()
+    _register(core, 100.1, grant=100.0)
+    (post,) = _posts(core.finished("x-1", "p-1", ((5,),), "", 100.2))
+    assert core.confirm_post(post.key, post.dst, 100.2)
+    core.posted(post.key, post.dst, ["h"], 8, 100.2)
+    out = _register(core, 100.3, request_id="d-1#2", block_ids=[[4]], grant=100.25)
+    notes = [_note(a.message) for a in out if isinstance(a, Send)]
+    fails = [n for n in notes if n.kind is NotificationKind.FAILED]
+    assert [(n.request_id, n.unsettled) for n in fails] == [("d-1#2", False)]
+    assert _reports(core.write_settled("x-1", 0, "h", True, 100.4)) == [("p-1", "sent")]
+
+
+def test_an_older_registration_arriving_late_does_not_replace_a_newer_one() -> None:
+    """D sent d-1 (grant 100.0) and then d-1#2 (grant 100.15); they arrive the other way round.
+    The older one does not replace the newer one: it is told, the newer one is pushed."""
+    core = _core()
+    _register(core, 100.2, request_id="d-1#2", block_ids=[[4]], grant=100.15)
+    late = _register(core, 100.25, grant=100.0)
+    assert _fails(late) == ["d-1"]
+    (post,) = _posts(core.finished("x-1", "p-1", ((5,),), "", 100.4))
+    assert post.registration.request_id == "d-1#2"
+
+
+def _two_ranks_held() -> Any:
+    """x-1: engine X registered first (the key's tentative engine); engine D's ranks 0 and 1
+    registered d-1 (held as candidates the router may name); P loaded both D ranks."""
+    from test_probe_prefill_held import _core as _tp_core
+    from test_probe_prefill_held import _register as _reg_held
+
+    core = _tp_core()
+    _reg_held(core, "X-agent", 100.0, decode_engine_id="X", decode_port=5700, request_id="x-req")
+    for rank in (0, 1):
+        _reg_held(core, f"D{rank}", 100.1, decode_tp_rank=rank, decode_tp_size=2, request_id="d-1")
+        core.connected("D", rank, f"D{rank}", "d1", 2, "", 100.2)
+    return core
+
+
+def test_a_cancel_of_one_d_rank_drops_only_that_ranks_held_registration() -> None:
+    """The key is not bound yet. D rank 0 cancels an earlier registration of its own (d-0,
+    which P never held): D rank 1's held registration (and rank 0's current one) stay, and the
+    router's finish naming D pushes both ranks."""
+    core = _two_ranks_held()
+    out = _cancel(core, 100.3, agent="D0", request_id="d-0", decode_tp_size=2)
+    assert [a.request_id for a in _acks(out)] == ["d-0"]
+    posts = _posts(core.finished("x-1", "p-1", ((5,),), "D", 100.4))
+    assert sorted((p.dst, p.registration.request_id) for p in posts) == [(0, "d-1"), (1, "d-1")]
+
+
+def test_a_cancel_of_one_d_rank_held_registration_tells_its_other_ranks() -> None:
+    """D rank 0 cancels its held d-1 (D cancels a request on every rank): rank 1's held d-1 is
+    not dropped silently but told, at once, that P will not write it (nothing was posted), as
+    a cancel of a bound key tells every rank. A registration of rank 1 for another D request
+    (d-2, the request added again) is left alone and pushed once the router names D."""
+    core = _two_ranks_held()
+    out = _cancel(core, 100.3, agent="D0", decode_tp_size=2)
+    assert [a.request_id for a in _acks(out)] == ["d-1"]
+    told = [
+        (a.agent, n.request_id, n.unsettled)
+        for a in out
+        if isinstance(a, Send) and (n := _note(a.message)).kind is NotificationKind.FAILED
+    ]
+    assert told == [("D1", "d-1", False)], "D rank 1's held d-1 was dropped without a word"
+    from test_probe_prefill_held import _register as _reg_held
+
+    for rank in (0, 1):
+        _reg_held(
+            core,
+            f"D{rank}",
+            100.35,
+            decode_tp_rank=rank,
+            decode_tp_size=2,
+            request_id="d-2",
+            block_ids=[[6]],
+            grant=100.3,
+        )
+    posts = _posts(core.finished("x-1", "p-1", ((5,),), "D", 100.4))
+    assert sorted((p.dst, p.registration.request_id) for p in posts) == [(0, "d-2"), (1, "d-2")]
