@@ -36,6 +36,7 @@ from kvpush.engine import (
     WorkerConfig,
     get_plugin_manager,
 )
+from kvpush.plugins.strategy import ForcedStrategy
 
 HEADS, DIM = 4, 8
 
@@ -145,6 +146,8 @@ def expected(
     page = pools.page
     p_heads = p_pools.heads
     for name, pair in want.items():
+        if name not in p_pools.buffers:
+            continue  # another PP stage's layer
         for comp, view in enumerate(pair):
             source = p_pools.buffers[name][comp].view(torch.int16)
             for i in range(1, len(d_pages) + 1):
@@ -185,12 +188,14 @@ def logical(
     return want
 
 
-def mismatches(pools: Pools, want: dict[str, list[torch.Tensor]]) -> list[str]:
-    """Every slot of every D buffer that differs from ``want`` (empty: byte-exact)."""
+def mismatches(pools: Pools, *wants: dict[str, list[torch.Tensor]]) -> list[str]:
+    """Every slot of every D buffer that differs from each of ``wants`` (empty: byte-exact)."""
     out = []
     for name, pair in pools.buffers.items():
         for comp, buf in enumerate(pair):
-            bad = (buf.view(torch.int16) != want[name][comp]).flatten(1).any(1).nonzero().flatten().tolist()
+            got = buf.view(torch.int16)
+            differs = [(got != want[name][comp]).flatten(1).any(1) for want in wants]
+            bad = torch.stack(differs).all(0).nonzero().flatten().tolist()
             if bad:
                 out.append(f"{name} {'kv'[comp] if len(pair) == 2 else 'latent'} slots {bad[:12]}")
     return out
@@ -214,11 +219,13 @@ class Engines:
         p_pages: int = 24,
         d_pages: int = 24,
         transport: str = "nixl",
+        strategy: str | None = None,
         **config: Any,
     ) -> None:
         d_model = d_model or p_model
         self.pm = get_plugin_manager(
-            load_entrypoints=False, plugins=[("loopback", kvpush.transports.loopback)]
+            load_entrypoints=False,
+            plugins=[("loopback", kvpush.transports.loopback), ("forced", ForcedStrategy(strategy))],
         )
         self.p_server, self.d_server = SideChannelServer("sgl-prefill"), SideChannelServer("sgl-decode")
         self.p_tp, self.p_pp = p_tp, p_pp
@@ -352,10 +359,15 @@ def push_and_check(
     d, p = engines.wait()
     assert set(d.values()) == {None} and set(p.values()) == {None}, (d, p)
     for tp, pools in engines.d_pools.items():
-        want = before[tp]
-        for p_pools in engines.p_pools.values():
-            want = expected(want, pools, p_pools, p_pages, d_pages)
-        assert mismatches(pools, want) == [], f"D rank {tp}"
+        if pools.model.attention == "mla":  # any P rank of a fan-in may write the latent
+            wants = [
+                expected(before[tp], pools, p_pools, p_pages, d_pages) for p_pools in engines.p_pools.values()
+            ]
+        else:  # each P rank writes its own heads
+            wants = [before[tp]]
+            for p_pools in engines.p_pools.values():
+                wants = [expected(wants[0], pools, p_pools, p_pages, d_pages)]
+        assert mismatches(pools, *wants) == [], f"D rank {tp}"
         assert mismatches(pools, logical(pools, d_pages, tokens, cached, before[tp])) == [], (
             f"D rank {tp} (tokens)"
         )
@@ -364,27 +376,33 @@ def push_and_check(
 # --------------------------------------------------------------------------- integration
 
 
+@pytest.mark.parametrize("strategy", ["direct", "packed"])
 @pytest.mark.parametrize(
-    ("page", "p_tp", "d_tp"),
-    [(1, 1, 1), (1, 1, 2), (1, 2, 1), (64, 1, 2), (64, 2, 1), (16, 2, 4)],
-    ids=lambda v: str(v),
+    ("page", "p_pp", "p_tp", "d_tp"),
+    [(1, 1, 1, 1), (1, 1, 1, 2), (1, 2, 2, 1), (64, 1, 1, 2), (64, 1, 2, 1), (16, 2, 2, 4)],
+    ids=str,
 )
-def test_sglang_gqa_pools_push_every_byte(page: int, p_tp: int, d_tp: int) -> None:
+def test_sglang_gqa_pools_push_every_byte(page: int, p_pp: int, p_tp: int, d_tp: int, strategy: str) -> None:
     tokens = 150 if page > 1 else 37
     n = -(-tokens // page)
     p_pages = [3 + 2 * i for i in range(n)][::-1]
     d_pages = [1 + 3 * i for i in range(n)]
-    with Engines(gqa(page), p_tp=p_tp, d_tp=d_tp, p_pages=2 * n + 3, d_pages=3 * n + 1) as engines:
+    with Engines(
+        gqa(page), p_pp=p_pp, p_tp=p_tp, d_tp=d_tp, p_pages=2 * n + 3, d_pages=3 * n + 1, strategy=strategy
+    ) as engines:
         push_and_check(engines, p_pages, d_pages, tokens)
 
 
-@pytest.mark.parametrize(("page", "p_tp", "d_tp"), [(1, 1, 2), (64, 2, 1), (64, 1, 2)], ids=str)
-def test_sglang_mla_latent_pool_pushes_every_byte(page: int, p_tp: int, d_tp: int) -> None:
+@pytest.mark.parametrize("strategy", ["direct", "packed"])
+@pytest.mark.parametrize(("page", "p_tp", "d_tp"), [(1, 1, 2), (64, 2, 1), (64, 1, 2), (1, 2, 4)], ids=str)
+def test_sglang_mla_latent_pool_pushes_every_byte(page: int, p_tp: int, d_tp: int, strategy: str) -> None:
     tokens = 150 if page > 1 else 29
     n = -(-tokens // page)
     p_pages = [2 + 2 * i for i in range(n)]
     d_pages = [1 + 3 * i for i in range(n)][::-1]
-    with Engines(mla(page), p_tp=p_tp, d_tp=d_tp, p_pages=2 * n + 2, d_pages=3 * n + 1) as engines:
+    with Engines(
+        mla(page), p_tp=p_tp, d_tp=d_tp, p_pages=2 * n + 2, d_pages=3 * n + 1, strategy=strategy
+    ) as engines:
         push_and_check(engines, p_pages, d_pages, tokens)
 
 
@@ -562,3 +580,58 @@ def test_decode_registering_a_page_short_of_its_suffix_moves_the_right_bytes_or_
     p_pages, d_pages = [1 + i for i in range(n)], [2 + i for i in range(n - 1)]
     with Engines(gqa(page), transport="loopback", p_pages=n + 2, d_pages=n + 2) as engines:
         assert outcome_or_bytes(engines, p_pages, d_pages, (n - 1) * page) == []
+
+
+def test_get_finished_from_two_threads_reports_each_request_once() -> None:
+    """An engine polling get_finished from two threads (scheduler and a metrics thread) sees
+    every request exactly once across both, on P and on D."""
+    import threading
+
+    requests = 24
+    with Engines(gqa(1), transport="loopback", p_pages=requests * 4 + 1, d_pages=requests * 4 + 1) as engines:
+        seen: dict[str, list[str]] = {"d": [], "p": []}
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():
+                for receiver in engines.receivers.values():
+                    got = receiver.get_finished()
+                    seen["d"] += list(got.done) + list(got.failed)
+                for sender in engines.senders.values():
+                    got = sender.get_finished()
+                    seen["p"] += list(got.sent) + list(got.failed)
+
+        threads = [threading.Thread(target=poll) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        try:
+            for i in range(requests):
+                engines.add(f"d-{i}", [1 + 4 * i + j for j in range(4)], f"x-{i}")
+                engines.finish(f"p-{i}", [4 + 4 * i - j for j in range(4)], f"x-{i}")
+            deadline = time.monotonic() + 30
+            while len(seen["d"]) < requests or len(seen["p"]) < requests:
+                assert time.monotonic() < deadline, seen
+                time.sleep(0.01)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(10)
+        assert sorted(seen["d"]) == sorted(f"d-{i}" for i in range(requests))
+        assert sorted(seen["p"]) == sorted(f"p-{i}" for i in range(requests))
+
+
+def test_a_second_request_finished_of_a_key_in_progress_is_refused_and_the_first_lands() -> None:
+    tokens, p_pages, d_pages = 40, [5, 2, 7], [1, 6, 3]
+    with Engines(gqa(16), p_pages=8, d_pages=8, transport="loopback") as engines:
+        engines.prefill(p_pages, tokens)
+        before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
+        engines.finish("p-1", p_pages, "x-1")
+        with pytest.raises(ConfigError, match="already being pushed"):
+            engines.finish("p-1", [1, 3, 4], "x-1")
+        with pytest.raises(ConfigError, match="already being pushed"):
+            engines.finish("p-2", [1, 3, 4], "x-1")
+        engines.add("d-1", d_pages, "x-1")
+        d, p = engines.wait()
+        assert set(d.values()) == {None} and set(p.values()) == {None}, (d, p)
+        for tp, pools in engines.d_pools.items():
+            assert mismatches(pools, logical(pools, d_pages, tokens, 0, before[tp])) == []
