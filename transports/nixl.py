@@ -265,8 +265,8 @@ class NixlTransport:
         )
         """UCX's TCP listeners of this agent (published, so a peer can fence its connections)."""
         self._peer_listeners: dict[str, list[tuple[str, int]] | None] = {}
-        self._fences: dict[str, tuple[list[int], int, float]] = {}
-        """Peer -> its latest fence: (inodes shut down, drain count then, when)."""
+        self._fences: dict[str, _Fence] = {}
+        """Peer -> its latest fence."""
         self._drains = 0
         self._blob = self._agent.get_agent_metadata()
         self._registrations: list[Any] = []
@@ -370,29 +370,54 @@ class NixlTransport:
                     len(inodes),
                     [f"{s.local[1]}->{s.remote[0]}:{s.remote[1]}" for s in found],
                 )
-        self._fences[peer] = (inodes, self._drains, time.monotonic())
+        self._fences[peer] = _Fence(inodes, self._drains, time.monotonic())
 
     def fenced(self, peer: str) -> bool:
         """True once nothing ``peer`` sent before its latest :meth:`fence_peer` can still be
         read: every socket that fence shut is closed or drained, and UCX progressed since.
-        (Connections made after the fence are not its business: they carry nothing old.)"""
+
+        A connection the peer opened into our listeners before the fence may still wait in the
+        kernel's accept queue (UCX accepts only when this process progresses it): it has no fd
+        then, so the fence could not shut it, and the peer's WRITE goes out on it once UCX
+        accepted it. Until the fence is confirmed, such connections hold it, and each inbound
+        connection of the peer accepted since is shut as well (the cost: a connection the peer
+        opens for new work meanwhile is shut too, and it reconnects). Once confirmed, new
+        connections are not the fence's business."""
         entry = self._fences.get(peer)
         if entry is None:
             return peer not in self._peers
-        inodes, drains, when = entry
-        if self._drains <= drains:
-            return False
-        if tcp_fence.fence_complete(inodes):
+        if entry.confirmed:
             return True
-        if time.monotonic() - when >= REFENCE_S:  # the same sockets again, never new ones
+        if self._drains <= entry.drains:
+            return False
+        if tcp_fence.supported():
+            listeners = self._peer_listeners.get(peer)
+            table = tcp_fence.sockets()
+            late = [
+                s.inode
+                for s in tcp_fence.peer_sockets(listeners, self._tcp_listeners, table, inbound_only=True)
+                if s.inode not in entry.inodes
+            ]
+            if late:
+                shut = tcp_fence.shut_down(late)
+                logger.info("fence of %s: shut down %d connection(s) accepted since", peer, len(shut))
+                entry.inodes.extend(late)
+                entry.drains = self._drains  # UCX must progress once more after these
+                return False
+            if tcp_fence.waiting_connections(listeners, self._tcp_listeners, table):
+                return False
+        if tcp_fence.fence_complete(entry.inodes):
+            entry.confirmed = True
+            return True
+        if time.monotonic() - entry.when >= REFENCE_S:  # the same sockets again
             logger.warning(
                 "fence of %s: %d socket(s) still open after %.1fs; shutting them again",
                 peer,
-                len(inodes),
-                time.monotonic() - when,
+                len(entry.inodes),
+                time.monotonic() - entry.when,
             )
-            tcp_fence.shut_down(inodes)
-            self._fences[peer] = (inodes, drains, time.monotonic())
+            tcp_fence.shut_down(entry.inodes)
+            entry.when = time.monotonic()
         return False
 
     def prepare_remote(self, peer: str, descriptors: np.ndarray, mem_type: MemType) -> int:
@@ -510,6 +535,19 @@ class NixlTransport:
             except Exception as err:
                 logger.warning("deregistering NIXL memory failed: %s", err)
         self._registrations.clear()
+
+
+class _Fence:
+    """A peer's latest fence: the sockets it shut, UCX's drain count when it last shut any, when
+    it last shut them, and whether it was confirmed (then it stays so)."""
+
+    __slots__ = ("confirmed", "drains", "inodes", "when")
+
+    def __init__(self, inodes: list[int], drains: int, when: float) -> None:
+        self.inodes = inodes
+        self.drains = drains
+        self.when = when
+        self.confirmed = False
 
 
 def _listeners(info: dict[str, Any] | None) -> list[tuple[str, int]] | None:

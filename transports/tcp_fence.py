@@ -33,7 +33,7 @@ from pathlib import Path
 import attrs
 
 TCP_TABLES = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
-ESTABLISHED, LISTEN = 0x01, 0x0A
+ESTABLISHED, SYN_RECV, LISTEN = 0x01, 0x03, 0x0A
 WILDCARDS = frozenset({"0.0.0.0", "::"})
 
 
@@ -109,35 +109,73 @@ def own_listeners() -> set[tuple[str, int]]:
     return {s.local for s in sockets() if s.state == LISTEN and s.inode in mine}
 
 
-def peer_sockets(
+def _match(
     peer_listeners: Iterable[tuple[str, int]] | None,
     own_listeners: Iterable[tuple[str, int]],
-    table: list[TcpSocket] | None = None,
-) -> list[TcpSocket]:
-    """This process's open connections that can carry a peer's data: those to one of the peer's
-    listeners, and those into one of ours from the peer's addresses (its specific listener
-    addresses and the addresses our connections to it reached; if none is known, every
-    connection into our listeners, which is safe and may cost other peers a reconnect).
-
-    ``peer_listeners`` empty: the peer has no TCP listener, so it has no TCP connection to us
-    either. None: not known (a peer that does not publish them): every connection into ours."""
+    table: list[TcpSocket] | None,
+) -> tuple[list[TcpSocket], list[TcpSocket], list[TcpSocket]] | None:
+    """``(outbound, inbound, waiting)``: this process's connections to the peer's listeners, its
+    connections into ours from the peer's addresses, and connections from the peer's addresses
+    into ours that the kernel holds but this process has not accepted yet (no fd: inode 0);
+    None when the peer has no TCP listener (``peer_listeners`` empty)."""
     if peer_listeners is not None:
         peer_listeners = list(peer_listeners)
         if not peer_listeners:
-            return []
+            return None
     mine = own_socket_fds()
-    rows = [s for s in (sockets() if table is None else table) if s.inode in mine and s.state != LISTEN]
+    table = sockets() if table is None else table
+    rows = [s for s in table if s.inode in mine and s.state != LISTEN]
     theirs = set(peer_listeners or ())
     exact = {(h, p) for h, p in theirs if h not in WILDCARDS}
     any_host_ports = {p for h, p in theirs if h in WILDCARDS}
     outbound = [s for s in rows if s.remote in exact or s.remote[1] in any_host_ports]
     hosts = {h for h, _ in exact} | {s.remote[0] for s in outbound}
     our_ports = {p for _, p in own_listeners}
-    inbound = [s for s in rows if s.local[1] in our_ports and (not hosts or s.remote[0] in hosts)]
+
+    def theirs_in(s: TcpSocket) -> bool:
+        return s.local[1] in our_ports and (not hosts or s.remote[0] in hosts)
+
+    inbound = [s for s in rows if theirs_in(s)]
+    waiting = [s for s in table if s.inode == 0 and s.state in (ESTABLISHED, SYN_RECV) and theirs_in(s)]
+    return outbound, inbound, waiting
+
+
+def peer_sockets(
+    peer_listeners: Iterable[tuple[str, int]] | None,
+    own_listeners: Iterable[tuple[str, int]],
+    table: list[TcpSocket] | None = None,
+    *,
+    inbound_only: bool = False,
+) -> list[TcpSocket]:
+    """This process's open connections that can carry a peer's data: those to one of the peer's
+    listeners, and those into one of ours from the peer's addresses (its specific listener
+    addresses and the addresses our connections to it reached; if none is known, every
+    connection into our listeners, which is safe and may cost other peers a reconnect).
+    ``inbound_only``: only the latter.
+
+    ``peer_listeners`` empty: the peer has no TCP listener, so it has no TCP connection to us
+    either. None: not known (a peer that does not publish them): every connection into ours."""
+    match = _match(peer_listeners, own_listeners, table)
+    if match is None:
+        return []
+    outbound, inbound, _ = match
     seen: dict[int, TcpSocket] = {}
-    for row in outbound + inbound:
+    for row in ([] if inbound_only else outbound) + inbound:
         seen.setdefault(row.inode, row)
     return list(seen.values())
+
+
+def waiting_connections(
+    peer_listeners: Iterable[tuple[str, int]] | None,
+    own_listeners: Iterable[tuple[str, int]],
+    table: list[TcpSocket] | None = None,
+) -> list[TcpSocket]:
+    """Connections from the peer's addresses into one of our listeners that the kernel set up
+    (or is setting up) but this process has not accepted yet. They hold no fd, so no fence can
+    shut them; the peer may have queued bytes on them before a fence, which UCX reads once it
+    accepts them. A fence is confirmed only once none is left (each accepted one is shut)."""
+    match = _match(peer_listeners, own_listeners, table)
+    return [] if match is None else match[2]
 
 
 def shut_down(inodes: Iterable[int]) -> list[int]:
