@@ -737,6 +737,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--abort-rate", type=float, default=0.1, help="soak: share of requests D aborts")
     parser.add_argument("--fault-rate", type=float, default=0.01, help="soak: rate of each injected fault")
+    parser.add_argument(
+        "--p-kills",
+        type=int,
+        default=0,
+        metavar="N",
+        help="soak: kill N P rank processes mid-run and restart them under the same name",
+    )
+    parser.add_argument(
+        "--p-pauses", type=int, default=0, metavar="N", help="soak: stop N P rank processes for 2 s mid-run"
+    )
     hosts = parser.add_argument_group("placing P and D on different hosts (docs/deployment.md)")
     hosts.add_argument("--prefill-host", default="127.0.0.1", help="P's address; its side channel binds it")
     hosts.add_argument("--decode-host", default="127.0.0.1", help="D's address; bound and advertised to P")

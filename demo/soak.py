@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
+import os
 import random
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +62,14 @@ class SoakConfig:
     """Faulty-transport options replacing the ones derived from ``fault_rate`` (tests)."""
     timeout_s: float = 240.0
     """Bound on the whole run after dispatch."""
+    p_kills: int = 0
+    """P rank processes killed (SIGKILL) during dispatch and restarted under the same engine id
+    and rank (so the same agent name): a new incarnation while D still holds the old one's
+    requests. Spread evenly over the dispatch, P ranks in turn."""
+    p_pauses: int = 0
+    """P rank processes stopped (SIGSTOP) for ``pause_s`` during dispatch, then continued: the
+    whole process stalls (writer, heartbeat answers, engine calls), not one thread."""
+    pause_s: float = 2.0
     scribble_freed: int = 0
     """Negative control for the checker: D overwrites this many released requests' blocks (as a
     late WRITE would) before the freed-block check, which must then report them."""
@@ -142,6 +154,57 @@ def _reason_kind(reason: str) -> str:
     return reason[:60]
 
 
+_PAUSED: list[threading.Timer] = []
+"""Pending SIGCONTs of paused P ranks (sent at once if the soak ends first)."""
+
+
+def _disruption_schedule(cfg: SoakConfig) -> dict[int, str]:
+    """Dispatch index -> ``"kill"`` or ``"pause"``, spread evenly over the middle of the run."""
+    kinds = ["kill"] * cfg.p_kills + ["pause"] * cfg.p_pauses
+    random.Random(cfg.seed + 7).shuffle(kinds)
+    step = cfg.requests / (len(kinds) + 1)
+    return {max(1, round(step * (i + 1))): kind for i, kind in enumerate(kinds)}
+
+
+def _disrupt(
+    kind: str,
+    index: int,
+    cfg: SoakConfig,
+    plans: list[dict[str, Any]],
+    p_specs: list[RankSpec],
+    p_server: SideChannelServer,
+    tracker: _Tracker,
+    ranks: list[_Rank],
+    say: Callable[[str], None],
+) -> None:
+    """Kill and restart, or pause, the P rank whose turn it is (``index`` picks it)."""
+    slot = index % len(tracker.p_ranks)
+    victim = tracker.p_ranks[slot]
+    if kind == "pause":
+        say(f"[soak] request {index}: P rank {victim.key} stopped for {cfg.pause_s}s")
+        os.kill(victim.process.pid, signal.SIGSTOP)
+        pid = victim.process.pid
+
+        def resume() -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+        timer = threading.Timer(cfg.pause_s, resume)
+        _PAUSED.append(timer)
+        timer.start()
+        return
+    say(f"[soak] request {index}: P rank {victim.key} killed, restarting under the same name")
+    victim.process.kill()
+    victim.process.join(timeout=10)
+    tracker.rank_killed(victim.key)
+    spec = next(spec for spec in p_specs if spec.parallel.rank == victim.key)
+    (fresh,), payloads = _start_ranks([spec], timeout_s=120)
+    ranks.append(fresh)
+    tracker.p_ranks[slot] = fresh
+    fresh.call(("prepare", [(p["rid"], p["seed"], p["p_ids"]) for p in plans[index:]]), timeout_s=300)
+    p_server.publish_all(payloads)
+
+
 def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the soak and return its report (see the module docstring)."""
     say = progress or (lambda _msg: None)
@@ -186,9 +249,12 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
         say(f"[soak] dispatching {cfg.requests} requests (abort {cfg.abort_rate}, faults {cfg.fault_rate})")
         tracker = _Tracker([p["rid"] for p in plans], p_ranks, d_ranks)
         dispatched, late = tracker.dispatched, tracker.late
+        disruptions = _disruption_schedule(cfg)
         for index, plan in enumerate(plans):
             if index % 25 == 0:
                 tracker.poll()
+            if index in disruptions:
+                _disrupt(disruptions[index], index, cfg, plans, p_specs, p_server, tracker, ranks, say)
             rid = plan["rid"]
             request_params = {**params, "transfer_id": f"xfer-{rid}", "remote_request_id": rid}
             dispatched[rid] = time.monotonic()
@@ -206,6 +272,10 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
                 late.append((dispatched[rid] + plan["abort_after_s"], rid))
         return _collect(cfg, tracker, say)
     finally:
+        for timer in _PAUSED:
+            timer.cancel()
+            timer.function()  # SIGCONT every paused rank before stopping it
+        _PAUSED.clear()
         _stop(ranks)
         p_server.close()
         d_server.close()
@@ -226,6 +296,11 @@ class _Tracker:
     resolved_at: dict[str, float] = attrs.field(factory=dict)
     released: dict[str, set[RankKey]] = attrs.field(factory=dict)
     """D ranks that released a failed or cancelled request's blocks."""
+
+    def rank_killed(self, key: RankKey) -> None:
+        """A P rank process died: it reports nothing more for the requests dispatched so far."""
+        for rid in self.dispatched:
+            self.p_outcome.setdefault(rid, {}).setdefault(key, "killed")
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -323,6 +398,8 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
         "max_wait_s": round(max(waits), 3) if waits else None,
         "cancels_racing_a_write": sum(h["stats"].get("cancels_during_write", 0) for h in health.values()),
         "unresolved": unresolved,
+        "p_kills": cfg.p_kills,
+        "p_pauses": cfg.p_pauses,
         "wrong_bytes_or_no_reason": len(bad_outcomes),
         "failure_reasons": dict(reasons.most_common()),
         "examples": {**dict(list(bad_outcomes.items())[:5]), **dict(list(freed_bad.items())[:5])},
@@ -363,6 +440,8 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         prefill_pp=args.prefill_pp,
         decode_tp=args.decode_tp,
+        p_kills=args.p_kills,
+        p_pauses=args.p_pauses,
     )
     started = time.monotonic()
     try:

@@ -68,3 +68,16 @@ def test_cli_soak_prints_the_report_as_json_and_exits_zero() -> None:
     assert report["ok"] is True
     assert set(KEYS) <= set(report)
     assert report["requests"] == 40
+
+
+def test_p_ranks_killed_and_restarted_or_stopped_mid_run_write_nothing_into_freed_blocks() -> None:
+    # A P rank process SIGKILLed and restarted under the same engine id and rank (the same agent
+    # name, a new incarnation) and another stopped for 2 s, amid aborts and injected faults: every
+    # request verified byte for byte or failed / cancelled with a reason, nothing written into a
+    # released block, nothing leaked (the killed rank's requests are resolved by D alone).
+    report = run_soak(
+        SoakConfig(requests=160, abort_rate=0.2, fault_rate=0.01, seed=5, p_kills=1, p_pauses=1)
+    )
+    assert soak_ok(report), report
+    assert report["p_kills"] == 1 and report["p_pauses"] == 1
+    assert report["writes_into_freed_blocks"] == 0 and report["verified"] > 0
