@@ -47,6 +47,15 @@ def _stat(pid: int | str) -> tuple[str, int] | None:
     return fields[0], int(fields[19])  # field 22: starttime
 
 
+def _pid_max() -> int:
+    """The largest pid this kernel hands out (Linux's own limit when it cannot be read)."""
+    try:
+        with open(f"{PROC}/sys/kernel/pid_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 1 << 22
+
+
 def this_process() -> dict[str, Any]:
     """This process's identity: host, PID namespace, pid and start time (pids are reused)."""
     stat = _stat("self")
@@ -64,8 +73,12 @@ def has_exited(identity: Mapping[str, Any]) -> bool | None:
     from here: another host or PID namespace, or an identity missing a field)."""
     try:
         host, pidns = identity["host"], identity["pidns"]
-        pid, start = int(identity["pid"]), int(identity["start"])
-    except (KeyError, TypeError, ValueError):
+        pid, start = identity["pid"], identity["start"]
+    except (KeyError, TypeError):
+        return None
+    # Plain ints only (int() made a bool or float some other process's pid), and a pid a
+    # process can have: one past pid_max has no /proc entry and read as "exited".
+    if type(pid) is not int or type(start) is not int or not 0 < pid <= _pid_max():
         return None
     if host != host_identity() or pidns != _pid_namespace() or pidns == "?" or start < 0:
         return None
