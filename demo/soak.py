@@ -70,6 +70,11 @@ class SoakConfig:
     """P rank processes stopped (SIGSTOP) for ``pause_s`` during dispatch, then continued: the
     whole process stalls (writer, heartbeat answers, engine calls), not one thread."""
     pause_s: float = 2.0
+    kill_when_idle: bool = False
+    """Kill a P rank only once every request dispatched so far is resolved (D idle towards it)."""
+    p_down_s: float = 0.0
+    """How long a killed P rank stays down before its restart (dispatch waits meanwhile, as a
+    router would for an unhealthy prefill engine)."""
     scribble_freed: int = 0
     """Negative control for the checker: D overwrites this many released requests' blocks (as a
     late WRITE would) before the freed-block check, which must then report them."""
@@ -193,16 +198,27 @@ def _disrupt(
         _PAUSED.append(timer)
         timer.start()
         return
+    if cfg.kill_when_idle:
+        idle_by = time.monotonic() + cfg.timeout_s
+        while len(tracker.resolved_at) < index and time.monotonic() < idle_by:
+            tracker.poll()
+            time.sleep(0.05)
     say(f"[soak] request {index}: P rank {victim.key} killed, restarting under the same name")
     victim.process.kill()
     victim.process.join(timeout=10)
     tracker.rank_killed(victim.key)
+    tracker.p_ranks.pop(slot)
+    down_until = time.monotonic() + cfg.p_down_s
+    while time.monotonic() < down_until:
+        tracker.poll()
+        time.sleep(0.05)
     spec = next(spec for spec in p_specs if spec.parallel.rank == victim.key)
     (fresh,), payloads = _start_ranks([spec], timeout_s=120)
     ranks.append(fresh)
-    tracker.p_ranks[slot] = fresh
+    tracker.p_ranks.insert(slot, fresh)
     fresh.call(("prepare", [(p["rid"], p["seed"], p["p_ids"]) for p in plans[index:]]), timeout_s=300)
     p_server.publish_all(payloads)
+    tracker.restarted_at[index] = time.monotonic()
 
 
 def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -295,6 +311,8 @@ class _Tracker:
     p_outcome: dict[str, dict[RankKey, str | None]] = attrs.field(factory=dict)
     resolved_at: dict[str, float] = attrs.field(factory=dict)
     released: dict[str, set[RankKey]] = attrs.field(factory=dict)
+    restarted_at: dict[int, float] = attrs.field(factory=dict)
+    """Dispatch index -> when a killed P rank's new process was published."""
     """D ranks that released a failed or cancelled request's blocks."""
 
     def rank_killed(self, key: RankKey) -> None:
@@ -351,6 +369,7 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
         time.sleep(0.02)
 
     verified = failed = aborted = unresolved = 0
+    verified_rids: set[str] = set()
     reasons: collections.Counter[str] = collections.Counter()
     bad_outcomes: dict[str, str] = {}
     for rid in rids:
@@ -367,6 +386,7 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
                 bad_outcomes[rid] = misses[0]
             else:
                 verified += 1
+                verified_rids.add(rid)
         else:
             failed += 1
             for kind, reason in per_rank.values():
@@ -398,6 +418,7 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
         "max_wait_s": round(max(waits), 3) if waits else None,
         "cancels_racing_a_write": sum(h["stats"].get("cancels_during_write", 0) for h in health.values()),
         "unresolved": unresolved,
+        "after_restart": _after_restart(tracker, verified_rids),
         "p_kills": cfg.p_kills,
         "p_pauses": cfg.p_pauses,
         "wrong_bytes_or_no_reason": len(bad_outcomes),
@@ -406,6 +427,14 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
         "health": health,
         "config": attrs.asdict(cfg),
     }
+
+
+def _after_restart(tracker: _Tracker, verified_rids: set[str]) -> dict[str, int] | None:
+    """Requests dispatched after the last P restart: how many, and how many were verified."""
+    if not tracker.restarted_at:
+        return None
+    later = tracker.rids[max(tracker.restarted_at) :]
+    return {"requests": len(later), "verified": sum(rid in verified_rids for rid in later)}
 
 
 def soak_ok(report: dict[str, Any]) -> bool:

@@ -1,0 +1,30 @@
+"""A P rank that dies and comes back under the same name (a supervisor restarting it) while D is
+idle towards it: the requests that arrive after it is back must be served by the new process.
+
+D's keepalives to the dead process went unanswered the whole time P was down, but an idle
+agent's silence failed nothing and triggered nothing, so D kept the dead incarnation loaded:
+every request after the restart registered with the dead process and failed at
+``peer_silence_s`` (20 s with the default timers), and P's new process dropped the prefills at
+its lease ("D never registered its blocks").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.demo.soak import SoakConfig, run_soak, soak_ok
+
+
+@pytest.mark.xfail(strict=True, reason="D keeps a dead idle P incarnation loaded (fix pending)")
+def test_requests_after_a_p_rank_restart_are_served_by_the_new_process() -> None:
+    # Soak timers: heartbeat 0.25 s, peer silence 3 heartbeats + the 5 s handshake timeout. P's
+    # rank is killed once D has resolved every request so far and stays down 8 s (longer than
+    # that): D's keepalives to it go unanswered for 8 s.
+    cfg = SoakConfig(
+        requests=60, abort_rate=0.0, fault_rate=0.0, seed=2, p_kills=1, kill_when_idle=True, p_down_s=8.0
+    )
+    report = run_soak(cfg)
+    assert soak_ok(report), report
+    after = report["after_restart"]
+    assert after is not None and after["requests"] == 30
+    assert after["verified"] == after["requests"], report["failure_reasons"]
