@@ -635,3 +635,16 @@ def test_a_second_request_finished_of_a_key_in_progress_is_refused_and_the_first
         assert set(d.values()) == {None} and set(p.values()) == {None}, (d, p)
         for tp, pools in engines.d_pools.items():
             assert mismatches(pools, logical(pools, d_pages, tokens, 0, before[tp])) == []
+
+
+@pytest.mark.parametrize("cached", [0, 64])
+def test_pages_of_64_on_decode_and_token_slots_on_prefill_pair_as_block_size_1(cached: int) -> None:
+    """P runs page_size 1 and D page_size 64: both describe their flat slot pools with
+    ``block_size=1`` (docs/engine-api.md) and pass token slot ids; D's slots are whole pages of
+    64, its prefix hit one page. Every byte lands."""
+    tokens, page = 150, 64
+    d_page_ids = [5, 2, 7]
+    d_slots = [p * page + i for p in d_page_ids for i in range(page)][:tokens]
+    p_slots = [3 + 2 * t for t in range(tokens)][::-1]
+    with Engines(gqa(1), d_tp=2, p_pages=2 * tokens + 3, d_pages=8 * page) as engines:
+        push_and_check(engines, p_slots, d_slots[cached:], tokens, cached=cached)
