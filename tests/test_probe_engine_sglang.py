@@ -648,3 +648,39 @@ def test_pages_of_64_on_decode_and_token_slots_on_prefill_pair_as_block_size_1(c
     p_slots = [3 + 2 * t for t in range(tokens)][::-1]
     with Engines(gqa(1), d_tp=2, p_pages=2 * tokens + 3, d_pages=8 * page) as engines:
         push_and_check(engines, p_slots, d_slots[cached:], tokens, cached=cached)
+
+
+def _start_error(model: ModelSpec, layout: str, caches: dict[str, torch.Tensor]) -> str:
+    pm = get_plugin_manager(load_entrypoints=False, plugins=[("loopback", kvpush.transports.loopback)])
+    parallel = ParallelConfig(tp_size=1, num_layers=model.num_layers)
+    config = WorkerConfig(
+        engine_id="p",
+        parallel=parallel,
+        model=model,
+        layout=layout,
+        transport="loopback",
+        side_channel_port=1,
+    )
+    sender = PushSender(config, caches, pm=pm)
+    with pytest.raises(ConfigError) as err:
+        sender.start()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("page", [1, 64])
+def test_flat_sglang_pools_passed_unviewed_are_refused_naming_the_view(page: int) -> None:
+    """An integrator passes SGLang's flat ``[slots, heads, head_dim]`` buffers (MLA:
+    ``[slots, 1, latent]``) as they are: refused, and the message says how to view them."""
+    parallel = ParallelConfig(tp_size=1, num_layers=3)
+    pools = Pools(gqa(page), parallel, 3)
+    flat = {f"{n}.{c}": b for n, pair in pools.buffers.items() for c, b in zip("kv", pair)}
+    message = _start_error(gqa(page), "token_major", flat)
+    assert f".view(-1, {page}, {HEADS}, {DIM})" in message, message
+    latent = Pools(mla(page), parallel, 3)
+    message = _start_error(
+        mla(page), "uniform", {n: pair[0].squeeze(1) for n, pair in latent.buffers.items()}
+    )
+    assert f".view(-1, {page}, 24)" in message, message
+    if page > 1:  # [slots, 1, latent] has the MLA shape's rank: its 1 is not the page
+        message = _start_error(mla(page), "uniform", {n: pair[0] for n, pair in latent.buffers.items()})
+        assert f".view(-1, {page}, 24)" in message, message
