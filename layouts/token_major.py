@@ -91,10 +91,18 @@ def describe_token_major(
                     f"('{layer_name}.{component.lower()}')"
                 )
             if tensor.dim() != 4 or tuple(tensor.shape[1:]) != expected:
+                hint = ""
+                if tensor.dim() == 3 and tuple(tensor.shape[1:]) == expected[1:]:
+                    hint = (
+                        f"; a flat pool of token slots ([slots, heads, head_dim], as SGLang's "
+                        f"k_buffer/v_buffer) is passed as pages of block_size slots: "
+                        f"tensor.view(-1, {model.block_size}, {heads}, {model.head_dim}), with page "
+                        f"ids as block ids (docs/engine-api.md, 'Describing your KV memory')"
+                    )
                 raise ConfigError(
                     f"token_major {component} of layer {layer_name} must be (num_blocks, "
                     f"{model.block_size}, {heads}, {model.head_dim}) on TP rank {parallel.tp_rank}, "
-                    f"got {tuple(tensor.shape)}"
+                    f"got {tuple(tensor.shape)}{hint}"
                 )
             regions.append(
                 tensor_region(

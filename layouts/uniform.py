@@ -49,10 +49,13 @@ def describe_uniform(
             "block_order": "heads_outer",  # (2, blocks, heads, tokens, dim); a latent has one head
         }
         if model.attention == "mla":
-            if tensor.dim() != 3 or tensor.shape[-1] != model.head_dim:
+            if tensor.dim() != 3 or tuple(tensor.shape[1:]) != (model.block_size, model.head_dim):
                 raise ConfigError(
                     f"MLA layer {name} must be (num_blocks, {model.block_size}, {model.head_dim}), "
-                    f"got {tuple(tensor.shape)}"
+                    f"got {tuple(tensor.shape)}; a flat pool of token slots ([slots, head_dim] or "
+                    f"[slots, 1, head_dim], as SGLang's kv_buffer) is passed as pages of block_size "
+                    f"slots: tensor.view(-1, {model.block_size}, {model.head_dim}), with page ids "
+                    f"as block ids (docs/engine-api.md, 'Describing your KV memory')"
                 )
             regions.append(tensor_region(tensor, component="latent", replicate=True, num_heads=1, **identity))
             continue
