@@ -187,6 +187,8 @@ class _RankServer:
         self.received_bytes: dict[str, int] = {}
         self.freed: dict[str, Any] = {}
         """D: block ids of cancelled/failed requests, filled with SENTINEL once reported."""
+        self.named: dict[int, set[int]] = {}
+        """D: per KV group, every block id a request added here named (the rest stay zero)."""
         self.finished: dict[str, Any] = {}
         """P: block ids of finished requests not yet reported (``reuse_failed_blocks``)."""
 
@@ -208,6 +210,8 @@ class _RankServer:
         if kind == "add":
             _, rid, block_ids, params, seed, offsets = message
             self.expect[rid] = (seed, block_ids, offsets)
+            for group, ids in enumerate(block_ids):
+                self.named.setdefault(group, set()).update(ids)
             self.worker.add_request(
                 RequestMetadata(request_id=rid, block_ids=block_ids, params=TransferParams.from_dict(params))
             )
@@ -217,6 +221,8 @@ class _RankServer:
             return None
         if kind == "check_freed":
             return self._check_freed()
+        if kind == "check_untouched":
+            return self._check_untouched()
         if kind == "scribble":  # the soak's negative control: a late WRITE, simulated
             for block_ids in list(self.freed.values())[: message[1]]:
                 for tensor in self.tensors:
@@ -292,6 +298,23 @@ class _RankServer:
                     if not bool((tensor[block].reshape(-1).view(torch_int16()) == SENTINEL).all()):
                         bad[rid] = f"block {block} of {region.layer_names[0]} changed after it was freed"
         return bad
+
+    def _check_untouched(self) -> list[str]:
+        """D: blocks no request added here ever named that are not zero any more (a WRITE of
+        another process's registration, or one at a wrong address, landed in them)."""
+        import torch
+
+        self._synchronize()
+        bad = []
+        for region, tensor in zip(self.regions, self.tensors, strict=True):
+            named = self.named.get(region.kv_group, set())
+            unnamed = [b for b in range(tensor.shape[0]) if b not in named]
+            if unnamed:
+                rows = tensor[torch.tensor(unnamed, device=tensor.device)]
+                changed = rows.ne(0).any(dim=1).nonzero().flatten().tolist()
+                layer = region.layer_names[0]
+                bad += [f"block {unnamed[i]} of {layer}, never named, was written" for i in changed]
+        return bad[:20]
 
     def _health(self) -> dict[str, Any]:
         """What is still held: transfer handles, and requests/blocks not released."""

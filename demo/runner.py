@@ -745,6 +745,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="soak: kill N P rank processes mid-run and restart them under the same name",
     )
     parser.add_argument(
+        "--d-kills",
+        type=int,
+        default=0,
+        metavar="N",
+        help="soak: kill N D rank processes mid-run and restart them under the same name",
+    )
+    parser.add_argument(
         "--p-pauses", type=int, default=0, metavar="N", help="soak: stop N P rank processes for 2 s mid-run"
     )
     hosts = parser.add_argument_group("placing P and D on different hosts (docs/deployment.md)")

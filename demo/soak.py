@@ -66,12 +66,15 @@ class SoakConfig:
     """P rank processes killed (SIGKILL) during dispatch and restarted under the same engine id
     and rank (so the same agent name): a new incarnation while D still holds the old one's
     requests. Spread evenly over the dispatch, P ranks in turn."""
+    d_kills: int = 0
+    """D rank processes killed (SIGKILL) during dispatch and restarted under the same engine id
+    and rank: P holds registrations of the dead incarnation while the new one registers."""
     p_pauses: int = 0
     """P rank processes stopped (SIGSTOP) for ``pause_s`` during dispatch, then continued: the
     whole process stalls (writer, heartbeat answers, engine calls), not one thread."""
     pause_s: float = 2.0
     kill_when_idle: bool = False
-    """Kill a P rank only once every request dispatched so far is resolved (D idle towards it)."""
+    """Kill a P or D rank only once every request dispatched so far is resolved (idle)."""
     p_down_s: float = 0.0
     """How long a killed P rank stays down before its restart (dispatch waits meanwhile, as a
     router would for an unhealthy prefill engine)."""
@@ -153,6 +156,7 @@ def _reason_kind(reason: str) -> str:
         (r"no completion within", "watchdog (notification lost)"),
         (r"unreachable", "P unreachable"),
         (r"handshake", "handshake failed"),
+        (r"D rank killed", "D rank killed (soak)"),
     ):
         if re.search(pattern, reason):
             return kind
@@ -165,7 +169,7 @@ _PAUSED: list[threading.Timer] = []
 
 def _disruption_schedule(cfg: SoakConfig) -> dict[int, str]:
     """Dispatch index -> ``"kill"`` or ``"pause"``, spread evenly over the middle of the run."""
-    kinds = ["kill"] * cfg.p_kills + ["pause"] * cfg.p_pauses
+    kinds = ["kill"] * cfg.p_kills + ["pause"] * cfg.p_pauses + ["dkill"] * cfg.d_kills
     random.Random(cfg.seed + 7).shuffle(kinds)
     step = cfg.requests / (len(kinds) + 1)
     return {max(1, round(step * (i + 1))): kind for i, kind in enumerate(kinds)}
@@ -178,11 +182,22 @@ def _disrupt(
     plans: list[dict[str, Any]],
     p_specs: list[RankSpec],
     p_server: SideChannelServer,
+    d_specs: list[RankSpec],
+    d_server: SideChannelServer,
     tracker: _Tracker,
     ranks: list[_Rank],
     say: Callable[[str], None],
 ) -> None:
-    """Kill and restart, or pause, the P rank whose turn it is (``index`` picks it)."""
+    """Kill and restart, or pause, the P rank whose turn it is (``index`` picks it); or kill and
+    restart a D rank."""
+    if cfg.kill_when_idle and kind != "pause":
+        idle_by = time.monotonic() + cfg.timeout_s
+        while len(tracker.resolved_at) < index and time.monotonic() < idle_by:
+            tracker.poll()
+            time.sleep(0.05)
+    if kind == "dkill":
+        _restart_decode_rank(index, d_specs, d_server, tracker, ranks, say)
+        return
     slot = index % len(tracker.p_ranks)
     victim = tracker.p_ranks[slot]
     if kind == "pause":
@@ -198,11 +213,6 @@ def _disrupt(
         _PAUSED.append(timer)
         timer.start()
         return
-    if cfg.kill_when_idle:
-        idle_by = time.monotonic() + cfg.timeout_s
-        while len(tracker.resolved_at) < index and time.monotonic() < idle_by:
-            tracker.poll()
-            time.sleep(0.05)
     say(f"[soak] request {index}: P rank {victim.key} killed, restarting under the same name")
     victim.process.kill()
     victim.process.join(timeout=10)
@@ -218,6 +228,34 @@ def _disrupt(
     tracker.p_ranks.insert(slot, fresh)
     fresh.call(("prepare", [(p["rid"], p["seed"], p["p_ids"]) for p in plans[index:]]), timeout_s=300)
     p_server.publish_all(payloads)
+    tracker.restarted_at[index] = time.monotonic()
+
+
+def _restart_decode_rank(
+    index: int,
+    d_specs: list[RankSpec],
+    d_server: SideChannelServer,
+    tracker: _Tracker,
+    ranks: list[_Rank],
+    say: Callable[[str], None],
+) -> None:
+    """SIGKILL a D rank and start it again under the same name; the requests it had end with it
+    (its blocks went with its memory), the ones dispatched from now on go to the new process."""
+    slot = index % len(tracker.d_ranks)
+    victim = tracker.d_ranks[slot]
+    say(f"[soak] request {index}: D rank {victim.key} killed, restarting under the same name")
+    victim.process.kill()
+    victim.process.join(timeout=10)
+    for rid in tracker.dispatched:
+        per_rank = tracker.d_outcome.setdefault(rid, {})
+        if victim.key not in per_rank:
+            per_rank[victim.key] = ("failed", "D rank killed")
+            tracker.released.setdefault(rid, set()).add(victim.key)  # its memory is gone
+    spec = next(spec for spec in d_specs if spec.parallel.rank == victim.key)
+    (fresh,), payloads = _start_ranks([spec], timeout_s=120)
+    ranks.append(fresh)
+    tracker.d_ranks[slot] = fresh
+    d_server.publish_all(payloads)
     tracker.restarted_at[index] = time.monotonic()
 
 
@@ -270,7 +308,8 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
             if index % 25 == 0:
                 tracker.poll()
             if index in disruptions:
-                _disrupt(disruptions[index], index, cfg, plans, p_specs, p_server, tracker, ranks, say)
+                engines = (p_specs, p_server, d_specs, d_server)
+                _disrupt(disruptions[index], index, cfg, plans, *engines, tracker, ranks, say)
             rid = plan["rid"]
             request_params = {**params, "transfer_id": f"xfer-{rid}", "remote_request_id": rid}
             dispatched[rid] = time.monotonic()
@@ -312,7 +351,7 @@ class _Tracker:
     resolved_at: dict[str, float] = attrs.field(factory=dict)
     released: dict[str, set[RankKey]] = attrs.field(factory=dict)
     restarted_at: dict[int, float] = attrs.field(factory=dict)
-    """Dispatch index -> when a killed P rank's new process was published."""
+    """Dispatch index -> when a killed rank's new process was published."""
     """D ranks that released a failed or cancelled request's blocks."""
 
     def rank_killed(self, key: RankKey) -> None:
@@ -397,8 +436,11 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
     freed_bad: dict[str, str] = {}
     if cfg.scribble_freed:
         d_ranks[0].call(("scribble", cfg.scribble_freed))
+    untouched_bad: list[str] = []
     for rank in d_ranks:
         freed_bad.update(rank.call(("check_freed",), timeout_s=120))
+        untouched = rank.call(("check_untouched",), timeout_s=120)
+        untouched_bad += [f"D rank {rank.key}: {what}" for what in untouched]
     health = {
         str(rank.key) + ("P" if rank in p_ranks else "D"): rank.call(("health",))
         for rank in [*p_ranks, *d_ranks]
@@ -413,6 +455,7 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
         "failed_with_reason": failed,
         "aborted": aborted,
         "writes_into_freed_blocks": len(freed_bad),
+        "writes_into_unnamed_blocks": len(untouched_bad),
         "leaked_handles": leaked_handles,
         "leaked_blocks": held + p_unreported + unresolved,
         "max_wait_s": round(max(waits), 3) if waits else None,
@@ -421,16 +464,21 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
         "after_restart": _after_restart(tracker, verified_rids),
         "p_kills": cfg.p_kills,
         "p_pauses": cfg.p_pauses,
+        "d_kills": cfg.d_kills,
         "wrong_bytes_or_no_reason": len(bad_outcomes),
         "failure_reasons": dict(reasons.most_common()),
-        "examples": {**dict(list(bad_outcomes.items())[:5]), **dict(list(freed_bad.items())[:5])},
+        "examples": {
+            **dict(list(bad_outcomes.items())[:5]),
+            **dict(list(freed_bad.items())[:5]),
+            **{f"unnamed-{i}": what for i, what in enumerate(untouched_bad[:5])},
+        },
         "health": health,
         "config": attrs.asdict(cfg),
     }
 
 
 def _after_restart(tracker: _Tracker, verified_rids: set[str]) -> dict[str, int] | None:
-    """Requests dispatched after the last P restart: how many, and how many were verified."""
+    """Requests dispatched after the last restart: how many, and how many were verified."""
     if not tracker.restarted_at:
         return None
     later = tracker.rids[max(tracker.restarted_at) :]
@@ -441,6 +489,7 @@ def soak_ok(report: dict[str, Any]) -> bool:
     """No write into a freed block, no leak, and every request accounted for with a reason."""
     return (
         report["writes_into_freed_blocks"] == 0
+        and report.get("writes_into_unnamed_blocks", 0) == 0
         and report["leaked_handles"] == 0
         and report["leaked_blocks"] == 0
         and report["wrong_bytes_or_no_reason"] == 0
@@ -454,6 +503,7 @@ KEYS = (
     "failed_with_reason",
     "aborted",
     "writes_into_freed_blocks",
+    "writes_into_unnamed_blocks",
     "leaked_handles",
     "leaked_blocks",
     "max_wait_s",
@@ -471,6 +521,7 @@ def main(args: argparse.Namespace) -> int:
         decode_tp=args.decode_tp,
         p_kills=args.p_kills,
         p_pauses=args.p_pauses,
+        d_kills=args.d_kills,
     )
     started = time.monotonic()
     try:

@@ -1,4 +1,4 @@
-"""A P rank that dies and comes back under the same name (a supervisor restarting it) while D is
+"""A rank that dies and comes back under the same name (a supervisor restarting it) while D is
 idle towards it: the requests that arrive after it is back must be served by the new process.
 
 D's keepalives to the dead process went unanswered the whole time P was down, but an idle
@@ -23,6 +23,20 @@ def test_requests_after_a_p_rank_restart_are_served_by_the_new_process() -> None
     cfg = SoakConfig(
         requests=60, abort_rate=0.0, fault_rate=0.0, seed=2, p_kills=1, kill_when_idle=True, p_down_s=8.0
     )
+    report = run_soak(cfg)
+    assert soak_ok(report), report
+    after = report["after_restart"]
+    assert after is not None and after["requests"] == 30
+    assert after["verified"] == after["requests"], report["failure_reasons"]
+
+
+@pytest.mark.xfail(strict=True, reason="P drops every key of the D engine when one rank restarts")
+def test_requests_after_a_d_rank_restart_are_served() -> None:
+    # D rank 1 is killed once idle and started again under the same name at once. P, seeing its
+    # new incarnation at the first registration, dropped every key bound to the D engine, also
+    # the new requests D rank 0 (alive all along) and the new process registered after the
+    # restart: they failed "P no longer holds ...: D engine 'decode-0' restarted".
+    cfg = SoakConfig(requests=60, abort_rate=0.0, fault_rate=0.0, seed=2, d_kills=1, kill_when_idle=True)
     report = run_soak(cfg)
     assert soak_ok(report), report
     after = report["after_restart"]
