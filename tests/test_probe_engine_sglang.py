@@ -684,3 +684,16 @@ def test_flat_sglang_pools_passed_unviewed_are_refused_naming_the_view(page: int
     if page > 1:  # [slots, 1, latent] has the MLA shape's rank: its 1 is not the page
         message = _start_error(mla(page), "uniform", {n: pair[0] for n, pair in latent.buffers.items()})
         assert f".view(-1, {page}, 24)" in message, message
+
+
+def test_sglang_engine_in_processes_over_nixl() -> None:
+    """examples/engine_token_pools.py: token-slot pools as page views, P and each D rank in its
+    own process over NIXL, a cold request and a prefix hit, every slot of every D pool checked."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "engine_token_pools.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "D: ['verified', 'verified']" in out.stdout
