@@ -785,10 +785,10 @@ def _key_value(text: str) -> tuple[str, Any]:
 def main(args: argparse.Namespace) -> int:
     transport = getattr(args, "transport", "nixl")
     if getattr(args, "soak", 0):
-        if transport != "nixl" or getattr(args, "transport_option", None):
+        if transport not in ("nixl", "cuda_ipc") or getattr(args, "transport_option", None):
             print(
-                "kvpush demo: --soak runs the faulty transport over nixl; drop --transport and "
-                "--transport-option (or run without --soak)",
+                "kvpush demo: --soak runs the faulty transport over nixl or cuda_ipc; use "
+                "--transport nixl or cuda_ipc and drop --transport-option (or run without --soak)",
                 file=sys.stderr,
             )
             return 2

@@ -58,6 +58,9 @@ class SoakConfig:
     late_abort_ms: float = 30.0
     """Late aborts land uniformly within this many ms after dispatch."""
     transport_inner: str = "nixl"
+    """The transport under ``faulty``: ``nixl``, or ``cuda_ipc`` on a GPU (kernel copies)."""
+    device: str = "cpu"
+    """Where every rank's caches live (``cuda[:N]`` for the GPU soak)."""
     faults: dict[str, Any] | None = attrs.field(default=None, hash=False)
     """Faulty-transport options replacing the ones derived from ``fault_rate`` (tests)."""
     timeout_s: float = 240.0
@@ -110,6 +113,7 @@ def _specs(cfg: SoakConfig, p_port: int, d_port: int) -> tuple[list[RankSpec], l
         "model": SOAK_MODEL,
         "layout": "uniform",
         "blocks_per_group": blocks,
+        "device": cfg.device,
         "request_timeout_s": cfg.request_timeout_s,
         "lease_s": cfg.lease_s,
         "transport": "faulty",
@@ -267,7 +271,10 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
     ranks: list[_Rank] = []
     try:
         p_specs, d_specs = _specs(cfg, p_server.port, d_server.port)
-        say(f"[soak] starting {len(p_specs)} prefill and {len(d_specs)} decode processes (faulty/nixl)")
+        say(
+            f"[soak] starting {len(p_specs)} prefill and {len(d_specs)} decode processes "
+            f"(faulty/{cfg.transport_inner}, {cfg.device})"
+        )
         p_ranks, p_payloads = _start_ranks(p_specs, timeout_s=120)
         ranks += p_ranks
         d_ranks, d_payloads = _start_ranks(d_specs, timeout_s=120)
@@ -522,6 +529,8 @@ def main(args: argparse.Namespace) -> int:
         p_kills=args.p_kills,
         p_pauses=args.p_pauses,
         d_kills=args.d_kills,
+        device=args.device,
+        transport_inner=getattr(args, "transport", "nixl"),
     )
     started = time.monotonic()
     try:

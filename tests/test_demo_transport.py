@@ -98,9 +98,10 @@ def test_cuda_ipc_notes() -> None:
     assert transport_notes("nixl", {}, "cpu", None) == []
 
 
-def test_soak_refuses_a_transport(capsys) -> None:
-    assert main(["demo", "--soak", "10", "--transport", "cuda_ipc"]) == 2
-    assert "--soak runs the faulty transport over nixl" in capsys.readouterr().err
+def test_soak_refuses_a_transport_it_cannot_wrap(capsys) -> None:
+    assert main(["demo", "--soak", "10", "--transport", "loopback"]) == 2
+    assert "--soak runs the faulty transport over nixl or cuda_ipc" in capsys.readouterr().err
+    assert main(["demo", "--soak", "10", "--transport", "cuda_ipc", "--transport-option", "mode=ipc"]) == 2
 
 
 def test_carried_by_counts_ipc_copies_and_fallbacks() -> None:
