@@ -65,31 +65,33 @@ class Pools:
     """One rank's KV pools, SGLang style: per layer a K and a V buffer (or one latent buffer)
     of ``[(pages + 1) * page, heads, dim]`` token slots (page 0 is the padding page)."""
 
-    def __init__(self, model: ModelSpec, parallel: ParallelConfig, pages: int) -> None:
-        self.model, self.parallel, self.pages = model, parallel, pages
+    def __init__(
+        self, model: ModelSpec, parallel: ParallelConfig, pages: int, store: torch.dtype = torch.bfloat16
+    ) -> None:
+        """``store``: the buffers' dtype (SGLang keeps an fp8 cache in uint8 buffers)."""
+        self.model, self.parallel, self.pages, self.store = model, parallel, pages, store
         self.page = model.block_size
         slots = (pages + 1) * self.page
         layers = range(parallel.start_layer, parallel.end_layer)
         if model.attention == "mla":
             self.heads = 1
             self.buffers = {
-                f"model.layers.{i}": [torch.empty(slots, 1, model.head_dim, dtype=torch.bfloat16)]
-                for i in layers
+                f"model.layers.{i}": [torch.empty(slots, 1, model.head_dim, dtype=store)] for i in layers
             }
         else:
             self.heads = model.num_kv_heads // parallel.tp_size
             self.buffers = {
                 f"model.layers.{i}": [
-                    torch.empty(slots, self.heads, model.head_dim, dtype=torch.bfloat16) for _ in "kv"
+                    torch.empty(slots, self.heads, model.head_dim, dtype=store) for _ in "kv"
                 ]
                 for i in layers
             }
         gen = torch.Generator().manual_seed(hash((parallel.pp_rank, parallel.tp_rank, pages)) & 0xFFFF)
         for pair in self.buffers.values():
             for buf in pair:
-                buf.view(torch.int16).copy_(
-                    torch.randint(-32768, 32767, buf.shape, generator=gen, dtype=torch.int16)
-                )
+                view = bits(buf)
+                info = torch.iinfo(view.dtype)
+                view.copy_(torch.randint(info.min, info.max, buf.shape, generator=gen, dtype=view.dtype))
 
     def kv_caches(self) -> tuple[str, dict[str, torch.Tensor]]:
         """What the engine hands kvpush, per the docs: the layout name and its tensors."""
@@ -104,11 +106,17 @@ class Pools:
         return "token_major", caches
 
     def snapshot(self) -> dict[str, list[torch.Tensor]]:
-        return {name: [b.view(torch.int16).clone() for b in pair] for name, pair in self.buffers.items()}
+        return {name: [bits(b).clone() for b in pair] for name, pair in self.buffers.items()}
+
+
+def bits(buffer: torch.Tensor) -> torch.Tensor:
+    """The buffer's raw bits as integers of its element size (comparisons without NaNs)."""
+    return buffer.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[buffer.element_size()])
 
 
 def value(layer: int, comp: int, token: int, head: int, dim: torch.Tensor) -> torch.Tensor:
-    """The int16 bit pattern of one logical KV element of the request (distinct per coordinate)."""
+    """The bit pattern of one logical KV element of the request (distinct per coordinate; int16,
+    cut to the buffer's element size when stored)."""
     return ((layer * 7919 + comp * 104729 + token * 613 + head * 31 + dim * 3 + 17) % 65521 - 32760).to(
         torch.int16
     )
@@ -124,7 +132,7 @@ def prefill(pools: Pools, pages: Sequence[int], tokens: int, first_token: int = 
     dim = torch.arange(pools.model.head_dim)
     for name, pair in pools.buffers.items():
         for comp, buf in enumerate(pair):
-            view = buf.view(torch.int16)
+            view = bits(buf)
             for t in range(first_token, tokens):
                 slot = pages[t // pools.page] * pools.page + t % pools.page
                 for h in range(pools.heads):
@@ -149,7 +157,7 @@ def expected(
         if name not in p_pools.buffers:
             continue  # another PP stage's layer
         for comp, view in enumerate(pair):
-            source = p_pools.buffers[name][comp].view(torch.int16)
+            source = bits(p_pools.buffers[name][comp])
             for i in range(1, len(d_pages) + 1):
                 d, p = d_pages[-i], p_pages[-i]
                 for h in range(pools.heads):
@@ -184,7 +192,7 @@ def logical(
                     view[slot, h] = value(layer_of(name), comp, t, head, dim)
             last = d_pages[-1] * page
             tail = slice(last + (tokens - 1) % page + 1, last + page)
-            view[tail] = pools.buffers[name][comp].view(torch.int16)[tail]
+            view[tail] = bits(pools.buffers[name][comp])[tail]
     return want
 
 
@@ -193,7 +201,7 @@ def mismatches(pools: Pools, *wants: dict[str, list[torch.Tensor]]) -> list[str]
     out = []
     for name, pair in pools.buffers.items():
         for comp, buf in enumerate(pair):
-            got = buf.view(torch.int16)
+            got = bits(buf)
             differs = [(got != want[name][comp]).flatten(1).any(1) for want in wants]
             bad = torch.stack(differs).all(0).nonzero().flatten().tolist()
             if bad:
@@ -220,6 +228,7 @@ class Engines:
         d_pages: int = 24,
         transport: str = "nixl",
         strategy: str | None = None,
+        store: torch.dtype = torch.bfloat16,
         **config: Any,
     ) -> None:
         d_model = d_model or p_model
@@ -242,7 +251,7 @@ class Engines:
                     par = ParallelConfig.for_stage(
                         num_layers=p_model.num_layers, pp_size=p_pp, pp_rank=pp, tp_size=p_tp, tp_rank=tp
                     )
-                    pools = Pools(p_model, par, p_pages)
+                    pools = Pools(p_model, par, p_pages, store)
                     layout, caches = pools.kv_caches()
                     cfg = WorkerConfig(
                         engine_id="sgl-prefill",
@@ -260,7 +269,7 @@ class Engines:
                     self.p_pools[par.rank], self.sent[par.rank] = pools, {}
             for tp in range(d_tp):
                 par = ParallelConfig(tp_size=d_tp, tp_rank=tp, num_layers=d_model.num_layers)
-                pools = Pools(d_model, par, d_pages)
+                pools = Pools(d_model, par, d_pages, store)
                 layout, caches = pools.kv_caches()
                 cfg = WorkerConfig(
                     engine_id="sgl-decode",
@@ -697,3 +706,36 @@ def test_sglang_engine_in_processes_over_nixl() -> None:
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "D: ['verified', 'verified']" in out.stdout
+
+
+def fp8(page: int, fmt: str) -> ModelSpec:
+    return ModelSpec(
+        name="sglang-fp8", num_layers=3, num_kv_heads=HEADS, head_dim=DIM, block_size=page, dtype=fmt
+    )
+
+
+def test_fp8_pools_kept_in_uint8_buffers_push_under_their_format_and_formats_never_mix() -> None:
+    """SGLang (and vLLM) keep an fp8 KV cache in uint8 buffers. The engine states the format,
+    ``ModelSpec.dtype="float8_e4m3fn"``: the push is byte-exact. A D whose cache holds the
+    other fp8 format is refused naming the dtype, never written (stating ``uint8`` on both
+    would hash alike and move e4m3 bytes into an e5m2 cache)."""
+    tokens, p_pages, d_pages = 40, [5, 2, 7], [1, 6, 3]
+    with Engines(fp8(16, "float8_e4m3fn"), d_tp=2, p_pages=8, d_pages=8, store=torch.uint8) as engines:
+        push_and_check(engines, p_pages, d_pages, tokens)
+    with Engines(
+        fp8(16, "float8_e4m3fn"),
+        fp8(16, "float8_e5m2"),
+        p_pages=8,
+        d_pages=8,
+        store=torch.uint8,
+        transport="loopback",
+        lease_s=2.0,
+    ) as engines:
+        engines.prefill(p_pages, tokens)
+        before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
+        engines.add("d-1", d_pages, "x-1")
+        engines.finish("p-1", p_pages, "x-1")
+        d, p = engines.wait()
+        assert "model.dtype: peer 'float8_e4m3fn', local 'float8_e5m2'" in str(d[0]), d
+        assert p[RankKey(0, 0)] is not None
+        assert mismatches(engines.d_pools[0], before[0]) == []
