@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpush.core.errors import ConfigError
-from kvpush.engines.vllm_config import ConnectorSettings, match_key
+from kvpush.engines.vllm_config import ConnectorSettings, match_key, parent_request_id
 
 if TYPE_CHECKING:
     import torch
@@ -320,6 +320,10 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
 # ---------------------------------------------------------------------------- scheduler half
 
 
+SERVED_MAX = 4096
+"""D: children of parallel sampling whose receive ended, remembered for their siblings."""
+
+
 class _SchedulerSide:
     """Stages registrations (D) and finished prefills (P); serves the engine's side channel."""
 
@@ -340,6 +344,10 @@ class _SchedulerSide:
         """D: match key -> the request in ``receiving`` registered under it."""
         self.sending: set[str] = set()
         """P requests handed to the workers and not yet reported in finished_sending."""
+        self._served: dict[str, tuple[str, str | None]] = {}
+        """D: match key -> (parent id, None or why it failed) of a child of parallel sampling
+        (n > 1) whose receive ended: the parent's other children under the key decode from its
+        KV (vLLM's prefix cache) or fail as it did. The oldest go first past ``SERVED_MAX``."""
         self._window_blocks = self._sliding_window_blocks()
 
     def _sliding_window_blocks(self) -> list[int]:
@@ -372,12 +380,42 @@ class _SchedulerSide:
 
     # -------------------------------------------------------------- D
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if self.owner.is_producer or not params or not params.get("do_remote_prefill"):
             return 0, False
+        sibling = self._sibling(request.request_id, params)
+        if sibling == "wait":
+            return None, False  # vLLM asks again next step
         count = request.num_prompt_tokens - num_computed_tokens
+        if sibling == "received":
+            # P's one push landed in a sibling's blocks, which vLLM's prefix cache now holds: this
+            # child takes them as a local hit and computes the rest itself (never registers).
+            return 0, False
         return (count, True) if count > 0 else (0, False)
+
+    def _sibling(self, rid: str, params: dict[str, Any]) -> str | None:
+        """How a child of parallel sampling (vLLM's frontend fans a D request with ``n`` > 1 out
+        into ``'<i>_<parent>'`` children with the parent's kv_transfer_params, so all of them
+        name P's one push) stands with its siblings: ``"wait"`` while a sibling is receiving
+        the key, ``"received"`` once one received it, ``"failed"`` once one failed; None for
+        any other request (it registers, or fails at once if its key is being received)."""
+        parent = parent_request_id(rid)
+        if parent is None:
+            return None
+        try:
+            key = match_key(rid, params)
+        except ConfigError:
+            return None  # failed with its reason in update_state_after_alloc
+        holder = self._recv_keys.get(key)
+        if holder is not None and holder != rid and holder in self.receiving:
+            return "wait" if parent_request_id(holder) == parent else None
+        served = self._served.get(key)
+        if served is None or served[0] != parent:
+            return None
+        return "received" if served[1] is None else "failed"
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -395,6 +433,18 @@ class _SchedulerSide:
         rid = request.request_id
         send_params = dict(params)
         error = None
+        if self._sibling(rid, params) == "failed":
+            key = match_key(rid, params)
+            _, why = self._served[key]
+            error = (
+                f"{rid!r} is a child of parallel sampling (n > 1) whose sibling's receive of P's one "
+                f"push under match key {key!r} failed ({why}); this child fails as it did "
+                f"(kv_load_failure_policy applies)"
+            )
+            num_tokens = request.num_prompt_tokens
+            self._recv[rid] = RecvItem(block_ids, send_params, error=error, num_tokens=num_tokens)
+            self.receiving.add(rid)
+            return
         try:
             send_params["transfer_id"] = key = match_key(rid, params)
             holder = self._recv_keys.get(key)
@@ -562,10 +612,21 @@ class _SchedulerSide:
         for rid in output.finished_sending or ():
             self.sending.discard(rid)
             self._send_keys.pop(rid, None)
+        if output.finished_recving:
+            done = set(output.finished_recving)
+            failed = set(getattr(output, "failed_recving", None) or ())
+            for key, rid in self._recv_keys.items():
+                parent = parent_request_id(rid)
+                if rid in done and rid in self.receiving and parent is not None:
+                    # A child of parallel sampling received (or failed) P's one push: its
+                    # siblings waiting under the key decode from its KV (or fail as it did).
+                    self._served.pop(key, None)
+                    self._served[key] = (parent, f"{rid!r} failed" if rid in failed else None)
+            while len(self._served) > SERVED_MAX:
+                del self._served[next(iter(self._served))]
         for rid in output.finished_recving or ():
             self.receiving.discard(rid)
         if output.finished_recving:
-            done = set(output.finished_recving)
             self._recv_keys = {k: r for k, r in self._recv_keys.items() if r not in done}
             # A cancel staged for a request the workers already reported (vLLM finished it while
             # their report was on its way: an abort under async scheduling, or the FINISHED_ERROR

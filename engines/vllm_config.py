@@ -16,12 +16,22 @@ import attrs
 from kvpush.core.errors import ConfigError
 
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+_CHILD = re.compile(r"^[0-9]+_(.+-[0-9a-f]{8})$", re.IGNORECASE)
+"""A child request vLLM's frontend makes for parallel sampling (``n`` > 1): ``'<index>_<parent's
+id>'`` (``ParentRequest.get_child_info``), the parent's id ending in the engine's ``-<8 hex>``."""
+
+
+def parent_request_id(request_id: str) -> str | None:
+    """The parent's id of a child request of parallel sampling (``'<index>_<parent>'``), else None."""
+    found = _CHILD.match(request_id)
+    return found.group(1) if found else None
 
 
 def base_request_id(request_id: str) -> str:
     """vLLM's request id without the ``-<8 hex>`` suffix each engine appends to the client's id,
-    so a P request and its D request share it."""
-    return _RANDOM_SUFFIX.sub("", request_id)
+    so a P request and its D request share it; a child of parallel sampling (``n`` > 1) also
+    without its ``'<index>_'``, so each child of a D request shares its P request's."""
+    return _RANDOM_SUFFIX.sub("", parent_request_id(request_id) or request_id)
 
 
 def match_key(request_id: str, kv_transfer_params: Mapping[str, Any] | None) -> str:

@@ -13,7 +13,7 @@ from kvpush.core.errors import ConfigError
 from kvpush.core.manager import get_plugin_manager
 from kvpush.core.types import ModelSpec, ParallelConfig
 from kvpush.engines.vllm import KvpushConnector
-from kvpush.engines.vllm_config import ConnectorSettings, base_request_id, match_key
+from kvpush.engines.vllm_config import ConnectorSettings, base_request_id, match_key, parent_request_id
 from kvpush.layouts.vllm import expand_block_ids, group_ratios, layer_caches
 
 
@@ -186,6 +186,13 @@ def test_matching_key() -> None:
     assert match_key("cmpl-abc-0-1a2b3c4d", {}) == "cmpl-abc-0"
     with pytest.raises(ConfigError, match="transfer_id"):
         match_key("x", {"transfer_id": 3})
+    # n > 1 on D: vLLM's frontend names the children '<i>_<parent id>'; each pairs with P's leg
+    assert match_key("0_cmpl-abc-0-1a2b3c4d", {}) == match_key("cmpl-abc-0-5e6f7a8b", {}) == "cmpl-abc-0"
+    assert match_key("12_cmpl-abc-0-1a2b3c4d", {}) == "cmpl-abc-0"
+    assert parent_request_id("1_cmpl-abc-0-1a2b3c4d") == "cmpl-abc-0-1a2b3c4d"
+    assert parent_request_id("cmpl-abc-0-1a2b3c4d") is None
+    assert parent_request_id("1_cmpl-abc") is None  # no engine suffix: not vLLM's child id
+    assert match_key("1_cmpl-abc", {}) == "1_cmpl-abc"
 
 
 def _exclude(kv_config: Any, gid: int) -> Any:
