@@ -217,3 +217,18 @@ def test_a_connection_p_opened_before_the_fence_but_not_yet_accepted_is_fenced_t
     finally:
         d.close()
         p.stop()
+
+
+def test_published_listeners_are_bounded_and_plain() -> None:
+    """A peer's published listener list (what a fence shuts connections to) is checked: a bool
+    port is not a port, and a list longer than MAX_LISTENERS_PER_PEER is refused (each fence
+    scans them against every socket of the process)."""
+    from kvpush.core.errors import TransferError
+    from kvpush.transports import nixl
+
+    with pytest.raises(TransferError, match="listener"):
+        nixl._listeners({"tcp_listeners": [["127.0.0.1", True]]})
+    many = [["10.0.0.1", 1000 + i] for i in range(nixl.MAX_LISTENERS_PER_PEER + 1)]
+    with pytest.raises(TransferError, match="listener"):
+        nixl._listeners({"tcp_listeners": many})
+    assert nixl._listeners({"tcp_listeners": many[:2]}) == [("10.0.0.1", 1000), ("10.0.0.1", 1001)]

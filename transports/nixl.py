@@ -554,13 +554,19 @@ def _listeners(info: dict[str, Any] | None) -> list[tuple[str, int]] | None:
     """The peer's published UCX TCP listeners; None for a peer that published none."""
     if info is None or not isinstance(info.get("tcp_listeners"), list):
         return None
+    if len(info["tcp_listeners"]) > MAX_LISTENERS_PER_PEER:
+        raise TransferError(
+            f"nixl peer metadata: {len(info['tcp_listeners'])} TCP listeners published, at most "
+            f"{MAX_LISTENERS_PER_PEER}"
+        )
     out = []
     for entry in info["tcp_listeners"]:
         if (
             isinstance(entry, list)
             and len(entry) == 2
             and isinstance(entry[0], str)
-            and isinstance(entry[1], int)
+            and len(entry[0]) <= 64
+            and type(entry[1]) is int
             and 0 < entry[1] < 65536
         ):
             out.append((entry[0], entry[1]))
