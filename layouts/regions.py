@@ -177,6 +177,10 @@ DTYPE_BYTES = {
 }
 """Bytes per element of the ``ModelSpec.dtype`` names the geometry rule knows (others: unchecked)."""
 
+FP8_FORMATS = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+"""fp8 formats a uint8 tensor may hold: engines keep fp8 caches in uint8 buffers (SGLang's
+``store_dtype``, vLLM's fp8 caches), so the tensor cannot say which; ``ModelSpec.dtype`` does."""
+
 
 def block_geometry(region: KVRegion, model: ModelSpec, *, tokens: int | None = None) -> str | None:
     """Why a region that declares an in-block order does not hold what it declares (None: it
@@ -250,8 +254,9 @@ def check_tensors(
 
     ``model.dtype`` feeds the compatibility hash, so it must be the cache's own dtype: two
     engines whose caches hold fp8 of different formats (or bf16 vs fp16) under one
-    ``ModelSpec`` exchange bytes the other reads as other numbers. A region outside the
-    tensors would have P write (or read) memory no block id names."""
+    ``ModelSpec`` exchange bytes the other reads as other numbers. A uint8 tensor may hold any
+    of :data:`FP8_FORMATS` (an fp8 cache kept in uint8 buffers): the ``ModelSpec`` names it.
+    A region outside the tensors would have P write (or read) memory no block id names."""
     spans = []
     for key, value in kv_caches.items():
         tensor = getattr(value, "tensor", value)
@@ -268,12 +273,19 @@ def check_tensors(
         # Only tensors that hold a region: a state the engine does not transfer (a group
         # excluded from transfer) may have a dtype of its own.
         for _lo, _hi, key, dtype in holders:
-            if dtype != model.dtype:
+            if dtype != model.dtype and not (dtype == "uint8" and model.dtype in FP8_FORMATS):
+                hint = ""
+                if dtype == "uint8" or model.dtype == "uint8":
+                    hint = (
+                        ". An fp8 cache kept in uint8 buffers (SGLang, vLLM) states its fp8 "
+                        f"format, {' or '.join(repr(f) for f in FP8_FORMATS[::2])}, never "
+                        f"'uint8': uint8 on both engines hashes alike whatever the formats"
+                    )
                 raise ConfigError(
                     f"layout {layout!r}: KV cache {key!r} holds {dtype} but ModelSpec.dtype is "
                     f"{model.dtype!r}; ModelSpec.dtype must be the KV cache's dtype (both "
                     f"engines hash it: a peer whose cache holds another format would read these "
-                    f"bytes as other numbers)"
+                    f"bytes as other numbers){hint}"
                 )
         if not holders:
             raise ConfigError(
