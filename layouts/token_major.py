@@ -1,9 +1,11 @@
 """The token-major layout: separate K and V tensors per layer, tokens outermost in a block.
 
 Each layer has a K and a V tensor of shape ``(num_blocks, block_size, local_heads, head_dim)``,
-as SGLang keeps its paged pools (``k_buffer[i]``, ``v_buffer[i]``) and as vLLM's FlashAttention
-backend lays a block out (NHD). ``kv_caches`` maps ``"<layer>.k"`` and ``"<layer>.v"`` to them
-(:func:`token_major_caches` builds that from two per-layer lists).
+as vLLM's FlashAttention backend lays a block out (NHD) and as SGLang's pools read once viewed
+as pages: SGLang keeps flat token slots, ``k_buffer[i]`` and ``v_buffer[i]`` of ``[slots,
+local_heads, head_dim]``, which ``buf.view(-1, page_size, local_heads, head_dim)`` turns into
+blocks of ``page_size`` tokens (block ids are then page ids). ``kv_caches`` maps ``"<layer>.k"``
+and ``"<layer>.v"`` to them (:func:`token_major_caches` builds that from two per-layer lists).
 
 A block's head slice is one range per token, so regions declare ``block_order="tokens_outer"``
 with ``block_tokens=block_size``; heterogeneous TP cuts every token's row
@@ -40,8 +42,10 @@ def _split_name(name: str) -> tuple[str, str]:
 def token_major_caches(
     k_buffers: Sequence[Any], v_buffers: Sequence[Any], parallel: ParallelConfig
 ) -> dict[str, Any]:
-    """``kv_caches`` for this layout from per-layer K and V lists (SGLang's ``k_buffer`` and
-    ``v_buffer`` of the layers this rank owns, in order), named ``layers.<model layer>.k|v``."""
+    """``kv_caches`` for this layout from per-layer K and V lists of ``(num_blocks, block_size,
+    local_heads, head_dim)`` tensors (SGLang's ``k_buffer`` and ``v_buffer`` of the layers this
+    rank owns, in order, each viewed as pages: ``buf.view(-1, page_size, heads, head_dim)``),
+    named ``layers.<model layer>.k|v``."""
     if len(k_buffers) != len(v_buffers) or len(k_buffers) != parallel.num_local_layers:
         raise ConfigError(
             f"got {len(k_buffers)} K and {len(v_buffers)} V tensors; rank {parallel.rank} owns "
