@@ -56,16 +56,16 @@ def _children(
     transfer_id: bool,
     abort_p: bool = False,
     shared: bool = False,
-) -> dict[str, str]:
+) -> tuple[dict[str, str], dict[str, list[int]]]:
     """One P leg, and a D leg with ``n`` > 1 as vLLM's frontend fans it out (``ParentRequest``):
     children ``'<i>_<parent id>'``, each with the parent's ``kv_transfer_params``; the legs share a
     ``transfer_id`` or only the client's ``X-Request-Id`` (each engine appends its own
     ``-<8 hex>``). Steps both engines (D's local prefill writes like P's) until every child
     received or failed; ``abort_p``: P's prefill is aborted before it finishes. Returns how
-    each child ended. ``shared``: the children hold one ``kv_transfer_params`` dict, as with
-    vLLM's in-process engine core (``copy(request)`` and one cached child ``SamplingParams``;
-    across processes each child gets its own copy). The loop's bound (40 s) is below D's
-    registration timeout (120 s): a child left waiting for it fails the test."""
+    each child ended and the block table of each that decoded. ``shared``: the children hold one
+    ``kv_transfer_params`` dict, as with vLLM's in-process engine core (``copy(request)`` and one
+    cached child ``SamplingParams``; across processes each child gets its own copy). The loop's
+    bound (40 s) is below D's registration timeout (120 s): a child left waiting for it fails."""
     from vllm.v1.request import RequestStatus
 
     model = PrefillModel()
@@ -80,6 +80,7 @@ def _children(
     for rid in children:
         d.add(make_request(rid, tokens, 3, params if shared else dict(params)))
     ended: dict[str, str] = {}
+    tables: dict[str, list[int]] = {}
     started = time.monotonic()
     while len(ended) < n:
         assert time.monotonic() - started < 40, f"children not settled: {ended}"
@@ -93,10 +94,11 @@ def _children(
             elif rid in d.scheduler.requests and d.scheduler.requests[rid].num_output_tokens > 0:
                 _verify(d, rid, tokens)  # decoding: its KV is in place (received or computed)
                 ended[rid] = "received" if rid in d.finished_recving else "computed"
+                tables[rid] = d.block_ids(rid)[0]
             elif d.finish_reason(rid) is not None:
                 ended[rid] = "finished unverified"
     _idle([p, d], model)
-    return ended
+    return ended, tables
 
 
 @pytest.mark.parametrize(
@@ -117,9 +119,14 @@ def test_n2_children_on_d_every_child_decodes_from_the_prompts_kv(
     p = engines(llama_dir, "kv_producer")
     d = engines(llama_dir, "kv_consumer")
     tokens = prompt(901, 40)
-    ended = _children(p, d, tokens, 3, transfer_id=transfer_id, shared=shared)
+    ended, tables = _children(p, d, tokens, 3, transfer_id=transfer_id, shared=shared)
     assert sorted(ended.values()) == ["computed", "computed", "received"], ended
     assert not d.failed_recving
+    if not shared:  # the siblings hit the received blocks in vLLM's prefix cache (full blocks)
+        (holder,) = [rid for rid, how in ended.items() if how == "received"]
+        full = len(tokens) // BLOCK_SIZE
+        for rid in ended:
+            assert tables[rid][:full] == tables[holder][:full], (rid, tables)
 
 
 def test_n2_children_after_p_aborted_fail_at_once_under_fail(engines: Any, llama_dir: str) -> None:
@@ -128,7 +135,7 @@ def test_n2_children_after_p_aborted_fail_at_once_under_fail(engines: Any, llama
     never decoding from unwritten blocks and never waiting for its registration timeout."""
     p = engines(llama_dir, "kv_producer")
     d = engines(llama_dir, "kv_consumer")
-    ended = _children(p, d, prompt(903, 40), 2, transfer_id=True, abort_p=True)
+    ended, _ = _children(p, d, prompt(903, 40), 2, transfer_id=True, abort_p=True)
     assert set(ended.values()) == {"failed"}, ended
 
 
