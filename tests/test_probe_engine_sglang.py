@@ -762,3 +762,31 @@ def test_prefill_stating_the_prompt_length_pushes_only_the_prompts_pages(page: i
         assert set(d.values()) == {None} and set(p.values()) == {None}, (d, p)
         for tp, pools in engines.d_pools.items():
             assert mismatches(pools, logical(pools, d_pages, tokens, 0, before[tp])) == []
+
+
+def as_group_dict(ids: list[int]) -> Any:
+    return {0: ids}  # per KV group, keyed by group id
+
+
+def as_set(ids: list[int]) -> Any:
+    return set(ids)
+
+
+def as_group_sets(ids: list[int]) -> Any:
+    return [frozenset(ids)]
+
+
+@pytest.mark.parametrize("form", [as_group_dict, as_set, as_group_sets], ids=lambda f: f.__name__)
+def test_block_ids_in_unordered_or_keyed_containers_are_refused(form: Any) -> None:
+    """A dict of per-group lists was read as its keys (``{0: [5, 2, 7]}`` became block 0) and a
+    set lost the token order (its iteration order is not the engine's): either way P pushed
+    other blocks, or in another order, and D reported done. Both legs refuse them, naming why."""
+    tokens, p_pages, d_pages = 40, [5, 2, 7], [1, 6, 3]
+    with Engines(gqa(16), p_pages=8, d_pages=8, transport="loopback", lease_s=2.0) as engines:
+        engines.prefill(p_pages, tokens)
+        before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
+        with pytest.raises(ConfigError, match="order"):
+            engines.add("d-1", form(d_pages), "x-1")
+        with pytest.raises(ConfigError, match="order"):
+            engines.finish("p-1", form(p_pages), "x-1")
+        assert all(mismatches(pools, before[tp]) == [] for tp, pools in engines.d_pools.items())
