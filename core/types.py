@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
@@ -44,6 +45,7 @@ def to_block_ids(value: Any) -> BlockIds:
     value = _array_ids(value)
     if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Iterable):
         raise ConfigError(f"block ids must be a list of ints or a list of per-group lists, got {value!r}")
+    _check_ordered(value)
     items = list(value)
     if items and (
         _INT.issuperset(map(type, items))
@@ -57,6 +59,7 @@ def to_block_ids(value: Any) -> BlockIds:
     for group in items:
         if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
             raise ConfigError(f"block ids must be a list of ints or a list of per-group lists, got {value!r}")
+        _check_ordered(group)
         ids = tuple(group)
         if not _plain_ids(ids):  # else: numpy / torch scalars, int subclasses, or a bad id
             if all(_is_int(block) for block in ids):
@@ -66,6 +69,17 @@ def to_block_ids(value: Any) -> BlockIds:
                     raise ConfigError(f"block id {block!r} in {value!r} is not a non-negative int")
         groups.append(ids)
     return tuple(groups)
+
+
+def _check_ordered(value: Any) -> None:
+    """Refuse a container whose iteration is not the engine's block order: a mapping iterates
+    its keys (``{0: [5, 2, 7]}`` would be block 0), a set its own order (not the token order)."""
+    if isinstance(value, (Mapping, AbstractSet)):
+        kind = "a mapping (it iterates its keys)" if isinstance(value, Mapping) else "a set (unordered)"
+        raise ConfigError(
+            f"block ids must be in token order, one list per KV group in group order; got "
+            f"{kind}: {value!r:.200}. Pass a list (per-group lists: [ids of group 0, ...])"
+        )
 
 
 def _array_ids(value: Any) -> Any:
