@@ -221,16 +221,14 @@ class _Receive:
     awaiting: set[str] = attrs.field(factory=set)
     """Producer agents whose fresh stamp it waits for before registering (its key ended here)."""
     refreshed: bool = False
-    regranted: bool = False
     unanswered: set[str] = attrs.field(factory=set)
     """Producer agents silent when its quarantine ended (released on a fence, not an answer):
-    P may still hold its registration, which a later grant for its key would revive."""
+    P may still hold its registration (stale: nothing renews it), acknowledged before the key
+    registers again here (:meth:`DecodeCore._owed_cancels`)."""
     acks: set[str] = attrs.field(factory=set)
     """Producer agents whose acknowledgement of an earlier registration's CANCEL it waits for
     before registering (see :meth:`DecodeCore._owed_cancels`)."""
     acks_asked: bool = False
-    """A grant for its key went to one of its unsettled producers after the fence it waits
-    for was issued (for another request of the key): that fence does not cover it."""
 
 
 @attrs.define(eq=False)
@@ -287,6 +285,7 @@ class DecodeCore:
             "quarantine_expiries": 0,
             "held_for_kernel_copies": 0,
             "heartbeats_sent": 0,
+            "registrations_renewed": 0,
             "keepalives_sent": 0,
             "dead_peers": 0,
             "quarantined": 0,
@@ -397,8 +396,8 @@ class DecodeCore:
         failed = engine
         engine = _Producer(params.remote_engine_id, params.remote_host, params.remote_port)
         if failed is not None:
-            # Its closing requests stay the engine's: grants the new handshake's requests give
-            # their key must reach them (:meth:`_granted`), and it is not forgotten under them.
+            # Its closing requests stay the engine's: the engine is not forgotten under them,
+            # and a new request of their key first asks P again for their unanswered CANCELs.
             engine.failures, engine.requests = failed.failures, failed.requests
         self._engines[engine.engine_id] = engine
         return [*moved, Connect(engine.engine_id, engine.host, engine.port)]
@@ -655,10 +654,11 @@ class DecodeCore:
 
     def _owed_cancels(self, engine_id: str, key: str, info: ProducerInfo) -> dict[str, bytes]:
         """CANCELs of ``key``'s earlier registrations on this rank that were released on a fence
-        with a producer silent (its CANCEL lost): that producer may still hold the registration
-        (P keeps one per key and rank, renewed by key), and the first grant a new request of the
-        key sent it would revive it, into released blocks. Asked again, and acknowledged, before
-        the new request registers; only for the incarnations that could hold it."""
+        with a producer silent (its CANCEL lost): that producer may still hold the registration.
+        Asked again, and acknowledged, before the new request registers; only for the
+        incarnations that could hold it. (Since P renews a registration only on its own
+        PUSH_REG and never writes one another registration of the rank replaced, no grant of a
+        new request can revive it; this settles P's side before the key is reused.)"""
         owed = self._unanswered.get((engine_id, key), {})
         agents = set(info.agents.values())
         return {
@@ -1079,13 +1079,6 @@ class DecodeCore:
             receive = self._requests.get(rid)
             if receive is None or receive.fence_id != fence_id:
                 continue
-            if receive.regranted:
-                # P may post what it holds for the key after this fence, on a new connection:
-                # quarantine again from that grant, then fence again.
-                receive.regranted = False
-                receive.fence_id = None
-                self._timers.arm(("quarantine", rid), self._quarantine_end(receive, now))
-                continue
             out += self._finish_close(
                 rid, receive, f"released after P's connections were fenced ({fence.why})"
             )
@@ -1417,14 +1410,33 @@ class DecodeCore:
         return out
 
     def _renew(self, engine: _Producer, agent: str, want: set[str], now: float) -> list[Any]:
-        keys = {k: rid for k, rid in self._keys_for(engine, agent).items() if k in want}
-        return self._send_renewal(engine, agent, keys, now) if keys else []
+        """P asked ``agent``'s registrations of ``want`` for a fresh grant: each registered
+        request of those keys whose producer there has not settled sends its own PUSH_REG
+        again, with the newest stamp. P renews a registration only on a message naming it (a
+        heartbeat names keys: with two requests of this rank under one key, P would renew
+        whichever it holds), so a request's grant moves only with its own PUSH_REGs and a
+        closing request's quarantine runs from its own last one."""
+        assert engine.info is not None
+        ranks = {r for r, a in engine.info.agents.items() if a == agent}
+        grant = engine.stamps.get(agent)
+        out: list[Any] = []
+        for rid in sorted(engine.requests):
+            receive = self._requests[rid]
+            if receive.key not in want or receive.phase is not _Phase.REGISTERED:
+                continue
+            if not (receive.expected - receive.settled) & ranks:
+                continue
+            if grant is not None:
+                receive.last_grant = now
+            out.append(Send(agent, wire.encode_push_reg(self._coordinates(rid, receive, grant=grant))))
+            self.stats["registrations_renewed"] += 1
+        return out
 
     def _send_renewal(self, engine: _Producer, agent: str, keys: dict[str, str], now: float) -> list[Any]:
-        grant = engine.stamps.get(agent)
-        reg = self._coordinates("(heartbeat)", None, grant=grant)
-        if grant is not None:
-            self._granted(engine, agent, set(keys), now)
+        """The keys D still waits for at ``agent``: P keeps their leases and answers with its
+        stamp (a liveness check) and what it wants, failed or never heard of. It renews no
+        registration's grant (see :meth:`_renew`)."""
+        reg = self._coordinates("(heartbeat)", None, grant=engine.stamps.get(agent))
         names = sorted(keys)
         out = []
         for start in range(0, len(names), HEARTBEAT_KEYS_PER_MESSAGE):
@@ -1432,29 +1444,6 @@ class DecodeCore:
             out.append(Send(agent, wire.encode_heartbeat(chunk, reg, self.s.tp_rank)))
             self.stats["heartbeats_sent"] += 1
         return out
-
-    def _granted(self, engine: _Producer, agent: str, keys: set[str], now: float) -> None:
-        """A grant for ``keys`` went to ``agent``. P renews by key whatever registration of a
-        key it holds for this rank, which need not be the request the heartbeat was sent for:
-        another request of this rank under the same key with the same P engine (a request
-        added twice, a retry while the first is still closing) may be the one P holds. So
-        every such request whose producer at ``agent`` has not settled takes the grant: a
-        closing one's quarantine moves out, and one already waiting for a fence is not
-        released on it (P may post after the fence on a new connection); it waits for a
-        quarantine and a fence again (:meth:`fenced`)."""
-        for rid in engine.requests:
-            receive = self._requests[rid]
-            if receive.key not in keys or receive.phase is _Phase.WAITING:
-                continue
-            if not any(receive.agents.get(r) == agent for r in receive.expected - receive.settled):
-                continue
-            receive.last_grant = now
-            if receive.phase is not _Phase.CLOSING:
-                continue
-            if receive.fence_id is not None:
-                receive.regranted = True
-            elif not receive.held and self._timers.when(("quarantine", rid)) is not None:
-                self._timers.arm(("quarantine", rid), self._quarantine_end(receive, now))
 
     def _coordinates(
         self, rid: str, receive: _Receive | None = None, grant: float | None = None

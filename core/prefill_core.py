@@ -303,6 +303,7 @@ class PrefillCore:
             "cancels": 0,
             "cancels_during_write": 0,
             "heartbeat_renewals": 0,
+            "registration_renewals": 0,
             "stale_registrations": 0,
             "write_deadline_expiries": 0,
             "overdue_kernel_writes": 0,
@@ -601,6 +602,8 @@ class PrefillCore:
                 keep, out = self._supersede(request, current, reg, agent, now)
                 if not keep:
                     return out
+            if self._renewed(current, reg, agent, now):
+                return out
             held[rank] = _Reg(reg, agent, self._fresh_until(reg, now))
             if rank not in engine.agents:
                 out += self._connect(engine, rank, now, reg.decode_incarnation)
@@ -622,6 +625,11 @@ class PrefillCore:
                     request.displaced.pop(0)
                 request.displaced.append(old)  # type: ignore[arg-type]
         request.engine_id = reg.decode_engine_id
+        if self._renewed(old, reg, agent, now):
+            dest = request.dests.get(rank) if request.dests else None
+            if dest is not None and dest.state is _Dest.WAIT_FRESH:
+                out += self._advance(request, rank, now)
+            return out
         if rank in request.regs:
             self.stats["duplicate_registrations"] += 1
             if request.dests is not None and request.dests.get(rank, _DestState()).state not in (
@@ -681,6 +689,20 @@ class PrefillCore:
         if tell:
             out += self._refuse(current.reg, current.agent, why, False, now)
         return True, out
+
+    def _renewed(self, current: _Reg | None, reg: PushRegistration, agent: str, now: float) -> bool:
+        """Is ``reg`` ``current``'s own PUSH_REG again (D sent it with a newer grant, or a
+        duplicate)? Then ``current`` keeps its spec and takes the newer grant: the one message
+        that renews a registration's grant names it (a heartbeat names keys only)."""
+        if current is None or current.agent != agent or _ident(current.reg) != _ident(reg):
+            return False
+        fresh = self._fresh_until(reg, now)
+        if fresh > current.fresh_until:
+            current.fresh_until = fresh
+            self.stats["registration_renewals"] += 1
+        else:
+            self.stats["duplicate_registrations"] += 1
+        return True
 
     @staticmethod
     def _gone(request: _Request, reg: PushRegistration) -> list[Any]:
@@ -761,8 +783,6 @@ class PrefillCore:
         if self._restarted(engine, reg):
             return self._decode_restarted(engine, reg, agent, note, now)
         failed, want, unknown = [], [], []
-        out: list[Any] = []
-        fresh = self._fresh_until(reg, now)
         for key in note.request_ids:
             request = self._requests.get(key)
             if request is None:
@@ -778,9 +798,8 @@ class PrefillCore:
             if request.engine_id != engine.engine_id:
                 held = request.others.get(engine.engine_id, {}).get(rank)
                 if held is not None:  # a candidate for an unbound key: keep its registration
-                    if not self._loaded_from(engine, rank, held):  # renewed by key alone: never
+                    if not self._loaded_from(engine, rank, held):
                         continue
-                    held.fresh_until = max(held.fresh_until, self._fresh_until(reg, now))
                     self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
                 elif request.engine_id:  # bound to another D engine: this one was refused
                     failed.append(key)
@@ -791,16 +810,16 @@ class PrefillCore:
                 self._timers.arm(("lease", key), now + self.s.lease_s)
             else:
                 self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
+            # A heartbeat names keys, not registrations: it keeps the key's lease and renews no
+            # grant (another D request of this rank under the key may be the one P holds). A
+            # registration waiting for a fresh grant is asked for: D sends its PUSH_REG again.
             entry = request.regs.get(rank)
-            if entry is not None and self._loaded_from(engine, rank, entry):  # never by key alone
-                entry.fresh_until = max(entry.fresh_until, fresh)
-                dest = request.dests.get(rank) if request.dests else None
-                if dest is not None and dest.state is _Dest.WAIT_FRESH:
-                    out += self._advance(request, rank, now)
-                    if dest.state is _Dest.WAIT_FRESH:
-                        want.append(key)
+            dest = request.dests.get(rank) if request.dests else None
+            waiting = dest is not None and dest.state is _Dest.WAIT_FRESH
+            if waiting and entry is not None and self._loaded_from(engine, rank, entry):
+                want.append(key)
         answer = wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, want, failed, unknown)
-        return [Send(agent, answer), *out]
+        return [Send(agent, answer)]
 
     def _on_hello(self, agent: str, note: Notification, now: float) -> list[Any]:
         reg = note.registration
@@ -863,6 +882,13 @@ class PrefillCore:
             self._refused[(key, ident)] = now
             self._timers.arm(("refused", (key, ident)), now + self.s.registration_ttl_s)
             return [Send(agent, ack), *out]
+        if not request.bound and request.others:
+            # Not bound, and other engines hold registrations the router may name: the first
+            # registrant's cancel ends its own offer, not the key (another engine's push).
+            out = self._cancel_tentative(request, reg, now)
+            self._refused[(key, ident)] = now
+            self._timers.arm(("refused", (key, ident)), now + self.s.registration_ttl_s)
+            return [Send(agent, ack), *out]
         request.cancelled = True
         request.cancel_acks[agent] = reg.request_id
         if any(d.state is _Dest.INFLIGHT for d in (request.dests or {}).values()):
@@ -899,6 +925,28 @@ class PrefillCore:
                 out += self._refuse(entry.reg, entry.agent, why, False, now)
         if not held:
             del request.others[engine.engine_id]
+        return out
+
+    def _cancel_tentative(self, request: _Request, reg: PushRegistration, now: float) -> list[Any]:
+        """D cancelled ``reg``, a registration of the engine a not-yet-bound key tentatively
+        belongs to (its first registrant), while other engines hold registrations of the key:
+        that engine's registrations of the same D request go (its other ranks told FAIL,
+        nothing posted); when none of its registrations is left, the next engine holding some
+        takes its place (the router's finish may still name any of them)."""
+        why = f"cancelled by D rank {reg.decode_tp_rank} before P finished; P will not write it"
+        out: list[Any] = self._gone(request, reg)
+        for rank, entry in sorted(request.regs.items()):
+            same = entry.reg.request_id == reg.request_id
+            if rank == reg.decode_tp_rank or (
+                same and entry.reg.decode_incarnation == reg.decode_incarnation
+            ):
+                del request.regs[rank]
+                self._gone(request, entry.reg)
+                if rank != reg.decode_tp_rank:
+                    out += self._refuse(entry.reg, entry.agent, why, False, now)
+        if not request.regs:
+            request.engine_id = next(iter(request.others))
+            request.regs = request.others.pop(request.engine_id)
         return out
 
     def _cancel_of_unloaded_rank(

@@ -162,9 +162,10 @@ def test_a_want_pending_when_the_engine_is_dropped_is_asked_again_after_the_reco
     assert again and "D" in core._engines
     resumed = core.connected("D", 0, D_AGENT, "d1", 1, "", T0 + 2.0)
     assert sorted(_wants(resumed + core.handle_timer(T0 + 2.1))) == ["x-2", "x-3"]
-    renewal = wire.encode_heartbeat(["x-2", "x-3"], _reg(0, grant=T0 + 2.1), 0)
-    posts = [a for a in core.notification(D_AGENT, _note(renewal), T0 + 2.2) if isinstance(a, Post)]
-    assert sorted(p.key for p in posts) == ["x-2", "x-3"]
+    # D answers with each wanted request's own PUSH_REG again (a heartbeat renews no grant)
+    renewals = [wire.encode_push_reg(_reg(n, grant=T0 + 2.1)) for n in (2, 3)]
+    acts = [a for renewal in renewals for a in core.notification(D_AGENT, _note(renewal), T0 + 2.2)]
+    assert sorted(p.key for p in acts if isinstance(p, Post)) == ["x-2", "x-3"]
 
 
 def test_wants_to_many_agents_keep_one_timer_each() -> None:

@@ -28,7 +28,8 @@ def test_a_registration_replaced_after_a_stale_confirm_is_posted_with_its_own_bl
 
 
 def test_a_fresh_grant_for_the_same_registration_keeps_its_spec() -> None:
-    """The control: the same registration renewed (a heartbeat) posts the spec planned for it."""
+    """The control: the same registration renewed (its PUSH_REG sent again with a fresh grant:
+    a heartbeat renews no grant) posts the spec planned for it."""
     from test_protocol_safety import _registration
     from test_retry_after_abort import _note
 
@@ -38,8 +39,8 @@ def test_a_fresh_grant_for_the_same_registration_keeps_its_spec() -> None:
     core.finished("x-1", "p-1", ((5,),), "", 100.0)
     _register(core, 100.1, grant=100.0)
     assert not core.confirm_post("x-1", 0, 110.5)
-    hb = _note(wire.encode_heartbeat(["x-1"], _registration(grant=110.55), 0))
-    (post,) = _posts(core.notification("D-agent", hb, 110.6))
+    renewal = _note(wire.encode_push_reg(_registration(grant=110.55)))
+    (post,) = _posts(core.notification("D-agent", renewal, 110.6))
     assert post.registration.request_id == "d-1" and post.spec.remote_block_ids == ((3,),)
 
 

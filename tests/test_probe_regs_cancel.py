@@ -170,3 +170,17 @@ def test_a_cancel_of_one_d_rank_held_registration_tells_its_other_ranks() -> Non
         )
     posts = _posts(core.finished("x-1", "p-1", ((5,),), "D", 100.4))
     assert sorted((p.dst, p.registration.request_id) for p in posts) == [(0, "d-2"), (1, "d-2")]
+
+
+def test_a_cancel_of_the_keys_first_registrant_leaves_the_engine_the_router_names() -> None:
+    """The key is not bound yet: engine X registered it first (the key's tentative engine) and
+    engine D's ranks after it (held). X cancels its registration: that ends X's offer, not the
+    key. The router's finish naming D pushes D's ranks (it failed: "already ended")."""
+    core = _two_ranks_held()
+    core.connected("X", 0, "X-agent", "d1", 1, "", 100.25)
+    out = _cancel(core, 100.3, agent="X-agent", decode_engine_id="X", decode_port=5700, request_id="x-req")
+    assert [a.request_id for a in _acks(out)] == ["x-req"]
+    finish = core.finished("x-1", "p-1", ((5,),), "D", 100.4)
+    assert _reports(finish) == [], f"the router's engine lost its push to X's cancel: {_reports(finish)}"
+    posts = _posts(finish)
+    assert sorted((p.dst, p.registration.request_id) for p in posts) == [(0, "d-1"), (1, "d-1")]

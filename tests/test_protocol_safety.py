@@ -52,7 +52,8 @@ def test_each_decode_rank_gets_its_own_block_ids() -> None:
 
 def test_a_stale_registration_is_not_written_until_decode_renews_it() -> None:
     """Finding 3: P posts only within the freshness grant D echoed; a PUSH_REG that reached P
-    late (here: delayed past the window) makes P ask D for a fresh grant first."""
+    late (here: delayed past the window) makes P ask D for a fresh grant first. D renews it by
+    sending the PUSH_REG again (a heartbeat renews no grant), which is not delayed."""
     with Cluster(
         heartbeat_interval_s=0.5,
         fresh_s=0.1,
@@ -61,6 +62,8 @@ def test_a_stale_registration_is_not_written_until_decode_renews_it() -> None:
         sender = cluster.senders[P0]
         cluster.finish("p-1", [[5, 6]], "x-1")
         cluster.add("d-1", [[3, 4]], "x-1")
+        wait_until(lambda: sender.transport.injected["delay"] >= 1, what="the PUSH_REG delayed")
+        sender.transport.rates["delay_notifs"] = 0.0  # the renewal is not
         assert cluster.wait_decode("d-1") == {0: None}
         assert_pushed(cluster, [5, 6], [3, 4])
         assert sender.stats["stale_registrations"] >= 1  # it waited for D's renewal
