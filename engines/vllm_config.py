@@ -29,9 +29,13 @@ def parent_request_id(request_id: str) -> str | None:
 
 def base_request_id(request_id: str) -> str:
     """vLLM's request id without the ``-<8 hex>`` suffix each engine appends to the client's id,
-    so a P request and its D request share it; a child of parallel sampling (``n`` > 1) also
-    without its ``'<index>_'``, so each child of a D request shares its P request's."""
-    return _RANDOM_SUFFIX.sub("", parent_request_id(request_id) or request_id)
+    so a P request and its D request share it; and without every leading ``'<digits>_'``, so
+    each child of a D request with ``n`` > 1 (``'<index>_<parent>'``) shares its P request's,
+    also when the client's id itself starts with ``'<digits>_'`` (P's ``'5_job-…'`` and D's
+    child ``'0_5_job-…'`` both key as ``'job'``)."""
+    while (parent := parent_request_id(request_id)) is not None:
+        request_id = parent
+    return _RANDOM_SUFFIX.sub("", request_id)
 
 
 def match_key(request_id: str, kv_transfer_params: Mapping[str, Any] | None) -> str:

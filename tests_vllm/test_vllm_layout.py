@@ -193,6 +193,10 @@ def test_matching_key() -> None:
     assert parent_request_id("cmpl-abc-0-1a2b3c4d") is None
     assert parent_request_id("1_cmpl-abc") is None  # no engine suffix: not vLLM's child id
     assert match_key("1_cmpl-abc", {}) == "1_cmpl-abc"
+    # a client id that itself starts with '<digits>_': P's leg and D's children still agree
+    assert match_key("0_5_job-1a2b3c4d", {}) == match_key("5_job-5e6f7a8b", {})
+    assert match_key("1_5_job-1a2b3c4d", {}) == match_key("5_job-9e8f7a6b", {})
+    assert parent_request_id("1_5_job-1a2b3c4d") == "5_job-1a2b3c4d"
 
 
 def _exclude(kv_config: Any, gid: int) -> Any:
