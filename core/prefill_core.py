@@ -195,9 +195,10 @@ class _Decode:
     """Keys per D agent whose fresh grant is to be asked once the rate limit allows."""
     deferred: list[tuple[str, Notification]] = attrs.field(factory=list)
     """Messages of a newer incarnation, handled once the stale agents are dropped."""
-    owed: dict[int, list[tuple[str, bytes]]] = attrs.field(factory=dict)
-    """Per D rank: (agent, FAIL) for registrations refused before P loaded that rank, sent
-    once it is loaded from that agent."""
+    owed: dict[int, list[tuple[str, str, bytes]]] = attrs.field(factory=dict)
+    """Per D rank: (agent, incarnation, FAIL or CANCEL_ACK) for registrations answered before P
+    loaded that rank, sent once it is loaded from that agent and incarnation (never to a later
+    start, which may use the request id again)."""
 
 
 MAX_SEEN = 1024
@@ -407,8 +408,16 @@ class PrefillCore:
                     request.engine_id,
                     decode_engine_id,
                 )
+                # never written now: told at once (nothing was posted to them)
+                request.others.setdefault(request.engine_id, {}).update(request.regs)
             request.regs = request.others.pop(decode_engine_id, {})
             request.engine_id = decode_engine_id
+        if request.others:
+            why = f"match key {key!r} is bound to D engine {request.engine_id!r}; P will not write it"
+            for held in request.others.values():
+                for entry in held.values():
+                    self._gone(request, entry.reg)
+            out += self._fail_held(request, why)
         request.bound, request.others = True, {}
         request.fingerprint = fingerprint
         self._timers.arm(("lease", key), now + self.s.lease_s)
@@ -975,7 +984,7 @@ class PrefillCore:
         if sum(map(len, engine.owed.values())) >= MAX_OWED:
             logger.warning("dropped a CANCEL ack for %s of an unloaded D rank: %d held", key, MAX_OWED)
             return []
-        engine.owed.setdefault(rank, []).append((agent, ack))
+        engine.owed.setdefault(rank, []).append((agent, reg.decode_incarnation, ack))
         return [] if self._closing else self._connect(engine, rank, now, reg.decode_incarnation)
 
     # ------------------------------------------------------------------ handshakes
@@ -1062,7 +1071,10 @@ class PrefillCore:
         self._refusals.pop((address, rank), None)
         engine.incarnations[rank], engine.tp_size = incarnation, tp_size
         engine.agents[rank] = agent
-        out: list[Any] = [Send(a, m) for a, m in engine.owed.pop(rank, ()) if a == agent]
+        # Only to the start they answer: a FAIL or ack names a D request id, which a restarted
+        # D (same agent name, new incarnation) may use again for a request P is about to write.
+        owed = engine.owed.pop(rank, ())
+        out: list[Any] = [Send(a, m) for a, inc, m in owed if a == agent and inc == incarnation]
         hello = engine.hellos.pop(rank, None)
         engine.hello_incarnations.pop(rank, None)
         if hello is not None:
@@ -1115,7 +1127,7 @@ class PrefillCore:
         if told and hello == told and hello_incarnation == refusal.incarnation:  # type: ignore[union-attr]
             out.append(Send(told, wire.encode_failed(HELLO_REQUEST_ID, self.s.rank, why, unsettled=False)))
         owed = engine.owed.pop(rank, ())  # unanswered otherwise: those end at D's timeout
-        out += [Send(a, m) for a, m in owed if told and a == told]
+        out += [Send(a, m) for a, inc, m in owed if told and a == told and inc == refusal.incarnation]  # type: ignore[union-attr]
         for request in list(self._requests.values()):
             held = request.others.get(engine.engine_id, {})
             if rank in held:
@@ -1276,7 +1288,7 @@ class PrefillCore:
         if sum(map(len, engine.owed.values())) >= MAX_OWED:
             logger.warning("dropped a FAIL for %s of an unloaded D rank: %d held", reg.request_id, MAX_OWED)
             return []  # that D request ends at its registration timeout
-        engine.owed.setdefault(rank, []).append((agent, message))
+        engine.owed.setdefault(rank, []).append((agent, reg.decode_incarnation, message))
         return [] if self._closing else self._connect(engine, rank, now, reg.decode_incarnation)
 
     def _reject_reg(self, request: _Request, rank: int, why: str) -> list[Any]:

@@ -184,3 +184,46 @@ def test_a_cancel_of_the_keys_first_registrant_leaves_the_engine_the_router_name
     assert _reports(finish) == [], f"the router's engine lost its push to X's cancel: {_reports(finish)}"
     posts = _posts(finish)
     assert sorted((p.dst, p.registration.request_id) for p in posts) == [(0, "d-1"), (1, "d-1")]
+
+
+def test_registrations_of_engines_the_router_did_not_name_are_told_at_the_finish() -> None:
+    """The key's first registrant X and engine D both registered before the finish; the
+    router's finish names D. X's registration is never written: it is told so at once (FAIL,
+    nothing unsettled), not left to its heartbeat or watchdog."""
+    core = _two_ranks_held()
+    core.connected("X", 0, "X-agent", "d1", 1, "", 100.25)
+    finish = core.finished("x-1", "p-1", ((5,),), "D", 100.4)
+    told = [
+        (a.agent, n.request_id, n.unsettled)
+        for a in finish
+        if isinstance(a, Send) and (n := _note(a.message)).kind is NotificationKind.FAILED
+    ]
+    assert told == [("X-agent", "x-req", False)]
+    assert sorted((p.dst, p.registration.request_id) for p in _posts(finish)) == [(0, "d-1"), (1, "d-1")]
+
+
+def test_an_answer_owed_to_one_d_start_is_not_delivered_to_the_next() -> None:
+    """P answers a registration of a D rank it has not loaded once it has loaded the rank (a
+    FAIL of an ended key, held in ``owed``). D restarts meanwhile (new incarnation, same agent
+    name) and registers another key under the same request id (a fresh process numbers its
+    requests afresh). P loads the new start: the FAIL owed to the old start's d-1 must not
+    reach it. It named d-1 with nothing unsettled, so the new start would fail its d-1 and
+    release its blocks while P's WRITE to them, posted in the same step, lands."""
+    from test_probe_prefill_held import _core as _tp_core
+
+    core = _tp_core()
+    # x-1 ended on P as a failure (an abandoned prefill), then the old start's late PUSH_REG
+    core.abandoned("x-1", "aborted by the prefill engine", 100.0, request_id="p-0")
+    from test_probe_prefill_held import _register as _reg_held
+
+    _reg_held(core, "D-agent", 100.1, request_id="d-1", decode_incarnation="d1", grant=99.0)
+    # the new start registers x-2 as d-1; P finished x-2
+    core.finished("x-2", "p-2", ((5,),), "", 100.2)
+    _reg_held(
+        core, "D-agent", 100.3, request_id="d-1", match_key="x-2", decode_incarnation="d2", block_ids=[[6]]
+    )
+    out = core.connected("D", 0, "D-agent", "d2", 1, "", 100.4)
+    notes = [(a.agent, _note(a.message)) for a in out if isinstance(a, Send)]
+    failed = [n.request_id for agent, n in notes if n.kind is NotificationKind.FAILED]
+    assert failed == [], "the old start's FAIL of d-1 reached the new start, which holds a d-1 P writes"
+    assert [p.registration.request_id for p in _posts(out)] == ["d-1"]
