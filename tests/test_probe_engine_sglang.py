@@ -790,3 +790,30 @@ def test_block_ids_in_unordered_or_keyed_containers_are_refused(form: Any) -> No
         with pytest.raises(ConfigError, match="order"):
             engines.finish("p-1", form(p_pages), "x-1")
         assert all(mismatches(pools, before[tp]) == [] for tp, pools in engines.d_pools.items())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "SideChannelServer.publish does not check the payload's rank: D's ranks then fail with "
+        "'P did not answer this rank's HELLO ... check the advertised address' (sidechannel diff "
+        "in the engine-API probe's report)"
+    ),
+)
+def test_a_scheduler_publishing_a_ranks_payload_under_another_rank_is_told_so() -> None:
+    """The engine's scheduler mixes up two ranks' payloads. Nothing is written (P's handshake
+    sees the mismatch), but the engine should hear what is wrong: at publish, or in the
+    request's failure reason."""
+    with Engines(gqa(16), d_tp=2, p_pages=8, d_pages=8, transport="loopback", lease_s=3.0) as engines:
+        try:
+            engines.d_server.publish(RankKey(0, 0), engines.receivers[1].handshake_payload())
+        except ConfigError as err:
+            assert "rank" in str(err)
+            return
+        engines.d_server.publish(RankKey(0, 1), engines.receivers[0].handshake_payload())
+        before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
+        engines.add("d-1", [1, 6, 3], "x-1")
+        engines.finish("p-1", [5, 2, 7], "x-1")
+        d, _ = engines.wait()
+        assert all(mismatches(pools, before[tp]) == [] for tp, pools in engines.d_pools.items())
+        assert all("got (pp=0, tp=" in str(reason) for reason in d.values()), d
