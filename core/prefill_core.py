@@ -12,7 +12,12 @@ The rules it keeps (docs/reliability.md):
   that rank's block ids and staging reservation, and only if the PUSH_REG came from the agent P
   loaded for that rank from D's side channel (same engine, same incarnation).
 - **Freshness fencing.** A registration may be written only until ``grant + fresh_s`` on P's
-  clock, where the grant is a stamp P itself issued (a heartbeat answer) and D echoed back.
+  clock, where the grant is a stamp P itself issued (a heartbeat answer) and D echoed back in
+  that registration's own PUSH_REG (sent again to renew it; a heartbeat names keys only and
+  renews no grant).
+- **A registration is named, never a key.** One registration per (key, D rank) is written; a
+  CANCEL acts on the registration it names, and every registration P will not write (replaced
+  on its rank, refused, cancelled) is answered once and never written afterwards.
   ``confirm_post`` checks it (and for a cancel) immediately before every post, after the driver
   drained notifications; a stale registration makes P ask D for a fresh grant (``want``).
 - **WRITE deadlines.** A WRITE not settled within ``write_deadline_s`` is aborted, D is told,
