@@ -64,10 +64,11 @@ def _descs(base: int, blocks: int = BLOCKS) -> np.ndarray:
     return np.array([(base + i * BLOCK, BLOCK, 0) for i in range(blocks)], dtype=np.uint64)
 
 
-def _main(conn: Connection, ns: str, name: str, fill: int, err_mode: str) -> None:
+def _main(conn: Connection, ns: str, name: str, fill: int, err_mode: str, env: dict[str, str]) -> None:
     """An agent in namespace ``ns`` with one buffer of ``fill`` bytes, driven over ``conn``;
     it progresses UCX (drains notifications, polls its WRITEs) between commands."""
     os.environ["UCX_LOG_LEVEL"] = "fatal"
+    os.environ.update(env)
     try:
         from kvpush.demo import netns
         from kvpush.transports.nixl import NixlTransport
@@ -142,10 +143,14 @@ def _main(conn: Connection, ns: str, name: str, fill: int, err_mode: str) -> Non
 
 
 class Agent:
-    def __init__(self, ns: str, name: str, fill: int, err_mode: str) -> None:
+    def __init__(
+        self, ns: str, name: str, fill: int, err_mode: str = "none", env: dict[str, str] | None = None
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_main, args=(child, ns, name, fill, err_mode), daemon=True)
+        self.process = ctx.Process(
+            target=_main, args=(child, ns, name, fill, err_mode, env or {}), daemon=True
+        )
         self.process.start()
         child.close()
         self.blob, self.addr = self._reply("start")
@@ -229,6 +234,44 @@ def test_a_write_queued_behind_a_connect_during_a_partition_never_lands_after_th
                 f"(P states {p.call('states')}; D sockets {d.call('sockets')})"
             )
         finally:
+            for agent in (p, d):
+                if agent is not None:
+                    agent.stop()
+
+
+def test_loading_a_peer_across_a_partition_does_not_block_the_writer() -> None:
+    """D fences P (its usual reaction to a silent P) and loads P's agent again for its other
+    requests while the partition lasts, as its core does. ``load_peer`` runs on the writer
+    thread; UCX's TCP connect was blocking (``UCX_TCP_CONN_NB`` defaults to no), so the load
+    sat in the kernel's SYN retries (~127 s here) and with it every request of the rank (no
+    notification drained, no timer run, no fence checked), again at each reconnect attempt
+    while the partition lasted. The agent here answers nothing while a command runs, so a load
+    not back within the wait bound (30 s) is a blocked writer."""
+    from kvpush.demo.netns import LINK, NetnsPair
+
+    suffix = os.urandom(3).hex()
+    with NetnsPair() as pair:
+        p = d = None
+        try:
+            p = Agent(pair.prefill_ns, f"nb-P-{suffix}", FILL)
+            d = Agent(pair.decode_ns, f"nb-D-{suffix}", 0)
+            p_name = d.call("load", p.blob)
+            d.call("notify", p_name, b"hello")
+            _iptables(pair, "-I", "INPUT", "-i", LINK, "-j", "DROP")
+            _iptables(pair, "-I", "OUTPUT", "-o", LINK, "-j", "DROP")
+            d.call("fence", p_name)
+            deadline = time.monotonic() + WAIT_S
+            while not d.call("fenced", p_name):
+                assert time.monotonic() < deadline, "the fence was never confirmed"
+                time.sleep(0.01)
+            try:
+                assert d.call("load", p.blob) == p_name
+            except TimeoutError:
+                pytest.fail(f"load_peer of a partitioned peer blocked the writer for over {WAIT_S}s")
+            assert d.call("fenced", p_name) in (True, False)  # the agent answers again
+        finally:
+            with contextlib.suppress(Exception):
+                _iptables(pair, "-F")
             for agent in (p, d):
                 if agent is not None:
                     agent.stop()

@@ -22,6 +22,9 @@ Options (``TransportConfig.options``):
 - ``ucx_tcp_port_range`` (str ``"LOW-HIGH"``, default unset: any port): the ports UCX's TCP
   listeners take (``UCX_TCP_PORT_RANGE``), so a firewall can allow them.
 - ``ucx_env`` (dict, default empty): any other ``UCX_*`` variables for this agent.
+  ``UCX_TCP_CONN_NB`` defaults to ``y`` here (UCX's own default is a blocking connect, which
+  held the writer thread ~2 minutes in the kernel's SYN retries when a peer was unreachable);
+  set it in ``ucx_env`` or the environment to choose otherwise.
 
 The ``UCX_*`` settings are put in the environment only while the backend is created (UCX reads
 its configuration then) and restored afterwards, so agents in one process can differ.
@@ -245,7 +248,12 @@ class NixlTransport:
                 params["ucx_error_handling_mode"] = err_mode
                 if num_threads:
                     params["num_threads"] = str(num_threads)
-                env = ucx_env
+                env = dict(ucx_env)
+                if "UCX_TCP_CONN_NB" not in os.environ:
+                    # UCX connects over TCP blocking by default: a load_peer (on the writer
+                    # thread) of an unreachable peer sat in the kernel's SYN retries (~2 min),
+                    # and every request of the rank with it, again at each reconnect attempt.
+                    env.setdefault("UCX_TCP_CONN_NB", "y")
             try:
                 with _environment(env):
                     self._agent.create_backend(backend, params)
