@@ -168,3 +168,18 @@ def test_a_copy_to_a_peer_reloaded_under_its_name_never_notifies_the_new_process
         d1.stop()
         if d2 is not None:
             d2.stop()
+
+
+def test_a_descriptor_spanning_two_adjacent_allocations_is_refused() -> None:
+    """Two allocations adjacent in the peer's address space are mapped apart here: a descriptor
+    running from one into the next would be copied past the first mapping (passes: refused)."""
+    peer = cuda_ipc._Peer(
+        pid=1,
+        bases=np.array([4096, 8192], dtype=np.int64),
+        sizes=np.array([4096, 4096], dtype=np.int64),
+        mapped=np.array([0x7000_0000, 0x9000_0000], dtype=np.int64),
+        opened=[],
+    )
+    assert peer.translate(np.array([8192], dtype=np.uint64), np.array([4096])).tolist() == [0x9000_0000]
+    with pytest.raises(TransferError, match="outside"):
+        peer.translate(np.array([6144], dtype=np.uint64), np.array([4096]))
