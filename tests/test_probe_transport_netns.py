@@ -194,8 +194,10 @@ OPEN = (
 @pytest.mark.parametrize(
     "err_mode",
     [
-        pytest.param("none", id="error-mode-none", marks=pytest.mark.xfail(strict=True, reason=OPEN)),
-        # landed in most runs, not all (timing): not strict
+        # landed in every run here (5 of 5) but it is a matter of timing: not strict, so that a
+        # lucky run does not fail the suite
+        pytest.param("none", id="error-mode-none", marks=pytest.mark.xfail(strict=False, reason=OPEN)),
+        # landed in most runs, not all
         pytest.param("peer", id="error-mode-peer", marks=pytest.mark.xfail(strict=False, reason=OPEN)),
     ],
 )
