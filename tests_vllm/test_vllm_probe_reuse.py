@@ -189,3 +189,34 @@ def test_n2_child_aborted_while_its_push_is_in_flight(engines: Any, llama_dir: s
     want = "error" if policy == "fail" else "decoded"
     assert ended == {sibling: want}, ended
     _idle([p, d], model)
+
+
+def test_hybrid_pp2_p_decoding_past_the_prompt_under_slow_writes(engines: Any, llama_dir: str) -> None:
+    """Hybrid P (pp=2: stage 0 holds only the full-attention group, stage 1 only the sliding one)
+    decodes past the prompt and drops window blocks D needs; WRITEs are slow. Stage 1 refuses
+    (fewer ids of its own group than D registered: "D registered 2 blocks in group 1 but P
+    computed only 1"), stage 0 would push its group (group 1's ids, which it holds no layer of,
+    are skipped) unless D's cancel reaches it first (here it usually does). D's receive fails at
+    once, and vLLM gets the blocks back only once nothing of stage 0 can land: nothing does."""
+    p = engines(llama_dir, "kv_producer", pp=2, sliding_layers=(2, 3), extra=SLOW)
+    d = engines(llama_dir, "kv_consumer", sliding_layers=(2, 3), extra=FAULTY_NONE)
+    model = PrefillModel()
+    tokens = prompt(998, 64)
+    p_id, d_id = f"cmpl-hpp-long-{suffix()}", f"cmpl-hpp-long-{suffix()}"
+    p.add(make_request(p_id, tokens, 20, {"do_remote_decode": True, "do_remote_prefill": False}))
+    d.add(make_request(d_id, tokens, 3, _d_params(p)))
+    d.step()
+    blocks = sorted({b for group in d.block_ids(d_id) for b in group if b})
+    started = time.monotonic()
+    while d_id not in d.finished_recving:
+        assert time.monotonic() - started < 30, "D did not hear of the failure"
+        p.step(model)
+        d.step()
+    assert d_id in d.failed_recving, "P was meant to have dropped window blocks D needs"
+    assert d_id not in d.scheduler.requests or d.finish_reason(d_id) == "error"
+    for worker in d.workers:
+        worker.call("fill", block_ids=blocks, value=0x5A5A)
+    _steps(p, d, model, 2.0)  # longer than the WRITE delay: a late WRITE would show
+    for worker in d.workers:
+        assert worker.call("holds", block_ids=blocks, value=0x5A5A), "P wrote into freed blocks"
+    _idle([p, d], model)
