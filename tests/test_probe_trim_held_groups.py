@@ -91,3 +91,19 @@ def test_trim_checks_and_trims_only_the_groups_the_rank_holds() -> None:
         trim_for_prefix_hit(HeldBlockIds(((1,), (4, 5, 6)), frozenset({0})), d, "r")
     with pytest.raises(ConfigError, match="P has 2 KV-cache groups, D registered 1"):
         trim_for_prefix_hit(HeldBlockIds(p, frozenset({0})), ((1,),), "r")
+
+
+@pytest.mark.parametrize("strategy", ["direct", "packed"])
+def test_a_stage_whose_own_groups_d_registered_nothing_of_still_completes(strategy: str) -> None:
+    """D registers nothing of group 1 (its prefix cache held the window), something of group 0:
+    stage 1, which holds only group 1, has nothing to write. It must still let D complete (a
+    DONE with nothing written), or D waits for it until its timeout with its blocks held;
+    stage 0 pushes group 0 byte-exact."""
+    requests = [("z", [[1, 2, 3], [4, 5]], [[7, 6], []]), ("y", [[4], [6, 7]], [[], [1, 2]])]
+    with ProbeCluster(
+        "hma", SPLIT, prefill_pp=2, decode_tp=2, p_blocks=[8, 8], d_blocks=[8, 8], strategy=strategy
+    ) as cluster:
+        _short_unheld(cluster, 1)
+        done = cluster.push(requests, timeout_s=20)
+        assert set(done.values()) == {None}, done
+        assert cluster.mismatches(requests, done) == []
