@@ -64,6 +64,9 @@ MAX_ADDRESS = (1 << 63) - 1
 """Largest end (base + size) of a peer allocation: translation runs in int64, and an end past
 it wrapped negative (a descriptor reaching past the mapping passed the range check)."""
 
+CLOSE_WAIT_S = 10.0
+"""How long removing a peer (or closing) waits for a copy still running through its mapping."""
+
 _LIVE: weakref.WeakValueDictionary[str, CudaIpcTransport] = weakref.WeakValueDictionary()
 
 _PROCESS = [os.urandom(16).hex()]
@@ -298,6 +301,9 @@ class CudaIpcTransport:
         self.ipc_writes = 0
         self.post_seconds = [0.0, 0.0]
         """Time in IPC posts: building the address lists, launching the copy (totals)."""
+        self.close_wait_s = CLOSE_WAIT_S
+        self.unclosed: list[int] = []
+        """Mappings left open because a copy through them still ran when their peer went."""
         self.unexported = ""
         """Why this rank's VRAM cannot be exported over IPC (empty when it can, or not yet asked)."""
         self.fallbacks: dict[str, str] = {}
@@ -489,10 +495,11 @@ class CudaIpcTransport:
         return _Peer(pid=pid, bases=bases, sizes=sizes, mapped=mapped, opened=opened)
 
     def _close_peer(self, name: str) -> None:
+        running = False
         for write in list(self._writes):  # a kernel still using the mapping would fault on close
             if write.peer == name and not write.sent and not write.failed:
-                if write.event is not None:
-                    write.event.synchronize()
+                if write.event is not None and not _copy_ended(write.event, self.close_wait_s):
+                    running = True
                 # Its DONE belongs to the agent being closed: sent later, it would reach whatever
                 # agent holds the name then (a restarted peer loaded under it), telling that
                 # process blocks it never offered were written. The copy ends unreported.
@@ -507,7 +514,17 @@ class CudaIpcTransport:
         for handle, lst in list(self._lists.items()):
             if lst.peer == name:
                 self.release_list(handle)
-        if peer is not None and peer.opened:
+        if peer is not None and peer.opened and running:
+            # Closing the mapping under a running kernel faults the process: keep it open.
+            self.unclosed += peer.opened
+            logger.error(
+                "cuda_ipc: a copy to %s still ran %gs after its peer was removed; its %d IPC "
+                "mapping(s) stay open (closing them under the kernel would fault): is the GPU hung?",
+                name,
+                self.close_wait_s,
+                len(peer.opened),
+            )
+        elif peer is not None and peer.opened:
             driver = self._cuda()
             driver.bind(self._spans[0][2])
             for ptr in peer.opened:
@@ -766,15 +783,22 @@ class CudaIpcTransport:
         return len(self._writes) + self.inner.outstanding_handles
 
     def close(self) -> None:
-        for write in list(self._writes):
-            if write.event is not None and not write.sent:
-                write.event.synchronize()  # the copy reads our memory; let it finish first
-        self._writes.clear()
         for name in list(self._blobs):
-            self._close_peer(name)
+            self._close_peer(name)  # waits (bounded) for copies through each peer's mapping
+        self._writes.clear()
         for handle in list(self._lists):
             self.release_list(handle)
         self.inner.close()
+
+
+def _copy_ended(event: Any, timeout_s: float) -> bool:
+    """Wait at most ``timeout_s`` for a kernel copy's event; False while it still runs."""
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.0002)
+    return True
 
 
 def _create_inner(name: str, config: TransportConfig) -> Any:
