@@ -1268,10 +1268,14 @@ class DecodeCore:
         """A producer never heard of these registered requests. Once could be a PUSH_REG still
         on its way; twice (a heartbeat interval apart) means it was lost: fail at once."""
         out: list[Any] = []
-        for key, rid in self._keys_for(engine, agent).items():
-            if key not in keys:
+        assert engine.info is not None
+        ranks = {r for r, a in engine.info.agents.items() if a == agent}
+        for rid in sorted(engine.requests):  # every request of such a key, not one per key
+            receive = self._requests.get(rid)
+            if receive is None or receive.key not in keys or receive.phase is not _Phase.REGISTERED:
                 continue
-            receive = self._requests[rid]
+            if not receive.expected & ranks:
+                continue
             receive.unknown_strikes += 1
             if receive.unknown_strikes >= 2:
                 out += self._close(

@@ -103,3 +103,16 @@ def test_a_siblings_heartbeats_do_not_hold_a_closing_request() -> None:
     fences = [a for a in out if isinstance(a, Fence)]
     assert fences, "d-1's quarantine moved out with d-2's heartbeats: its blocks are held while d-2 lives"
     assert core.holds("d-2")
+
+
+def test_a_key_p_never_heard_of_fails_every_request_of_it_on_the_rank() -> None:
+    """Two requests of this rank are registered under x-1 and both PUSH_REGs were lost: P
+    answers twice that it never heard of x-1. Both fail at once; one used to be left to its
+    watchdog (the answer was mapped to one request per key)."""
+    core = _decode()
+    core.add(_request("d-2", "x-1"), 0.2)
+    reports: list[Any] = []
+    for t in (0.3, 5.3):
+        unknown = _note(wire.encode_heartbeat_answer(P0, 10.0 + t, "p1", unknown=["x-1"]))
+        reports += [a for a in core.notification("P-agent", unknown, t) if type(a).__name__ == "Report"]
+    assert sorted((r.request_id, r.outcome) for r in reports) == [("d-1", "failed"), ("d-2", "failed")]
