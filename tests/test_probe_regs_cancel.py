@@ -227,3 +227,28 @@ def test_an_answer_owed_to_one_d_start_is_not_delivered_to_the_next() -> None:
     failed = [n.request_id for agent, n in notes if n.kind is NotificationKind.FAILED]
     assert failed == [], "the old start's FAIL of d-1 reached the new start, which holds a d-1 P writes"
     assert [p.registration.request_id for p in _posts(out)] == ["d-1"]
+
+
+def test_over_real_nixl_two_requests_of_one_rank_under_one_key() -> None:
+    """Real NIXL workers in one process: D adds d-1 and then d-2 under x-1 (a router sending one
+    request twice). P writes one registration per key and rank: d-2's, the later. d-1 is told
+    at once (failed, naming d-2) and released with its block untouched; d-2 receives P's KV byte
+    for byte."""
+    import pytest
+    from cluster import Cluster, kv_bytes, wait_until
+    from test_push_flow import assert_pushed
+
+    pytest.importorskip("nixl")
+    with Cluster(transport="nixl") as cluster:
+        receiver = cluster.receivers[0]
+        cluster.add("d-1", [[3]], "x-1")
+        wait_until(lambda: receiver.stats["push_regs_sent"] == 1, what="d-1's PUSH_REG")
+        cluster.add("d-2", [[4]], "x-1")
+        reason = cluster.wait_decode("d-1")[0]
+        assert reason is not None and "'d-2'" in reason, reason
+        cluster.wait_released("d-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        assert cluster.wait_decode("d-2") == {0: None}
+        assert_pushed(cluster, [5], [4])
+        for tensor in cluster.d_caches[0].values():
+            assert not kv_bytes(tensor)[:, 3].any(), "d-1's block was written"
