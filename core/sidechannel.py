@@ -245,6 +245,22 @@ class SideChannelServer:
     def publish_all(self, payloads: Mapping[RankKey, bytes]) -> None:
         replies = {}
         for rank, payload in payloads.items():
+            if not isinstance(rank, RankKey):
+                raise ConfigError(
+                    f"engine {self.engine_id!r}: publish a payload under its worker's "
+                    f"config.parallel.rank (a RankKey), not {rank!r}: peers ask for RankKeys, and a "
+                    f"payload under anything else is never served"
+                )
+            try:
+                identity = wire.decode_identity(payload, source=f"the payload published for rank {rank}")
+            except WireError:
+                identity = None  # not a worker's payload (tools, tests): served as given
+            if identity is not None and identity.rank != rank:
+                raise ConfigError(
+                    f"engine {self.engine_id!r}: the payload published for rank {rank} is rank "
+                    f"{identity.rank}'s; publish each worker's handshake_payload() under its own "
+                    f"config.parallel.rank"
+                )
             # A reply over the client's MAXMSGSIZE would be dropped there and surface as a
             # misleading "no answer" timeout: refuse it here instead.
             reply = wire.pack({"payload": payload, "error": None})

@@ -792,14 +792,6 @@ def test_block_ids_in_unordered_or_keyed_containers_are_refused(form: Any) -> No
         assert all(mismatches(pools, before[tp]) == [] for tp, pools in engines.d_pools.items())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "SideChannelServer.publish does not check the payload's rank: D's ranks then fail with "
-        "'P did not answer this rank's HELLO ... check the advertised address' (sidechannel diff "
-        "in the engine-API probe's report)"
-    ),
-)
 def test_a_scheduler_publishing_a_ranks_payload_under_another_rank_is_told_so() -> None:
     """The engine's scheduler mixes up two ranks' payloads. Nothing is written (P's handshake
     sees the mismatch), but the engine should hear what is wrong: at publish, or in the

@@ -92,6 +92,17 @@ def test_publish_replaces_a_payload(server: SideChannelServer) -> None:
     assert fetch_metadata("127.0.0.1", server.port, RankKey(0, 0), timeout_s=30) == b"new"
 
 
+@pytest.mark.parametrize("rank", [0, (0, 0), "0"])
+def test_a_payload_under_something_else_than_a_rank_key_is_refused_at_publish(
+    server: SideChannelServer, rank: Any
+) -> None:
+    # publish(0, payload) used to be taken and the payload never served: every D rank then
+    # failed its handshake with "engine ... has no rank (pp=0, tp=0); it serves 0".
+    with pytest.raises(ConfigError, match=r"config\.parallel\.rank"):
+        server.publish(rank, b"payload")
+    _assert_still_serves(server)
+
+
 def test_oversized_payload_is_refused_at_publish(server: SideChannelServer) -> None:
     with pytest.raises(
         WireError, match=r"rank \(pp=0, tp=2\) is \d+ bytes; the side channel carries at most"
