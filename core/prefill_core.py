@@ -63,9 +63,10 @@ MAX_DEFERRED = 1024
 that does not end can hold them long); past it the oldest is dropped, as a lost message."""
 
 
-def _grant(reg: PushRegistration) -> float:
-    """The grant a registration carries (none: older than any)."""
-    return float("-inf") if reg.grant is None else reg.grant
+def _grant(reg: PushRegistration, now: float) -> float:
+    """The grant a registration carries, for ordering two of one D rank (none, or one later
+    than P's clock, which P never issued: older than any)."""
+    return float("-inf") if reg.grant is None or reg.grant > now else reg.grant
 
 
 def _another(current: _Reg | None, reg: PushRegistration) -> bool:
@@ -684,7 +685,7 @@ class PrefillCore:
         dest = request.dests.get(reg.decode_tp_rank) if request.dests else None
         waiting = (_Dest.WAIT_REG, _Dest.WAIT_CONNECT, _Dest.WAIT_FRESH)
         writing = dest is not None and dest.state not in waiting
-        older = current is not None and _grant(reg) < _grant(current.reg)
+        older = current is not None and _grant(reg, now) < _grant(current.reg, now)
         if current is None or writing or older or request.failure:
             holder = f"D request {current.reg.request_id!r}" if current is not None else "no D request"
             how = "is being written to" if writing else "ended for" if request.failure else "is held for"

@@ -252,3 +252,15 @@ def test_over_real_nixl_two_requests_of_one_rank_under_one_key() -> None:
         assert_pushed(cluster, [5], [4])
         for tensor in cluster.d_caches[0].values():
             assert not kv_bytes(tensor)[:, 3].any(), "d-1's block was written"
+
+
+def test_a_registration_with_a_grant_p_never_issued_does_not_replace_the_rank() -> None:
+    """A registration whose grant is later than P's clock (not a stamp P issued: a forged or
+    corrupted value) is not written (no fresh window), and must not displace the registration
+    P holds for the rank either (which would then be told FAIL and never written)."""
+    core = _core()
+    _register(core, 100.1, grant=100.0)
+    out = _register(core, 100.2, request_id="d-9", block_ids=[[4]], grant=1.0e6)
+    assert _fails(out) == ["d-9"]
+    (post,) = _posts(core.finished("x-1", "p-1", ((5,),), "", 100.4))
+    assert post.registration.request_id == "d-1"
