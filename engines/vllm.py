@@ -98,6 +98,26 @@ class SendItem:
     """The prompt's length: the worker pushes no kernel block past its last token."""
 
 
+FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+"""vLLM's ``kv_cache_dtype`` names of fp8 caches it keeps in uint8 buffers -> their format."""
+
+
+def kv_spec_dtype(cache_dtype: str, tensor_dtype: str) -> tuple[str, str]:
+    """``(ModelSpec.dtype, a note for ModelSpec.name)`` of vLLM's KV cache.
+
+    vLLM keeps fp8 e4m3 and e5m2 caches (and other quantized formats) in uint8 tensors, so the
+    tensors' dtype alone made every one of them "uint8" and two engines with different formats
+    hashed alike: P's e4m3 bytes were decoded as e5m2 on D, reported done. fp8 states its
+    format; any other quantized ``kv_cache_dtype`` goes into the model name, so a mismatch is
+    refused at the handshake.
+    """
+    if cache_dtype in FP8_CACHE_DTYPES and tensor_dtype == "uint8":
+        return FP8_CACHE_DTYPES[cache_dtype], ""
+    if cache_dtype in ("auto", tensor_dtype):
+        return tensor_dtype, ""
+    return tensor_dtype, f" (kv_cache_dtype={cache_dtype})"
+
+
 @dataclass
 class KvpushConnectorMetadata(KVConnectorMetadata):
     """Scheduler half → worker halves, once per engine step (pickled by vLLM)."""
@@ -748,14 +768,16 @@ class _WorkerSide:
         served = model_config.served_model_name
         if isinstance(served, (list, tuple)):
             served = served[0] if served else None
+        cache_dtype = str(getattr(self.vllm_config.cache_config, "cache_dtype", "auto"))
+        dtype, format_note = kv_spec_dtype(cache_dtype, str(first.tensor.dtype).removeprefix("torch."))
         model = ModelSpec(
-            name=settings.model_name or served or model_config.model,
+            name=f"{settings.model_name or served or model_config.model}{format_note}",
             num_layers=num_layers,
             attention="mla" if model_config.use_mla else "mha",
             num_kv_heads=1 if model_config.use_mla else model_config.get_total_num_kv_heads(),
             head_dim=model_config.get_head_size(),
             block_size=block_size,
-            dtype=str(first.tensor.dtype).removeprefix("torch."),
+            dtype=dtype,
         )
         device = first.tensor.device
         config = WorkerConfig(

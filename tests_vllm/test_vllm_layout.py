@@ -12,7 +12,8 @@ from harness import BLOCK_SIZE, LAYER, EngineSpec, kv_cache_configs, vllm_config
 from kvpush.core.errors import ConfigError
 from kvpush.core.manager import get_plugin_manager
 from kvpush.core.types import ModelSpec, ParallelConfig
-from kvpush.engines.vllm import KvpushConnector
+from kvpush.core.wire import compatibility_hash
+from kvpush.engines.vllm import KvpushConnector, kv_spec_dtype
 from kvpush.engines.vllm_config import ConnectorSettings, base_request_id, match_key, parent_request_id
 from kvpush.layouts.vllm import expand_block_ids, group_ratios, layer_caches
 
@@ -177,6 +178,38 @@ def test_settings_name_bad_keys_and_values() -> None:
     with pytest.raises(ConfigError, match="side_channel_insecure"):
         ConnectorSettings.from_extra_config({"side_channel_insecure": "yes"})
     assert ConnectorSettings.from_extra_config({"side_channel_insecure": True}).side_channel_insecure
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "tensor_dtype", "expected"),
+    [
+        ("auto", "bfloat16", ("bfloat16", "")),
+        ("bfloat16", "bfloat16", ("bfloat16", "")),
+        ("fp8", "uint8", ("float8_e4m3fn", "")),
+        ("fp8_e4m3", "uint8", ("float8_e4m3fn", "")),
+        ("fp8_e5m2", "uint8", ("float8_e5m2", "")),
+        ("fp8_inc", "float8_e4m3fn", ("float8_e4m3fn", " (kv_cache_dtype=fp8_inc)")),
+        ("nvfp4", "uint8", ("uint8", " (kv_cache_dtype=nvfp4)")),
+    ],
+)
+def test_the_model_spec_states_the_kv_cache_format(
+    cache_dtype: str, tensor_dtype: str, expected: tuple
+) -> None:
+    # vLLM keeps fp8 e4m3 and e5m2 (and other quantized) caches in uint8 tensors: the tensors'
+    # dtype made every one "uint8", so P with fp8_e4m3 and D with fp8_e5m2 hashed alike and D
+    # decoded P's bytes in the other format, reported done.
+    assert kv_spec_dtype(cache_dtype, tensor_dtype) == expected
+
+
+def test_two_fp8_formats_are_different_models() -> None:
+    specs = []
+    for cache_dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4"):
+        dtype, note = kv_spec_dtype(cache_dtype, "uint8")
+        spec = ModelSpec(
+            name=f"m{note}", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=dtype
+        )
+        specs.append(compatibility_hash(spec, "vllm", "nixl"))
+    assert len(set(specs)) == 3
 
 
 def test_matching_key() -> None:
