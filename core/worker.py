@@ -339,6 +339,12 @@ class RankWorker:
                     capacity.get(region.kv_group, region.num_blocks), region.num_blocks
                 )
             self._capacity = capacity
+        if any(blocks) and max(capacity) >= len(blocks):
+            raise ConfigError(
+                f"{what} of {request_id!r} give ids of {len(blocks)} KV group(s), and this rank holds "
+                f"KV groups {sorted(capacity)}: pass one id list per KV group of the model, "
+                f"((ids of group 0), (ids of group 1), ...) (a flat list is group 0 alone)"
+            )
         unheld = False
         for group, ids in enumerate(blocks):
             if len(set(ids)) != len(ids):
