@@ -17,7 +17,9 @@ Direction and meaning (docs/reliability.md):
   block ids, staging reservation, and a freshness *grant* (the newest stamp D had from this P
   agent) with the window ``fresh_s``; optionally ``pf``, the fingerprint of D's prompt (absent:
   not given; P then pairs on the match key alone).
-- ``HB`` D → P: the match keys D still waits for at this P agent, its coordinates and a grant.
+- ``HB`` D → P: the match keys D still waits for at this P agent and its coordinates; P keeps
+  their leases and answers, but a heartbeat renews no grant (D sends a registration's PUSH_REG
+  again when P wants its key).
   ``HB`` P → D (answer): P's ``stamp`` (its clock), incarnation, the keys it ``want``s a fresh
   grant for, and the keys it no longer holds (``failed``).
 - ``HELLO`` D → P: sent once after D's notif-only handshake; P answers with an ``HB`` stamp,
@@ -175,8 +177,8 @@ def encode_heartbeat(
     reg: PushRegistration | None = None,
     decode_tp_rank: int = 0,
 ) -> bytes:
-    """D → P: the keys D still waits for; with ``reg`` (blocks not needed) its coordinates and
-    grant, so P can renew those registrations' freshness and answer."""
+    """D → P: the keys D still waits for; with ``reg`` (blocks not needed) its coordinates, so P
+    can keep their leases and answer (the grant it carries renews nothing)."""
     body: dict[str, Any] = {"request_ids": list(match_keys)}
     if reg is not None:
         body.update(_coordinates(reg, decode_tp_rank), grant=reg.grant, fresh=reg.fresh_s)
