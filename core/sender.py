@@ -147,6 +147,7 @@ class PushSender(RankWorker):
         decode_engine_id: str | None = None,
         ready: Any = None,
         prompt_fingerprint: str | None = None,
+        num_tokens: int | None = None,
     ) -> None:
         """Prefill of ``request_id`` finished; its KV sits in ``block_ids`` (per group).
 
@@ -167,12 +168,19 @@ class PushSender(RankWorker):
         written: it and this request fail, naming the key (a router reused it for another
         prompt). None, or a D that states none: pairing rests on the match key alone.
 
+        ``num_tokens`` (optional, one-KV-group models): the prompt's length. P then pushes only
+        the first ``ceil(num_tokens / block_size)`` blocks, the prompt's: a block table holding
+        more (a block allocated ahead for decode, a lookahead) would otherwise shift every
+        block, as P pairs its blocks with D's from the end (docs/engine-api.md).
+
         Raises ``ConfigError`` naming the argument for an empty or non-string id, negative,
         repeated or out-of-range block ids, a match key already in progress, a ``ready``
         without ``query()``, or a worker that is not running.
         """
         self._check_running("request_finished")
         blocks = self._check_blocks(request_id, block_ids, "block_ids")
+        if num_tokens is not None:
+            blocks = self._prompt_blocks(blocks, num_tokens)
         key = request_id if match_key is None else match_key
         if not isinstance(key, str) or not key:
             raise ConfigError(f"match_key must be a non-empty string (or None), got {match_key!r}")
@@ -195,6 +203,26 @@ class PushSender(RankWorker):
         finished = _Finished(key, request_id, blocks, decode_engine_id or "", ready, fingerprint)
         self.run_on_writer(lambda: self._finished(finished))
 
+
+    def _prompt_blocks(self, blocks: BlockIds, num_tokens: Any) -> BlockIds:
+        """The prompt's blocks of a one-group block table: its first ``ceil(num_tokens /
+        block_size)`` (``ConfigError`` for a bad count, one past the table, or several groups,
+        whose windows a token count does not place)."""
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise ConfigError(f"num_tokens must be a non-negative int (or None), got {num_tokens!r}")
+        if self.config.model.num_groups > 1:
+            raise ConfigError(
+                "num_tokens trims a one-group block table; this model has "
+                f"{self.config.model.num_groups} KV groups: pass each group's prompt blocks exactly"
+            )
+        need = -(-num_tokens // self.config.model.block_size)
+        ids = blocks[0] if blocks else ()
+        if need > len(ids):
+            raise ConfigError(
+                f"num_tokens={num_tokens} needs {need} blocks of {self.config.model.block_size} "
+                f"tokens; block_ids hold {len(ids)}"
+            )
+        return (tuple(ids[:need]),)
     def abort(self, request_id: str, match_key: str | None = None) -> None:
         """Abort a finished prefill (the engine wants its blocks back): nothing more is posted,
         D fails the request at once instead of at its watchdog, and the request is reported in

@@ -77,3 +77,29 @@ def test_ids_of_every_group_and_empty_lists_are_taken(workers: tuple[PushSender,
     sender, _ = workers
     sender.request_finished("p-2", [[1, 2, 3], [4]], match_key="k-2")  # D never registers: it waits
     sender.request_finished("p-3", [], match_key="k-3")  # nothing to push: done at once
+
+
+def test_num_tokens_is_refused_on_a_several_group_model(workers: tuple[PushSender, PushReceiver]) -> None:
+    # A token count does not say which of a sliding-window group's ids are the prompt's.
+    sender, _ = workers
+    with pytest.raises(ConfigError, match="one-group"):
+        sender.request_finished("p-4", [[1, 2], [3]], match_key="k-4", num_tokens=5)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "why"), [(-1, "non-negative"), (True, "non-negative"), (9, "needs 3")]
+)
+def test_num_tokens_out_of_range_is_refused(num_tokens: object, why: str) -> None:
+    pm = get_plugin_manager(load_entrypoints=False, plugins=[("loopback", kvpush.transports.loopback)])
+    model = ModelSpec(name="one-group", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+    parallel = ParallelConfig(tp_size=1, tp_rank=0, num_layers=2)
+    from kvpush.layouts.uniform import allocate_kv_caches
+
+    config = WorkerConfig(engine_id="P1", parallel=parallel, model=model, transport="loopback")
+    sender = PushSender(config, allocate_kv_caches(model, parallel, 8), pm=pm)
+    sender.start()
+    try:
+        with pytest.raises(ConfigError, match=why):
+            sender.request_finished("p-5", [1, 2], match_key="k-5", num_tokens=num_tokens)
+    finally:
+        sender.close()
