@@ -121,6 +121,10 @@ class _Reg:
     reg: PushRegistration
     agent: str
     fresh_until: float
+    grant: float = attrs.field(
+        default=attrs.Factory(lambda self: _grant(self.reg, float("inf")), takes_self=True)
+    )
+    """The newest grant taken for it (its PUSH_REG's, or a renewal's: the same PUSH_REG again)."""
 
 
 @attrs.define(eq=False)
@@ -189,6 +193,9 @@ class _Decode:
     connecting: set[int] = attrs.field(factory=set)
     incarnations: dict[int, str] = attrs.field(factory=dict)
     """Incarnation of each loaded D rank (every rank process has its own)."""
+    loaded_at: dict[int, float] = attrs.field(factory=dict)
+    """P's clock when each D rank's agent was last loaded: only a grant issued since (a stamp
+    D can only have had over this load's connection) lets P post to it."""
     tp_size: int = 0
     inflight: int = 0
     drop_when_idle: str = ""
@@ -312,6 +319,7 @@ class PrefillCore:
             "heartbeat_renewals": 0,
             "registration_renewals": 0,
             "stale_registrations": 0,
+            "grants_before_load": 0,
             "write_deadline_expiries": 0,
             "overdue_kernel_writes": 0,
             "dead_engines": 0,
@@ -714,6 +722,7 @@ class PrefillCore:
         fresh = self._fresh_until(reg, now)
         if fresh > current.fresh_until:
             current.fresh_until = fresh
+            current.grant = _grant(reg, now)
             self.stats["registration_renewals"] += 1
         else:
             self.stats["duplicate_registrations"] += 1
@@ -1077,6 +1086,7 @@ class PrefillCore:
         self._refusals.pop((address, rank), None)
         engine.incarnations[rank], engine.tp_size = incarnation, tp_size
         engine.agents[rank] = agent
+        engine.loaded_at[rank] = now
         # Only to the start they answer: a FAIL or ack names a D request id, which a restarted
         # D (same agent name, new incarnation) may use again for a request P is about to write.
         owed = engine.owed.pop(rank, ())
@@ -1394,6 +1404,17 @@ class PrefillCore:
         if entry.fresh_until <= now:
             dest.state = _Dest.WAIT_FRESH
             self.stats["stale_registrations"] += 1
+            return False
+        engine = self._engines.get(request.engine_id)
+        loaded_at = engine.loaded_at.get(rank, float("inf")) if engine is not None else float("inf")
+        if entry.grant < loaded_at:
+            # A grant issued before P (re)loaded this D rank's agent reached D over an earlier
+            # connection: nothing shows this one is up. A WRITE posted before its connection is
+            # up is queued in UCX, survives P's abort and D's fence (no socket to shut yet) and
+            # lands when a link heals; one P posts after D echoed a stamp sent over it goes into
+            # a connection the fence covers. Asked for a fresh grant, as a stale one.
+            dest.state = _Dest.WAIT_FRESH
+            self.stats["grants_before_load"] += 1
             return False
         return True
 

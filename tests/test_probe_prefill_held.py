@@ -81,6 +81,19 @@ def _held_then_bound(
             )
     for rank in range(d_tp):
         core.connected("D", rank, f"D{rank}", "d2", d_tp, "", 100.3)
+    for rank in range(d_tp):
+        if rank != stale_rank:  # the new start's PUSH_REG again, with the stamp of the load's HELLO answer
+            _register(
+                core,
+                f"D{rank}",
+                100.35,
+                decode_tp_rank=rank,
+                decode_tp_size=d_tp,
+                decode_incarnation="d2",
+                request_id="new-req",
+                block_ids=[[3]],
+                grant=100.3,
+            )
     actions = core.finished("x-1", "p-1", ((5,),), "D", 100.4)
     return core, actions
 
