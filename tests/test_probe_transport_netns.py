@@ -15,7 +15,11 @@ Shutting down P's own sockets to D at the abort (tried) does not help: the socke
 yet then. What would: a P that cannot prove such a WRITE gone must not tell D it may fence
 (treat it like a kernel copy: ``abortable`` False, D holds until P answers or exits), or P must
 destroy its UCX worker (a new agent and metadata) when it aborts a WRITE whose endpoint never
-connected. Both are protocol decisions (prefill/decode cores), not the transport's alone.
+connected. Both are protocol decisions (prefill/decode cores), not the transport's alone. What
+was done: P's core posts to a D rank only with a grant issued since it loaded that rank's agent
+(a stamp that crossed this very connection), so the protocol never posts the WRITE this test
+posts by hand (``tests/test_probe_grant_after_load.py``); this test keeps the transport's own
+behaviour on record.
 
 Everything made here (two namespaces, the veth pair, iptables rules inside them, two
 processes) is removed at the end; every wait is bounded.
@@ -186,8 +190,9 @@ def _iptables(pair: Any, *args: str) -> None:
 OPEN = (
     "open (transport probe): NIXL 1.5.1 / UCX keep a WRITE queued on an endpoint whose connection "
     "was not up yet after its handle is released and its agent removed, and send it in full once "
-    "a connection comes up; D's fence cannot shut a connection that does not exist yet. Needs a "
-    "design decision (see the module docstring)"
+    "a connection comes up; D's fence cannot shut a connection that does not exist yet. The "
+    "protocol no longer posts on such a connection (P waits for a grant issued since it loaded "
+    "D's agent: tests/test_probe_grant_after_load.py); the transport alone still sends it"
 )
 
 
