@@ -156,6 +156,10 @@ class _Producer:
     error: str = ""
     failures: int = 0
     failed_at: float = 0.0
+    dead: Mapping[str, str] = attrs.field(factory=dict)
+    """The incarnations of the agents loaded when it last failed: a handshake loading them
+    again does not lengthen the backoff (P's side channel still serves a process that stopped
+    answering, e.g. while a restarted rank starts); one loading a new incarnation resets it."""
     previous: ProducerInfo | None = None
     """While reconnecting: what the engine's agents were (to spot a P restart)."""
     refused: bool = False
@@ -364,7 +368,8 @@ class DecodeCore:
             why = (
                 engine.error
                 if engine.refused
-                else f"P engine {engine.engine_id!r} is unreachable: {engine.error}"
+                else f"P engine {engine.engine_id!r} is unreachable: {engine.error} (handshaking "
+                f"again in {max(0.0, self._retry_at(engine) - now):.1f}s, at the first request after it)"
             )
             return out + self._close(rid, why, now)
         if engine.state is _EngineState.READY:
@@ -391,6 +396,20 @@ class DecodeCore:
             self.forget_engine(engine.engine_id)
             moved.append(DropPeer(params.remote_engine_id, why))
             engine = None
+        silent = self._silent_agents(engine, now) if engine is not None and not engine.requests else []
+        if silent:
+            # Idle, and not heard from for longer than peer_silence_s (its keepalives went
+            # unanswered, or none was sent: idle past keepalive_s): P may have restarted under
+            # the same agent names. Handshake afresh (P's side channel names the process that
+            # serves now) instead of registering with what was loaded; no failure is counted.
+            assert engine is not None
+            why = (
+                f"P agent(s) {silent} of idle engine {engine.engine_id!r} not heard from for over "
+                f"{self.s.peer_silence_s:g}s; handshaking afresh"
+            )
+            self.forget_engine(engine.engine_id)
+            moved.append(DropPeer(params.remote_engine_id, why))
+            engine = None
         retry = engine is not None and engine.state is _EngineState.FAILED and engine.info is None
         if engine is not None and not (retry and now >= self._retry_at(engine)):
             return []
@@ -400,6 +419,7 @@ class DecodeCore:
             # Its closing requests stay the engine's: grants the new handshake's requests give
             # their key must reach them (:meth:`_granted`), and it is not forgotten under them.
             engine.failures, engine.requests = failed.failures, failed.requests
+            engine.dead = failed.dead
         self._engines[engine.engine_id] = engine
         return [*moved, Connect(engine.engine_id, engine.host, engine.port)]
 
@@ -469,6 +489,8 @@ class DecodeCore:
             engine.fenced_while_connecting = False  # this Connect comes after the fence
             return [*out, Connect(engine.engine_id, engine.host, engine.port)]
         engine.info = info
+        if engine.dead and any(engine.dead.get(a) not in (None, inc) for a, inc in info.incarnations.items()):
+            engine.failures = 0  # a new P process: its own failures count from here
         for agent in info.agents.values():
             self._agent_engine[agent] = engine_id
         engine.state = _EngineState.HELLO
@@ -1247,6 +1269,7 @@ class DecodeCore:
         ):
             self._reject(agent, note, "a refusal of a handshake this rank is not running with that agent")
             return []
+        engine.dead = {}  # a refusal is no dead process: the backoff grows as for any failure
         out = self._engine_failed(engine, note.reason, now)
         engine.refused = True
         return out
@@ -1323,7 +1346,11 @@ class DecodeCore:
         engine.state = _EngineState.FAILED
         engine.error = reason
         engine.refused = False
-        engine.failures += 1
+        loaded = dict(engine.info.incarnations) if engine.info is not None else None
+        if loaded is None or loaded != engine.dead:
+            engine.failures += 1  # the same dead processes again: the backoff stays as it is
+        if loaded is not None:
+            engine.dead = loaded
         engine.failed_at = now
         self._timers.disarm(("hello", engine.engine_id))
         self._timers.disarm(("hello_resend", engine.engine_id))
@@ -1344,6 +1371,13 @@ class DecodeCore:
             return []
         self._forget_agents(engine)
         return [DropPeer(engine.engine_id, engine.error)]
+
+    def _silent_agents(self, engine: _Producer, now: float) -> list[str]:
+        """The agents of a ready engine whose newest stamp is older than ``peer_silence_s``."""
+        if engine.state is not _EngineState.READY or engine.info is None:
+            return []
+        limit = now - self.s.peer_silence_s
+        return sorted(a for a in set(engine.info.agents.values()) if engine.stamped.get(a, limit) < limit)
 
     def _retry_at(self, engine: _Producer) -> float:
         backoff = min(self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2 ** max(0, engine.failures - 1))

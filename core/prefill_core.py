@@ -195,6 +195,9 @@ class _Decode:
     """Keys per D agent whose fresh grant is to be asked once the rate limit allows."""
     deferred: list[tuple[str, Notification]] = attrs.field(factory=list)
     """Messages of a newer incarnation, handled once the stale agents are dropped."""
+    replacing: dict[int, str] = attrs.field(factory=dict)
+    """D ranks restarted under the same name whose old agent is dropped (why) once no WRITE
+    to it is in flight; their new start's messages wait in ``deferred`` till then."""
     owed: dict[int, list[tuple[str, bytes]]] = attrs.field(factory=dict)
     """Per D rank: (agent, FAIL) for registrations refused before P loaded that rank, sent
     once it is loaded from that agent."""
@@ -310,6 +313,7 @@ class PrefillCore:
             "connects_deferred": 0,
             "prompt_mismatches": 0,
             "handshake_refusals": 0,
+            "decode_restarts": 0,
         }
 
     # ------------------------------------------------------------------ queries
@@ -1091,19 +1095,60 @@ class PrefillCore:
     def _decode_restarted(
         self, engine: _Decode, reg: PushRegistration, agent: str, note: Notification, now: float
     ) -> list[Any]:
-        """D came back under the same engine id with a new incarnation: a new peer. Its
-        message is handled once the stale agents are gone (after their WRITEs settled)."""
+        """A D rank came back under the same engine id with a new incarnation: a new peer. Its
+        message is handled once the rank's stale agent is gone (after its WRITEs settled).
+        Only the requests holding a registration (or a WRITE) of the rank's old start fail:
+        that process is gone, with its request. The engine's other ranks, and the new start
+        once loaded, go on (their requests are served)."""
         engine.deferred.append((agent, note))
         if len(engine.deferred) > MAX_DEFERRED:
             dropped_agent, dropped = engine.deferred.pop(0)
             self._reject(dropped_agent, dropped, f"over {MAX_DEFERRED} messages held for a restarted D")
-        if engine.drop_when_idle:
+        rank = reg.decode_tp_rank
+        if engine.drop_when_idle or rank in engine.replacing:
             return []
+        self.stats["decode_restarts"] += 1
         reason = (
-            f"D engine {engine.engine_id!r} restarted (rank {reg.decode_tp_rank}: incarnation "
-            f"{engine.incarnations.get(reg.decode_tp_rank)} -> {reg.decode_incarnation})"
+            f"D engine {engine.engine_id!r} restarted (rank {rank}: incarnation "
+            f"{engine.incarnations.get(rank)} -> {reg.decode_incarnation})"
         )
-        return self._engine_dead(engine, reason, now)
+        out: list[Any] = []
+        for request in list(self._requests.values()):
+            dest = request.dests.get(rank) if request.dests else None
+            wrote = dest is not None and (dest.unsettled or dest.state in (_Dest.INFLIGHT, _Dest.DONE))
+            if request.engine_id == engine.engine_id and (rank in request.regs or wrote):
+                # The old start is not told (its agent's name is the new start's now).
+                request.cancel_acks.pop(engine.agents.get(rank, ""), None)
+                out += self._fail_request(request, reason, now, untold=rank)
+        engine.replacing[rank] = reason
+        return out + self._maybe_drop_rank(engine, rank, now)
+
+    def _maybe_drop_rank(self, engine: _Decode, rank: int, now: float) -> list[Any]:
+        """Drop a restarted D rank's old agent once no WRITE to it is in flight, then handle
+        the new start's messages held meanwhile."""
+        if rank not in engine.replacing or any(
+            request.engine_id == engine.engine_id
+            and request.dests is not None
+            and rank in request.dests
+            and request.dests[rank].state is _Dest.INFLIGHT
+            for request in self._requests.values()
+        ):
+            return []
+        reason = engine.replacing.pop(rank)
+        agent = engine.agents.pop(rank, None)
+        engine.incarnations.pop(rank, None)
+        engine.hellos.pop(rank, None)
+        engine.hello_incarnations.pop(rank, None)
+        if agent is not None:
+            engine.last_want.pop(agent, None)
+            engine.want_pending.pop(agent, None)
+            self._timers.disarm(("want", engine.engine_id, agent))
+        out: list[Any] = [DropPeer(engine.engine_id, reason, (rank,))]
+        held = [m for m in engine.deferred if m[1].registration and m[1].registration.decode_tp_rank == rank]
+        engine.deferred = [m for m in engine.deferred if all(m is not h for h in held)]
+        for held_agent, held_note in held:
+            out += self.notification(held_agent, held_note, now)
+        return out
 
     @staticmethod
     def _restarted(engine: _Decode, reg: PushRegistration) -> bool:
@@ -1399,19 +1444,22 @@ class PrefillCore:
             dest.unsettled = True  # aborted or failed after it was posted
             request.failure = request.failure or dest.error
             entry = request.regs.get(rank)
-            if entry is not None:
+            if entry is not None and (engine is None or rank not in engine.replacing):
                 message = wire.encode_failed(entry.reg.request_id, self.s.rank, dest.error, unsettled=True)
                 out.append(Send(entry.agent, message))
         else:
             dest.state = _Dest.DONE
+        if engine is not None and rank in engine.replacing:
+            out += self._maybe_drop_rank(engine, rank, now)
         if engine is not None and engine.drop_when_idle and not engine.inflight:
             out += self._drop_engine(engine, engine.drop_when_idle, now)
         return out + self._maybe_end(request, now)
 
     def _fail_request(
-        self, request: _Request, reason: str, now: float, *, tell_decode: bool = True
+        self, request: _Request, reason: str, now: float, *, tell_decode: bool = True, untold: int = -1
     ) -> list[Any]:
-        """Stop posting for a request; report it once nothing of it is in flight."""
+        """Stop posting for a request; report it once nothing of it is in flight (D rank
+        ``untold`` is not told: a restarted rank's old start, gone)."""
         request.failure = request.failure or reason
         out: list[Any] = []
         engine = self._engines.get(request.engine_id)
@@ -1422,7 +1470,7 @@ class PrefillCore:
             if dest is not None:
                 dest.state = _Dest.FAILED
             loaded = engine is not None and engine.agents.get(rank) == entry.agent
-            if tell_decode and loaded and entry.agent not in request.cancel_acks:
+            if tell_decode and loaded and rank != untold and entry.agent not in request.cancel_acks:
                 unsettled = dest is not None and dest.unsettled
                 message = wire.encode_failed(entry.reg.request_id, self.s.rank, reason, unsettled)
                 out.append(Send(entry.agent, message))

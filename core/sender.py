@@ -354,9 +354,9 @@ class PushSender(RankWorker):
         elif isinstance(action, Connect):
             self._connect(action)
         elif isinstance(action, DropPeer):
-            logger.info("dropping D engine %s: %s", action.engine_id, action.reason)
-            self.peers.remove(action.engine_id)
-            self._forget_told(action.engine_id)
+            logger.info("dropping D engine %s %s: %s", action.engine_id, action.ranks or "", action.reason)
+            self.peers.remove(action.engine_id, action.ranks)
+            self._forget_told(action.engine_id, set(action.ranks) or None)
         elif isinstance(action, Abort):
             for handle in action.handles:
                 self._release_handle(handle)

@@ -122,16 +122,19 @@ def test_only_requests_holding_the_old_incarnations_registration_fail() -> None:
     assert machine.requests[0].key not in p.reports  # its WRITE is in flight
     machine.pump(rounds=8, stall_writes=False)  # the WRITEs end (the old process's: nowhere)
     assert p.reports.get(machine.requests[0].key) == ["failed"], p.reports
-    # The surviving rank 0 and the new rank 1 both take the second and third requests.
-    machine.add_on_another_rank(i=1, j=[d.tp_rank for d in machine.live_d()].index(1))
+    # The second request is not failed by the restart (the new start of rank 1 never had it,
+    # so it ends at P's lease); the third, which both ranks add, is served.
+    assert machine.requests[1].key not in p.reports
+    assert (machine.requests[1].key, "p-" + machine.requests[1].rid) not in p.core.pending_requests()
     machine.prefill_finished(i=1, j=0, one_rank=False, bind=False, boom=False)
     machine.prefill_finished(i=2, j=0, one_rank=False, bind=False, boom=False)
     machine.pump(rounds=8, stall_writes=False)
-    for i in (1, 2):
-        assert p.reports.get(machine.requests[i].key) == ["sent"], (i, p.reports)
-    assert _outcomes(machine, 0) == [["failed"], ["done"], ["done"]]
-    assert _outcomes(machine, 1) == [["done"], ["done"]]
+    assert machine.requests[1].key not in p.reports
+    assert p.reports.get(machine.requests[2].key) == ["sent"], p.reports
+    assert _outcomes(machine, 0) == [["done"]] * 3  # rank 0's own WRITEs landed in each
+    assert _outcomes(machine, 1) == [["done"]]
     machine.teardown()
+    assert p.reports.get(machine.requests[1].key) == ["failed"]  # at P's lease
 
 
 def test_the_restarted_rank_alone_is_dropped() -> None:
@@ -157,3 +160,40 @@ def test_the_restarted_rank_alone_is_dropped() -> None:
     if p.core.stats["dead_engines"]:
         raise Violation("a D rank restart is not a dead engine")
     machine.teardown()
+
+
+def test_a_side_channel_serving_the_dead_process_does_not_grow_the_backoff() -> None:
+    """P killed under load: D fails its requests at peer_silence_s and backs off. While P's
+    side channel still serves the dead process (the rank is starting again), each handshake
+    loads it and its HELLO goes unanswered: the same dead process again does not double the
+    backoff (it did, to 30 s, and requests kept failing at once after P was back). Requests
+    that arrive during the backoff fail at once, naming when D handshakes again; a handshake
+    that loads a new incarnation starts the count afresh."""
+    from test_adversarial_keepalive import P_AGENT, SILENCE_S, _answer, _decode, _info, _meta, _reports
+
+    from kvpush.core.actions import Connect
+
+    d = _decode(hello_timeout_s=5.0, retry_backoff_s=1.0)
+    d.add(_meta("r1", "k1"), 0.0)
+    d.connected("P", _info("p1"), "", 0.0)
+    d.notification(P_AGENT, _answer(0.0, "p1"), 0.0)  # r1 registered; P dies
+    t, out = 0.0, []
+    while not _reports(out):
+        t += 5.0
+        out = d.handle_timer(t)
+    assert "answered no heartbeat" in _reports(out)[0].reason and t > SILENCE_S
+    for n in range(4):  # the side channel serves the dead process: the HELLO times out
+        (early,) = _reports(d.add(_meta(f"e{n}", f"ke{n}"), t + 0.5))
+        assert "handshaking again in 0.5s" in early.reason, early.reason
+        t += 1.0
+        assert [a for a in d.add(_meta(f"r{n + 2}", f"k{n + 2}"), t) if isinstance(a, Connect)]
+        d.connected("P", _info("p1"), "", t)
+        t += 5.0
+        (timeout,) = _reports(d.handle_timer(t))
+        assert "did not answer this rank's HELLO" in timeout.reason
+    t += 1.0  # P is back: its side channel serves the new process
+    assert [a for a in d.add(_meta("r9", "k9"), t) if isinstance(a, Connect)]
+    d.connected("P", _info("p2"), "", t)
+    assert d._engines["P"].failures == 0
+    registered = d.notification(P_AGENT, _answer(t, "p2"), t)
+    assert registered and not _reports(registered)
