@@ -152,6 +152,8 @@ class _Producer:
     """When a request last registered with this engine (D's clock)."""
     heard: dict[str, float] = attrs.field(factory=dict)
     """When each agent was last heard from (D's clock), while D asks it about requests."""
+    asked: dict[str, float] = attrs.field(factory=dict)
+    """When D sent each idle agent the oldest keepalive it has not answered (D's clock)."""
     requests: set[str] = attrs.field(factory=set)
     error: str = ""
     failures: int = 0
@@ -398,13 +400,13 @@ class DecodeCore:
             engine = None
         silent = self._silent_agents(engine, now) if engine is not None and not engine.requests else []
         if silent:
-            # Idle, and not heard from for longer than peer_silence_s (its keepalives went
-            # unanswered, or none was sent: idle past keepalive_s): P may have restarted under
-            # the same agent names. Handshake afresh (P's side channel names the process that
-            # serves now) instead of registering with what was loaded; no failure is counted.
+            # Idle, and its keepalives went unanswered for longer than peer_silence_s: P may
+            # have restarted under the same agent names. Handshake afresh (P's side channel
+            # names the process that serves now) instead of registering with what was loaded.
+            # No failure is counted and nothing fails: the request waits for the handshake.
             assert engine is not None
             why = (
-                f"P agent(s) {silent} of idle engine {engine.engine_id!r} not heard from for over "
+                f"P agent(s) {silent} of idle engine {engine.engine_id!r} answered no keepalive for "
                 f"{self.s.peer_silence_s:g}s; handshaking afresh"
             )
             self.forget_engine(engine.engine_id)
@@ -542,6 +544,7 @@ class DecodeCore:
         engine = self._engines.get(engine_id) if engine_id else None
         if engine is not None:
             engine.heard[agent] = now
+            engine.asked.pop(agent, None)
         if kind is NotificationKind.FAILED and note.request_id == HELLO_REQUEST_ID:
             return self._on_refused(agent, engine, note, now)
         if kind is NotificationKind.DONE or kind is NotificationKind.FAILED:
@@ -1123,6 +1126,7 @@ class DecodeCore:
         engine.stamped.clear()
         engine.stamp_seq.clear()
         engine.heard.clear()
+        engine.asked.clear()
         engine.hello_pending.clear()
 
     def _reconnect(self, engine: _Producer, reason: str, fence: Fence | None = None) -> list[Any]:
@@ -1373,11 +1377,10 @@ class DecodeCore:
         return [DropPeer(engine.engine_id, engine.error)]
 
     def _silent_agents(self, engine: _Producer, now: float) -> list[str]:
-        """The agents of a ready engine whose newest stamp is older than ``peer_silence_s``."""
-        if engine.state is not _EngineState.READY or engine.info is None:
+        """The agents of a ready engine that answered no keepalive for ``peer_silence_s``."""
+        if engine.state is not _EngineState.READY:
             return []
-        limit = now - self.s.peer_silence_s
-        return sorted(a for a in set(engine.info.agents.values()) if engine.stamped.get(a, limit) < limit)
+        return sorted(a for a, asked in engine.asked.items() if now - asked > self.s.peer_silence_s)
 
     def _retry_at(self, engine: _Producer) -> float:
         backoff = min(self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2 ** max(0, engine.failures - 1))
@@ -1430,12 +1433,15 @@ class DecodeCore:
         stamp): the next PUSH_REG then carries a grant at most about half a window old, and P
         need not ask for one first (a round trip). (Checked against this tick alone, an answer
         arriving just after the tick was skipped at the next one and the grant aged to a whole
-        window.) Only for ``keepalive_s`` after the engine's last request; not a liveness check:
-        an idle agent's silence fails nothing."""
+        window.) Only for ``keepalive_s`` after the engine's last request. An idle agent's
+        silence fails nothing; an idle engine whose keepalives went unanswered for
+        ``peer_silence_s`` is handshaken afresh at its next request (P may have restarted under
+        the same agent names: :meth:`_engine_wanted`)."""
         half_old_at = engine.stamped.get(agent, float("-inf")) + self.s.fresh_s / 2
         if not self._kept_alive(engine, now) or now + self.s.heartbeat_interval_s < half_old_at:
             return []
         self.stats["keepalives_sent"] += 1
+        engine.asked.setdefault(agent, now)
         reg = self._coordinates("(keepalive)", None, grant=engine.stamps.get(agent))
         return [Send(agent, wire.encode_heartbeat([], reg, self.s.tp_rank))]
 
