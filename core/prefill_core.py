@@ -505,16 +505,22 @@ class PrefillCore:
         return self._fail_request(request, reason, now)
 
     def unreachable(self, agent: str, error: str, now: float) -> list[Any]:
-        """Sending to ``agent`` raised: its endpoint is broken (D died, or D fenced this rank's
-        connections while this rank was stopped), and stays so. Its engine's requests fail (D
-        cannot be told) and the engine is forgotten once no WRITE of it is in flight, so that
-        D's next HELLO or registration handshakes afresh instead of being answered through
-        the broken endpoint for ever."""
+        """Sending to ``agent`` raised: its endpoint is broken (D's rank died, or it fenced this
+        rank's connections while this rank was stopped), and stays so. The requests holding
+        that D rank's registration (or a WRITE to it) fail, and its agent is forgotten once no
+        WRITE to it is in flight, so that its next HELLO or registration handshakes afresh
+        instead of being answered through the broken endpoint for ever. The D engine's other
+        ranks (other processes, other endpoints) go on."""
         engine = next((e for e in self._engines.values() if agent in e.agents.values()), None)
         if engine is None:
             return []
+        self.stats["dead_engines"] += 1
         reason = f"D agent {agent} is unreachable: {error}"
-        return self._engine_dead(engine, reason, now)
+        out: list[Any] = []
+        for rank in sorted(r for r, a in engine.agents.items() if a == agent):
+            if not engine.drop_when_idle and rank not in engine.replacing:
+                out += self._rank_gone(engine, rank, reason, now)
+        return out
 
     # ------------------------------------------------------------------ notifications
 
@@ -1112,6 +1118,13 @@ class PrefillCore:
             f"D engine {engine.engine_id!r} restarted (rank {rank}: incarnation "
             f"{engine.incarnations.get(rank)} -> {reg.decode_incarnation})"
         )
+        return self._rank_gone(engine, rank, reason, now)
+
+    def _rank_gone(self, engine: _Decode, rank: int, reason: str, now: float) -> list[Any]:
+        """The process P loaded for D rank ``rank`` is gone (restarted, or its endpoint broke):
+        the requests holding its registration, or a WRITE to it, fail (it is not told: it
+        cannot hear, and its agent's name may be a new start's); the engine's other ranks are
+        told. Its agent is dropped once no WRITE to it is in flight."""
         out: list[Any] = []
         for request in list(self._requests.values()):
             dest = request.dests.get(rank) if request.dests else None
@@ -1162,15 +1175,6 @@ class PrefillCore:
         """Does ``reg`` come from an older start of a D rank than the one P has loaded?"""
         known = engine.incarnations.get(reg.decode_tp_rank)
         return known is not None and reg.decode_incarnation < known
-
-    def _engine_dead(self, engine: _Decode, reason: str, now: float) -> list[Any]:
-        """Fail every request of ``engine`` without telling it (it cannot hear), then drop it."""
-        self.stats["dead_engines"] += 1
-        out: list[Any] = []
-        for request in list(self._requests.values()):
-            if request.engine_id == engine.engine_id:
-                out += self._fail_request(request, reason, now, tell_decode=False)
-        return out + self._drop_engine(engine, reason, now)
 
     def _drop_engine(self, engine: _Decode, reason: str, now: float) -> list[Any]:
         """Forget a D engine now, or once its WRITEs in flight settled (never under them)."""

@@ -197,3 +197,36 @@ def test_a_side_channel_serving_the_dead_process_does_not_grow_the_backoff() -> 
     assert d._engines["P"].failures == 0
     registered = d.notification(P_AGENT, _answer(t, "p2"), t)
     assert registered and not _reports(registered)
+
+
+def test_a_send_to_a_dead_d_rank_fails_only_what_that_rank_held() -> None:
+    """P learns that D rank 1 is gone from a send that raises (the FAIL of a WRITE that could
+    not land) before the new start says hello: it used to fail every request of the D engine
+    (``D agent ... is unreachable``), also one only rank 0 had registered since."""
+    from test_core_properties import D_ENGINE
+
+    machine = CoreCluster()  # sends to a dead process raise
+    machine.start(topology=(1, 1, 2))
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right", prefill_first=True)
+    machine.pump(rounds=8, stall_writes=True)  # both WRITEs posted, none landed
+    p = machine.live_p()[0]
+    assert len(machine.writes) == 2
+    _d_restarted(machine)
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    rank0 = f"{D_ENGINE}-decode-pp0-tp0"
+    for msg in [m for m in machine.net if m.src == rank0]:  # rank 0's registration reaches P
+        machine.net.remove(msg)
+        machine._deliver(msg)
+    assert machine.requests[1].key in p.core._requests  # held: P has not finished it
+    (lost,) = [w for w in machine.writes.values() if w.dst_rank == 1]
+    machine._land(lost, True)  # the old process is gone: the WRITE fails, P's FAIL send raises
+    machine.poll(j=0)
+    assert p.reports.get(machine.requests[0].key) is None or p.reports[machine.requests[0].key] == ["failed"]
+    assert machine.requests[1].key not in p.reports, p.reports
+    machine.prefill_finished(i=1, j=0, one_rank=False, bind=False, boom=False)
+    machine.pump(rounds=8, stall_writes=False)
+    assert p.reports.get(machine.requests[0].key) == ["failed"], p.reports
+    assert p.reports.get(machine.requests[1].key) == ["sent"], p.reports
+    assert _outcomes(machine, 0) == [["done"], ["done"]]
+    assert _outcomes(machine, 1) == [["done"]]
+    machine.teardown()
