@@ -1152,6 +1152,7 @@ class PrefillCore:
         engine.incarnations.pop(rank, None)
         engine.hellos.pop(rank, None)
         engine.hello_incarnations.pop(rank, None)
+        engine.owed.pop(rank, None)  # as when the whole engine is dropped
         if agent is not None:
             engine.last_want.pop(agent, None)
             engine.want_pending.pop(agent, None)
@@ -1459,9 +1460,7 @@ class PrefillCore:
             out += self._drop_engine(engine, engine.drop_when_idle, now)
         return out + self._maybe_end(request, now)
 
-    def _fail_request(
-        self, request: _Request, reason: str, now: float, *, tell_decode: bool = True, untold: int = -1
-    ) -> list[Any]:
+    def _fail_request(self, request: _Request, reason: str, now: float, *, untold: int = -1) -> list[Any]:
         """Stop posting for a request; report it once nothing of it is in flight (D rank
         ``untold`` is not told: a restarted rank's old start, gone)."""
         request.failure = request.failure or reason
@@ -1474,7 +1473,7 @@ class PrefillCore:
             if dest is not None:
                 dest.state = _Dest.FAILED
             loaded = engine is not None and engine.agents.get(rank) == entry.agent
-            if tell_decode and loaded and rank != untold and entry.agent not in request.cancel_acks:
+            if loaded and rank != untold and entry.agent not in request.cancel_acks:
                 unsettled = dest is not None and dest.unsettled
                 message = wire.encode_failed(entry.reg.request_id, self.s.rank, reason, unsettled)
                 out.append(Send(entry.agent, message))
