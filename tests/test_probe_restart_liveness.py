@@ -16,6 +16,7 @@ does not always raise on send; the soak shows it does not), where the cluster mo
 
 from __future__ import annotations
 
+import pytest
 from test_core_properties import CoreCluster, Proc, Violation
 
 from kvpush.core.actions import DropPeer
@@ -230,3 +231,10 @@ def test_a_send_to_a_dead_d_rank_fails_only_what_that_rank_held() -> None:
     assert _outcomes(machine, 0) == [["done"], ["done"]]
     assert _outcomes(machine, 1) == [["done"]]
     machine.teardown()
+
+
+# The whole state machine with sends to dead processes lost, not refused: P learns of a D
+# rank's restart only from the new start's messages (the per-rank path above), D of a P
+# rank's death only from silence.
+LossyCluster.TestCase.settings = CoreCluster.TestCase.settings
+TestLossyCluster = pytest.mark.timeout(600)(LossyCluster.TestCase)
