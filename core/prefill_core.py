@@ -1158,6 +1158,8 @@ class PrefillCore:
             engine.want_pending.pop(agent, None)
             self._timers.disarm(("want", engine.engine_id, agent))
         out: list[Any] = [DropPeer(engine.engine_id, reason, (rank,))]
+        if not engine.agents and not engine.connecting and self._engines.get(engine.engine_id) is engine:
+            del self._engines[engine.engine_id]  # its last rank: forgotten, as a dropped engine
         held = [m for m in engine.deferred if m[1].registration and m[1].registration.decode_tp_rank == rank]
         engine.deferred = [m for m in engine.deferred if all(m is not h for h in held)]
         for held_agent, held_note in held:
