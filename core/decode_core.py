@@ -366,14 +366,15 @@ class DecodeCore:
                 f"succeed once that work ended)",
                 now,
             )
+        if engine.state is _EngineState.FAILED and engine.refused:
+            return out + self._close(rid, engine.error, now)
         if engine.state is _EngineState.FAILED:
-            why = (
-                engine.error
-                if engine.refused
-                else f"P engine {engine.engine_id!r} is unreachable: {engine.error} (handshaking "
-                f"again in {max(0.0, self._retry_at(engine) - now):.1f}s, at the first request after it)"
-            )
-            return out + self._close(rid, why, now)
+            # In the engine's backoff: wait for the next attempt (at the backoff's end; bounded
+            # by the watchdog), which fails it with its reason or registers it. Failing it at
+            # once failed every request of a burst that came while a restarted P was starting.
+            engine.waiting.append(rid)
+            self._timers.arm(("retry", engine.engine_id), self._retry_at(engine))
+            return out
         if engine.state is _EngineState.READY:
             return out + self._register(rid, now)
         engine.waiting.append(rid)
@@ -421,7 +422,8 @@ class DecodeCore:
             # Its closing requests stay the engine's: grants the new handshake's requests give
             # their key must reach them (:meth:`_granted`), and it is not forgotten under them.
             engine.failures, engine.requests = failed.failures, failed.requests
-            engine.dead = failed.dead
+            engine.dead, engine.waiting = failed.dead, failed.waiting
+            self._timers.disarm(("retry", engine.engine_id))
         self._engines[engine.engine_id] = engine
         return [*moved, Connect(engine.engine_id, engine.host, engine.port)]
 
@@ -593,6 +595,11 @@ class DecodeCore:
                 out += self._stamp_awaited(name, None, now)
             elif kind == "acks":
                 out += self._on_acks_timeout(name, now)
+            elif kind == "retry":
+                engine = self._engines.get(name)
+                waiting = [r for r in engine.waiting if r in self._requests] if engine is not None else []
+                if engine is not None and engine.state is _EngineState.FAILED and waiting:
+                    out += self._engine_wanted(self._requests[waiting[0]].meta, now)
             elif kind == "hello_resend":
                 engine = self._engines.get(name)
                 if engine is not None and engine.state is _EngineState.HELLO and engine.hello_pending:
