@@ -40,6 +40,8 @@ class DropPeer:
 
     engine_id: str
     reason: str
+    ranks: tuple[int, ...] = ()
+    """P: only these D TP ranks (a D rank restarted under the same name); empty: the whole engine."""
 
 
 @attrs.frozen

@@ -152,10 +152,16 @@ class _Producer:
     """When a request last registered with this engine (D's clock)."""
     heard: dict[str, float] = attrs.field(factory=dict)
     """When each agent was last heard from (D's clock), while D asks it about requests."""
+    asked: dict[str, float] = attrs.field(factory=dict)
+    """When D sent each idle agent the oldest keepalive it has not answered (D's clock)."""
     requests: set[str] = attrs.field(factory=set)
     error: str = ""
     failures: int = 0
     failed_at: float = 0.0
+    dead: Mapping[str, str] = attrs.field(factory=dict)
+    """The incarnations of the agents loaded when it last failed: a handshake loading them
+    again does not lengthen the backoff (P's side channel still serves a process that stopped
+    answering, e.g. while a restarted rank starts); one loading a new incarnation resets it."""
     previous: ProducerInfo | None = None
     """While reconnecting: what the engine's agents were (to spot a P restart)."""
     refused: bool = False
@@ -359,13 +365,15 @@ class DecodeCore:
                 f"succeed once that work ended)",
                 now,
             )
+        if engine.state is _EngineState.FAILED and engine.refused:
+            return out + self._close(rid, engine.error, now)
         if engine.state is _EngineState.FAILED:
-            why = (
-                engine.error
-                if engine.refused
-                else f"P engine {engine.engine_id!r} is unreachable: {engine.error}"
-            )
-            return out + self._close(rid, why, now)
+            # In the engine's backoff: wait for the next attempt (at the backoff's end; bounded
+            # by the watchdog), which fails it with its reason or registers it. Failing it at
+            # once failed every request of a burst that came while a restarted P was starting.
+            engine.waiting.append(rid)
+            self._timers.arm(("retry", engine.engine_id), self._retry_at(engine))
+            return out
         if engine.state is _EngineState.READY:
             return out + self._register(rid, now)
         engine.waiting.append(rid)
@@ -390,6 +398,20 @@ class DecodeCore:
             self.forget_engine(engine.engine_id)
             moved.append(DropPeer(params.remote_engine_id, why))
             engine = None
+        silent = self._silent_agents(engine, now) if engine is not None and not engine.requests else []
+        if silent:
+            # Idle, and its keepalives went unanswered for longer than peer_silence_s: P may
+            # have restarted under the same agent names. Handshake afresh (P's side channel
+            # names the process that serves now) instead of registering with what was loaded.
+            # No failure is counted and nothing fails: the request waits for the handshake.
+            assert engine is not None
+            why = (
+                f"P agent(s) {silent} of idle engine {engine.engine_id!r} answered no keepalive for "
+                f"{self.s.peer_silence_s:g}s; handshaking afresh"
+            )
+            self.forget_engine(engine.engine_id)
+            moved.append(DropPeer(params.remote_engine_id, why))
+            engine = None
         retry = engine is not None and engine.state is _EngineState.FAILED and engine.info is None
         if engine is not None and not (retry and now >= self._retry_at(engine)):
             return []
@@ -399,6 +421,8 @@ class DecodeCore:
             # Its closing requests stay the engine's: the engine is not forgotten under them,
             # and a new request of their key first asks P again for their unanswered CANCELs.
             engine.failures, engine.requests = failed.failures, failed.requests
+            engine.dead, engine.waiting = failed.dead, failed.waiting
+            self._timers.disarm(("retry", engine.engine_id))
         self._engines[engine.engine_id] = engine
         return [*moved, Connect(engine.engine_id, engine.host, engine.port)]
 
@@ -468,6 +492,8 @@ class DecodeCore:
             engine.fenced_while_connecting = False  # this Connect comes after the fence
             return [*out, Connect(engine.engine_id, engine.host, engine.port)]
         engine.info = info
+        if engine.dead and any(engine.dead.get(a) not in (None, inc) for a, inc in info.incarnations.items()):
+            engine.failures = 0  # a new P process: its own failures count from here
         for agent in info.agents.values():
             self._agent_engine[agent] = engine_id
         engine.state = _EngineState.HELLO
@@ -519,6 +545,7 @@ class DecodeCore:
         engine = self._engines.get(engine_id) if engine_id else None
         if engine is not None:
             engine.heard[agent] = now
+            engine.asked.pop(agent, None)
         if kind is NotificationKind.FAILED and note.request_id == HELLO_REQUEST_ID:
             return self._on_refused(agent, engine, note, now)
         if kind is NotificationKind.DONE or kind is NotificationKind.FAILED:
@@ -567,6 +594,11 @@ class DecodeCore:
                 out += self._stamp_awaited(name, None, now)
             elif kind == "acks":
                 out += self._on_acks_timeout(name, now)
+            elif kind == "retry":
+                engine = self._engines.get(name)
+                waiting = [r for r in engine.waiting if r in self._requests] if engine is not None else []
+                if engine is not None and engine.state is _EngineState.FAILED and waiting:
+                    out += self._engine_wanted(self._requests[waiting[0]].meta, now)
             elif kind == "hello_resend":
                 engine = self._engines.get(name)
                 if engine is not None and engine.state is _EngineState.HELLO and engine.hello_pending:
@@ -1094,6 +1126,7 @@ class DecodeCore:
         engine.stamped.clear()
         engine.stamp_seq.clear()
         engine.heard.clear()
+        engine.asked.clear()
         engine.hello_pending.clear()
 
     def _reconnect(self, engine: _Producer, reason: str, fence: Fence | None = None) -> list[Any]:
@@ -1240,6 +1273,7 @@ class DecodeCore:
         ):
             self._reject(agent, note, "a refusal of a handshake this rank is not running with that agent")
             return []
+        engine.dead = {}  # a refusal is no dead process: the backoff grows as for any failure
         out = self._engine_failed(engine, note.reason, now)
         engine.refused = True
         return out
@@ -1320,7 +1354,11 @@ class DecodeCore:
         engine.state = _EngineState.FAILED
         engine.error = reason
         engine.refused = False
-        engine.failures += 1
+        loaded = dict(engine.info.incarnations) if engine.info is not None else None
+        if loaded is None or loaded != engine.dead:
+            engine.failures += 1  # the same dead processes again: the backoff stays as it is
+        if loaded is not None:
+            engine.dead = loaded
         engine.failed_at = now
         self._timers.disarm(("hello", engine.engine_id))
         self._timers.disarm(("hello_resend", engine.engine_id))
@@ -1341,6 +1379,12 @@ class DecodeCore:
             return []
         self._forget_agents(engine)
         return [DropPeer(engine.engine_id, engine.error)]
+
+    def _silent_agents(self, engine: _Producer, now: float) -> list[str]:
+        """The agents of a ready engine that answered no keepalive for ``peer_silence_s``."""
+        if engine.state is not _EngineState.READY:
+            return []
+        return sorted(a for a, asked in engine.asked.items() if now - asked > self.s.peer_silence_s)
 
     def _retry_at(self, engine: _Producer) -> float:
         backoff = min(self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2 ** max(0, engine.failures - 1))
@@ -1393,12 +1437,15 @@ class DecodeCore:
         stamp): the next PUSH_REG then carries a grant at most about half a window old, and P
         need not ask for one first (a round trip). (Checked against this tick alone, an answer
         arriving just after the tick was skipped at the next one and the grant aged to a whole
-        window.) Only for ``keepalive_s`` after the engine's last request; not a liveness check:
-        an idle agent's silence fails nothing."""
+        window.) Only for ``keepalive_s`` after the engine's last request. An idle agent's
+        silence fails nothing; an idle engine whose keepalives went unanswered for
+        ``peer_silence_s`` is handshaken afresh at its next request (P may have restarted under
+        the same agent names: :meth:`_engine_wanted`)."""
         half_old_at = engine.stamped.get(agent, float("-inf")) + self.s.fresh_s / 2
         if not self._kept_alive(engine, now) or now + self.s.heartbeat_interval_s < half_old_at:
             return []
         self.stats["keepalives_sent"] += 1
+        engine.asked.setdefault(agent, now)
         reg = self._coordinates("(keepalive)", None, grant=engine.stamps.get(agent))
         return [Send(agent, wire.encode_heartbeat([], reg, self.s.tp_rank))]
 

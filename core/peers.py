@@ -359,12 +359,18 @@ class PeerRegistry:
         """The incarnation a loaded agent published ("" for an agent not loaded)."""
         return self._incarnations.get(agent, "")
 
-    def remove(self, engine_id: str) -> None:
-        """Forget an engine and release what was loaded for it (writer thread)."""
-        engine = self.engines.pop(engine_id, None)
+    def remove(self, engine_id: str, tp_ranks: Iterable[int] = ()) -> None:
+        """Forget an engine (or only its ``tp_ranks``) and release what was loaded for it
+        (writer thread)."""
+        engine = self.engines.get(engine_id)
         if engine is None:
             return
-        for peer_rank in engine.ranks.values():
+        only = set(tp_ranks)
+        gone = [rank for rank in engine.ranks if not only or rank.tp_rank in only]
+        removed = [engine.ranks.pop(rank) for rank in gone]
+        if not engine.ranks:
+            del self.engines[engine_id]
+        for peer_rank in removed:
             if peer_rank.agent:
                 self._incarnations.pop(peer_rank.agent, None)
                 self._transport.remove_peer(peer_rank.agent)

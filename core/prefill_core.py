@@ -208,6 +208,9 @@ class _Decode:
     """Keys per D agent whose fresh grant is to be asked once the rate limit allows."""
     deferred: list[tuple[str, Notification]] = attrs.field(factory=list)
     """Messages of a newer incarnation, handled once the stale agents are dropped."""
+    replacing: dict[int, str] = attrs.field(factory=dict)
+    """D ranks restarted under the same name whose old agent is dropped (why) once no WRITE
+    to it is in flight; their new start's messages wait in ``deferred`` till then."""
     owed: dict[int, list[tuple[str, str, bytes]]] = attrs.field(factory=dict)
     """Per D rank: (agent, incarnation, FAIL or CANCEL_ACK) for registrations answered before P
     loaded that rank, sent once it is loaded from that agent and incarnation (never to a later
@@ -326,6 +329,7 @@ class PrefillCore:
             "connects_deferred": 0,
             "prompt_mismatches": 0,
             "handshake_refusals": 0,
+            "decode_restarts": 0,
         }
 
     # ------------------------------------------------------------------ queries
@@ -525,16 +529,22 @@ class PrefillCore:
         return self._fail_request(request, reason, now)
 
     def unreachable(self, agent: str, error: str, now: float) -> list[Any]:
-        """Sending to ``agent`` raised: its endpoint is broken (D died, or D fenced this rank's
-        connections while this rank was stopped), and stays so. Its engine's requests fail (D
-        cannot be told) and the engine is forgotten once no WRITE of it is in flight, so that
-        D's next HELLO or registration handshakes afresh instead of being answered through
-        the broken endpoint for ever."""
+        """Sending to ``agent`` raised: its endpoint is broken (D's rank died, or it fenced this
+        rank's connections while this rank was stopped), and stays so. The requests holding
+        that D rank's registration (or a WRITE to it) fail, and its agent is forgotten once no
+        WRITE to it is in flight, so that its next HELLO or registration handshakes afresh
+        instead of being answered through the broken endpoint for ever. The D engine's other
+        ranks (other processes, other endpoints) go on."""
         engine = next((e for e in self._engines.values() if agent in e.agents.values()), None)
         if engine is None:
             return []
+        self.stats["dead_engines"] += 1
         reason = f"D agent {agent} is unreachable: {error}"
-        return self._engine_dead(engine, reason, now)
+        out: list[Any] = []
+        for rank in sorted(r for r, a in engine.agents.items() if a == agent):
+            if not engine.drop_when_idle and rank not in engine.replacing:
+                out += self._rank_gone(engine, rank, reason, now)
+        return out
 
     # ------------------------------------------------------------------ notifications
 
@@ -1167,19 +1177,70 @@ class PrefillCore:
     def _decode_restarted(
         self, engine: _Decode, reg: PushRegistration, agent: str, note: Notification, now: float
     ) -> list[Any]:
-        """D came back under the same engine id with a new incarnation: a new peer. Its
-        message is handled once the stale agents are gone (after their WRITEs settled)."""
+        """A D rank came back under the same engine id with a new incarnation: a new peer. Its
+        message is handled once the rank's stale agent is gone (after its WRITEs settled).
+        Only the requests holding a registration (or a WRITE) of the rank's old start fail:
+        that process is gone, with its request. The engine's other ranks, and the new start
+        once loaded, go on (their requests are served)."""
         engine.deferred.append((agent, note))
         if len(engine.deferred) > MAX_DEFERRED:
             dropped_agent, dropped = engine.deferred.pop(0)
             self._reject(dropped_agent, dropped, f"over {MAX_DEFERRED} messages held for a restarted D")
-        if engine.drop_when_idle:
+        rank = reg.decode_tp_rank
+        if engine.drop_when_idle or rank in engine.replacing:
             return []
+        self.stats["decode_restarts"] += 1
         reason = (
-            f"D engine {engine.engine_id!r} restarted (rank {reg.decode_tp_rank}: incarnation "
-            f"{engine.incarnations.get(reg.decode_tp_rank)} -> {reg.decode_incarnation})"
+            f"D engine {engine.engine_id!r} restarted (rank {rank}: incarnation "
+            f"{engine.incarnations.get(rank)} -> {reg.decode_incarnation})"
         )
-        return self._engine_dead(engine, reason, now)
+        return self._rank_gone(engine, rank, reason, now)
+
+    def _rank_gone(self, engine: _Decode, rank: int, reason: str, now: float) -> list[Any]:
+        """The process P loaded for D rank ``rank`` is gone (restarted, or its endpoint broke):
+        the requests holding its registration, or a WRITE to it, fail (it is not told: it
+        cannot hear, and its agent's name may be a new start's); the engine's other ranks are
+        told. Its agent is dropped once no WRITE to it is in flight."""
+        out: list[Any] = []
+        for request in list(self._requests.values()):
+            dest = request.dests.get(rank) if request.dests else None
+            wrote = dest is not None and (dest.unsettled or dest.state in (_Dest.INFLIGHT, _Dest.DONE))
+            if request.engine_id == engine.engine_id and (rank in request.regs or wrote):
+                # The old start is not told (its agent's name is the new start's now).
+                request.cancel_acks.pop(engine.agents.get(rank, ""), None)
+                out += self._fail_request(request, reason, now, untold=rank)
+        engine.replacing[rank] = reason
+        return out + self._maybe_drop_rank(engine, rank, now)
+
+    def _maybe_drop_rank(self, engine: _Decode, rank: int, now: float) -> list[Any]:
+        """Drop a restarted D rank's old agent once no WRITE to it is in flight, then handle
+        the new start's messages held meanwhile."""
+        if rank not in engine.replacing or any(
+            request.engine_id == engine.engine_id
+            and request.dests is not None
+            and rank in request.dests
+            and request.dests[rank].state is _Dest.INFLIGHT
+            for request in self._requests.values()
+        ):
+            return []
+        reason = engine.replacing.pop(rank)
+        agent = engine.agents.pop(rank, None)
+        engine.incarnations.pop(rank, None)
+        engine.hellos.pop(rank, None)
+        engine.hello_incarnations.pop(rank, None)
+        engine.owed.pop(rank, None)  # as when the whole engine is dropped
+        if agent is not None:
+            engine.last_want.pop(agent, None)
+            engine.want_pending.pop(agent, None)
+            self._timers.disarm(("want", engine.engine_id, agent))
+        out: list[Any] = [DropPeer(engine.engine_id, reason, (rank,))]
+        if not engine.agents and not engine.connecting and self._engines.get(engine.engine_id) is engine:
+            del self._engines[engine.engine_id]  # its last rank: forgotten, as a dropped engine
+        held = [m for m in engine.deferred if m[1].registration and m[1].registration.decode_tp_rank == rank]
+        engine.deferred = [m for m in engine.deferred if all(m is not h for h in held)]
+        for held_agent, held_note in held:
+            out += self.notification(held_agent, held_note, now)
+        return out
 
     @staticmethod
     def _restarted(engine: _Decode, reg: PushRegistration) -> bool:
@@ -1193,15 +1254,6 @@ class PrefillCore:
         """Does ``reg`` come from an older start of a D rank than the one P has loaded?"""
         known = engine.incarnations.get(reg.decode_tp_rank)
         return known is not None and reg.decode_incarnation < known
-
-    def _engine_dead(self, engine: _Decode, reason: str, now: float) -> list[Any]:
-        """Fail every request of ``engine`` without telling it (it cannot hear), then drop it."""
-        self.stats["dead_engines"] += 1
-        out: list[Any] = []
-        for request in list(self._requests.values()):
-            if request.engine_id == engine.engine_id:
-                out += self._fail_request(request, reason, now, tell_decode=False)
-        return out + self._drop_engine(engine, reason, now)
 
     def _drop_engine(self, engine: _Decode, reason: str, now: float) -> list[Any]:
         """Forget a D engine now, or once its WRITEs in flight settled (never under them)."""
@@ -1486,19 +1538,20 @@ class PrefillCore:
             dest.unsettled = True  # aborted or failed after it was posted
             request.failure = request.failure or dest.error
             entry = request.regs.get(rank)
-            if entry is not None:
+            if entry is not None and (engine is None or rank not in engine.replacing):
                 message = wire.encode_failed(entry.reg.request_id, self.s.rank, dest.error, unsettled=True)
                 out.append(Send(entry.agent, message))
         else:
             dest.state = _Dest.DONE
+        if engine is not None and rank in engine.replacing:
+            out += self._maybe_drop_rank(engine, rank, now)
         if engine is not None and engine.drop_when_idle and not engine.inflight:
             out += self._drop_engine(engine, engine.drop_when_idle, now)
         return out + self._maybe_end(request, now)
 
-    def _fail_request(
-        self, request: _Request, reason: str, now: float, *, tell_decode: bool = True
-    ) -> list[Any]:
-        """Stop posting for a request; report it once nothing of it is in flight."""
+    def _fail_request(self, request: _Request, reason: str, now: float, *, untold: int = -1) -> list[Any]:
+        """Stop posting for a request; report it once nothing of it is in flight (D rank
+        ``untold`` is not told: a restarted rank's old start, gone)."""
         request.failure = request.failure or reason
         out: list[Any] = []
         engine = self._engines.get(request.engine_id)
@@ -1509,7 +1562,7 @@ class PrefillCore:
             if dest is not None:
                 dest.state = _Dest.FAILED
             loaded = engine is not None and engine.agents.get(rank) == entry.agent
-            if tell_decode and loaded and entry.agent not in request.cancel_acks:
+            if loaded and rank != untold and entry.agent not in request.cancel_acks:
                 unsettled = dest is not None and dest.unsettled
                 message = wire.encode_failed(entry.reg.request_id, self.s.rank, reason, unsettled)
                 out.append(Send(entry.agent, message))

@@ -203,7 +203,6 @@ class PushSender(RankWorker):
         finished = _Finished(key, request_id, blocks, decode_engine_id or "", ready, fingerprint)
         self.run_on_writer(lambda: self._finished(finished))
 
-
     def _prompt_blocks(self, blocks: BlockIds, num_tokens: Any) -> BlockIds:
         """The prompt's blocks of a one-group block table: its first ``ceil(num_tokens /
         block_size)`` (``ConfigError`` for a bad count, one past the table, or several groups,
@@ -223,6 +222,7 @@ class PushSender(RankWorker):
                 f"tokens; block_ids hold {len(ids)}"
             )
         return (tuple(ids[:need]),)
+
     def abort(self, request_id: str, match_key: str | None = None) -> None:
         """Abort a finished prefill (the engine wants its blocks back): nothing more is posted,
         D fails the request at once instead of at its watchdog, and the request is reported in
@@ -382,9 +382,9 @@ class PushSender(RankWorker):
         elif isinstance(action, Connect):
             self._connect(action)
         elif isinstance(action, DropPeer):
-            logger.info("dropping D engine %s: %s", action.engine_id, action.reason)
-            self.peers.remove(action.engine_id)
-            self._forget_told(action.engine_id)
+            logger.info("dropping D engine %s %s: %s", action.engine_id, action.ranks or "", action.reason)
+            self.peers.remove(action.engine_id, action.ranks)
+            self._forget_told(action.engine_id, set(action.ranks) or None)
         elif isinstance(action, Abort):
             for handle in action.handles:
                 self._release_handle(handle)

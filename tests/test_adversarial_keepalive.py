@@ -15,7 +15,7 @@ import pytest
 from cluster import Cluster, wait_until
 
 from kvpush.core import notifications as wire
-from kvpush.core.actions import DropPeer, Fence, Post, Report, Send
+from kvpush.core.actions import Connect, DropPeer, Fence, Post, Report, Send
 from kvpush.core.decode_core import DecodeCore, DecodeSettings, ProducerInfo
 from kvpush.core.prefill_core import PrefillCore, PrefillSettings
 from kvpush.core.types import (
@@ -113,7 +113,7 @@ def _idle(d: DecodeCore, until: float, t: float = 0.1, answer_until: float = -1.
     [
         (0.0, -1.0, 100.0),  # no keepalive: nothing was asked of P while D was idle
         (KEEPALIVE_S, KEEPALIVE_S, 1000.0),  # keepalives ended after keepalive_s; P answered all
-        (KEEPALIVE_S, 30.0, 200.0),  # P stopped answering keepalives ("not a liveness check")
+        (KEEPALIVE_S, 30.0, 200.0),  # P stopped answering keepalives: handshaken afresh
     ],
     ids=["keepalive-off", "past-keepalive", "keepalives-unanswered"],
 )
@@ -129,7 +129,15 @@ def test_a_request_after_an_idle_pause_is_not_failed_for_the_silence_before_it(
     d = _ready_decode_after_one_request(keepalive_s=keepalive_s)
     t = _idle(d, idle_until, answer_until=answer_until)
     assert not d._requests
-    assert [n.kind.value for n in _sent(d.add(_meta("r2", "k2"), t))] == ["push_reg"]
+    added = d.add(_meta("r2", "k2"), t)
+    if 0 < answer_until < keepalive_s:
+        # Its keepalives went unanswered for longer than peer_silence_s: P may have restarted
+        # under its agents' names, so D handshakes afresh (tests/test_probe_restart_liveness.py);
+        # nothing fails, the request waits for it.
+        assert [type(a) for a in added] == [DropPeer, Connect] and not _reports(added)
+        assert [n.kind.value for n in _sent(d.connected("P", _info(), "", t))] == ["hello"]
+        added = d.notification(P_AGENT, _answer(t), t)
+    assert [n.kind.value for n in _sent(added)] == ["push_reg"]
     first = d.handle_timer(t + HEARTBEAT_S)
     assert not _reports(first), f"r2 failed for the silence before it: {_reports(first)}"
     assert [n.request_ids for n in _sent(first)] == [("k2",)]  # P is asked about k2 now

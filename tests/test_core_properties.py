@@ -378,7 +378,11 @@ class CoreCluster(RuleBasedStateMachine):
                             p.told.pop(d.agent, None)
                 self.handshakes.append((p, action))
             elif isinstance(action, DropPeer):
-                p.registry.pop(action.engine_id, None)
+                ranks = p.registry.get(action.engine_id, {})
+                for r in action.ranks or list(ranks):
+                    ranks.pop(r, None)
+                if not ranks:
+                    p.registry.pop(action.engine_id, None)
             elif isinstance(action, Abort):
                 for handle in action.handles:
                     w = self.writes[handle]
