@@ -254,7 +254,8 @@ def _restart_decode_rank(
         per_rank = tracker.d_outcome.setdefault(rid, {})
         if victim.key not in per_rank:
             per_rank[victim.key] = ("failed", "D rank killed")
-            tracker.released.setdefault(rid, set()).add(victim.key)  # its memory is gone
+        if per_rank[victim.key][0] != "done":  # reported failed or cancelled, maybe not released:
+            tracker.released.setdefault(rid, set()).add(victim.key)  # its memory is gone with it
     spec = next(spec for spec in d_specs if spec.parallel.rank == victim.key)
     (fresh,), payloads = _start_ranks([spec], timeout_s=120)
     ranks.append(fresh)
