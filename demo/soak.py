@@ -6,7 +6,13 @@ WRITEs failing, each at ``fault_rate``; WRITEs held in flight for 30 ms at 10× 
 aborts race in-flight WRITEs). Every request is dispatched to both legs at once; a share
 ``abort_rate`` of them is cancelled on D at a random moment (before P finishes, right after, or a
 few milliseconds later). When D reports a request cancelled or failed, its blocks are filled with
-a sentinel (the engine would reuse them); after the run every sentinel must be intact.
+a sentinel (the engine would reuse them); after the run every sentinel must be intact, and
+every D block no request named must still be zero.
+
+``p_kills`` / ``d_kills`` SIGKILL rank processes mid-run and start them again under the same
+engine id and rank (the same agent name, a new incarnation); ``p_pauses`` stops P rank
+processes (SIGSTOP) for ``pause_s``. ``device`` and ``transport_inner`` (``cuda_ipc``) run it
+on a GPU over kernel copies.
 
 The report: ``requests``, ``verified`` (every D rank done, every byte checked), ``failed_with_reason``,
 ``aborted`` (reported cancelled), ``writes_into_freed_blocks``, ``leaked_handles`` (transfer
@@ -172,7 +178,8 @@ _PAUSED: list[threading.Timer] = []
 
 
 def _disruption_schedule(cfg: SoakConfig) -> dict[int, str]:
-    """Dispatch index -> ``"kill"`` or ``"pause"``, spread evenly over the middle of the run."""
+    """Dispatch index -> ``"kill"`` / ``"pause"`` (a P rank) or ``"dkill"`` (a D rank), spread
+    evenly over the run."""
     kinds = ["kill"] * cfg.p_kills + ["pause"] * cfg.p_pauses + ["dkill"] * cfg.d_kills
     random.Random(cfg.seed + 7).shuffle(kinds)
     step = cfg.requests / (len(kinds) + 1)
@@ -358,9 +365,9 @@ class _Tracker:
     p_outcome: dict[str, dict[RankKey, str | None]] = attrs.field(factory=dict)
     resolved_at: dict[str, float] = attrs.field(factory=dict)
     released: dict[str, set[RankKey]] = attrs.field(factory=dict)
+    """D ranks that released a failed or cancelled request's blocks."""
     restarted_at: dict[int, float] = attrs.field(factory=dict)
     """Dispatch index -> when a killed rank's new process was published."""
-    """D ranks that released a failed or cancelled request's blocks."""
 
     def rank_killed(self, key: RankKey) -> None:
         """A P rank process died: it reports nothing more for the requests dispatched so far."""

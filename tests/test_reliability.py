@@ -269,8 +269,14 @@ def test_sigkill_decode_mid_transfer_fails_requests_without_leaks() -> None:
 
 def test_restarted_decode_under_the_same_name_is_reloaded() -> None:
     """Issue 11.2: the restarted D has a new incarnation, so P drops the stale agents and loads
-    the new ones at its HELLO (no longer a flake: see the 20-run figure in docs/reliability.md)."""
-    with Engines(prefill_pp=1, decode_tp=1, lease_s=2.0, heartbeat_interval_s=0.2) as engines:
+    the new ones at its HELLO (no longer a flake: see the 20-run figure in docs/reliability.md).
+    P drops the dead start's agent only once its WRITEs settled, so a WRITE in flight at the
+    kill holds the new start's HELLO for up to P's WRITE deadline: shorter here than D's HELLO
+    timeout (5 s; with the default 10 s deadline the first request after the restart failed
+    'P did not answer this rank's HELLO' whenever a WRITE was in flight, as under CI load)."""
+    with Engines(
+        prefill_pp=1, decode_tp=1, lease_s=2.0, heartbeat_interval_s=0.2, write_deadline_s=2.0
+    ) as engines:
         _kill_decode_mid_transfer(engines)
         engines.restart_decode()  # same agent name: P must have removed the dead one
         engines.plan("after", [200, 201], [200, 201])
