@@ -579,7 +579,7 @@ class ServePair:
         from kvpush.demo.bench import RawAgent
 
         os.environ.setdefault("UCX_LOG_LEVEL", "error")
-        if "kernel" in modes:
+        if {"kernel", "kernel_writer"} & set(modes):
             from kvpush.demo.serve_kernel import require_cuda
 
             require_cuda(w.device)
@@ -629,7 +629,7 @@ class ServePair:
             self.pools = [BlockPool(n, w.seed + 100 + g) for g, n in enumerate(w.pool())]
             self.region_bytes = [r.block_len for r in self.regions]
             self.groups = [r.kv_group for r in self.regions]
-            if "kernel" in modes:
+            if {"kernel", "kernel_writer"} & set(modes):
                 self._start_kernel(config)
         except BaseException:
             self.close()
@@ -740,8 +740,8 @@ class ServePair:
         ``"nixl"`` for raw NIXL, ``"kernel"`` for the one-kernel copy); returns every outcome."""
         from kvpush.core.planning import descriptor_ids
 
-        if ideal == "kernel":
-            return self._run_kernel(rate, lengths, prefill_ms)
+        if ideal in ("kernel", "kernel_writer"):
+            return self._run_kernel(rate, lengths, prefill_ms, writer=ideal == "kernel_writer")
         ideal = bool(ideal)
         w = self.w
         self.runs += 1
@@ -863,9 +863,14 @@ class ServePair:
             o.marks = trace.get(o.rid, {})
         return outcomes
 
-    def _run_kernel(self, rate: float, lengths: Sequence[int], prefill_ms: float | None) -> list[Outcome]:
+    def _run_kernel(
+        self, rate: float, lengths: Sequence[int], prefill_ms: float | None, *, writer: bool = False
+    ) -> list[Outcome]:
         """The kernel ideal under the same arrivals: at each finish one launch of the request's
-        precomputed spans; done when its event has completed (polled); samples compared."""
+        precomputed spans; done when its event has completed (polled); samples compared.
+
+        ``writer``: the finish is handed to a :class:`KernelWriter` thread that launches and
+        polls as kvpush's writer does (the thread hop and poll interval, nothing else)."""
         if self.kernel is None:
             raise ValueError("this pair was started without the kernel ideal (modes)")
         w = self.w
@@ -896,6 +901,7 @@ class ServePair:
             release(number)
 
         deadline = arrivals[-1] + w.timeout_s + 5
+        thread = KernelWriter(self.kernel) if writer else None
         while pending:
             now = time.monotonic()
             if now > deadline:
@@ -939,13 +945,25 @@ class ServePair:
                 number = finishes.pop(0)[1]
                 o = outcomes[number]
                 o.finish = time.monotonic()
+                if thread is not None:
+                    thread.hand(number, live[number][2])
+                    events[number] = None
+                    continue
                 events[number] = self.kernel.launch(live[number][2])
                 o.marks = {"post": o.finish, "posted": time.monotonic()}
+            ended = thread.take() if thread is not None else {}
             for number, event in list(events.items()):
-                if event is not None and not event.query():
+                if thread is not None:
+                    if number not in ended:
+                        continue
+                    o = outcomes[number]
+                    o.marks = ended[number]
+                    o.done = o.marks["settled"]
+                elif event is not None and not event.query():
                     continue
-                o = outcomes[number]
-                o.done = o.marks["settled"] = time.monotonic()
+                else:
+                    o = outcomes[number]
+                    o.done = o.marks["settled"] = time.monotonic()
                 del events[number]
                 p_blocks, d_blocks, _spans, verify = live[number]
                 held[number] = (p_blocks, d_blocks)
@@ -955,15 +973,17 @@ class ServePair:
                     del live[number]
                     release(number)
                 pending -= 1
-            if not events:
+            if not events or thread is not None:
                 waits = [arrivals[next_arrival] if next_arrival < len(outcomes) else now + 0.01]
                 if finishes:
                     waits.append(finishes[0][0])
                 sleep = min(waits) - time.monotonic()
-                if sleep > 0 and checks:
+                if sleep > 0 and checks and not events:
                     checks.run_one(checked)
                 elif sleep > 0:
                     time.sleep(min(sleep, 0.001))
+        if thread is not None:
+            thread.stop()
         checks.run_all(checked)
         for number in list(held):
             release(number)
@@ -1179,7 +1199,7 @@ def run(
                 with GcPauses() as pauses:
                     entry[key] = summarize(rate, pair.run(rate, lengths, ideal=name, say=say))
                 entry[key]["gc_here"] = pauses.summary()
-                say(_line(key[:7], entry[key]))
+                say(_line(IDEAL_TAGS[name], entry[key]))
                 for miss in entry[key]["verify_misses"]:
                     say(f"  WRONG BYTES: {miss}")
             results.append(entry)
@@ -1241,15 +1261,88 @@ def run(
     }
 
 
-IDEAL_KEYS = {"nixl": "ideal", "kernel": "ideal_kernel"}
+IDEAL_KEYS = {"nixl": "ideal", "kernel": "ideal_kernel", "kernel_writer": "ideal_kernel_writer"}
 """``--ideal`` choice -> its key in each run's entry (``ideal`` stays raw NIXL's)."""
+IDEAL_TAGS = {"nixl": "ideal", "kernel": "ideal_k", "kernel_writer": "ideal_kw"}
+"""``--ideal`` choice -> its tag in the printed table."""
 IDEAL_WHAT = {
     "nixl": "raw NIXL: per (P rank, D rank) pair one WRITE of the request's per-block "
     "descriptors and one notification, posted at the finish (one pair: ids and handle made at "
     "the finish; multi-rank: handle made at arrival, only posted at the finish)",
     "kernel": "one kernel per P rank copying the request's slices into a second allocation on "
     "D's device (no IPC, no notification)",
+    "kernel_writer": "the kernel ideal launched and polled by a writer thread woken by the finish, "
+    "as kvpush's writer is (the thread hop and the poll interval, no planning, no notification)",
 }
+
+
+class KernelWriter:
+    """The kernel ideal's launches on a thread of their own, woken and polling as kvpush's
+    writer is (``WorkerConfig``'s poll intervals, ``FRESH_POLL_S`` while a copy runs, the same
+    timer slack): what a Python connector with a writer thread pays before any logic of its
+    own. :meth:`hand` queues a finish; :meth:`take` returns the ended ones' stamps."""
+
+    def __init__(self, kernel: Any) -> None:
+        import queue
+        import threading
+
+        self.kernel = kernel
+        self._todo: queue.SimpleQueue[tuple[int, Any, float]] = queue.SimpleQueue()
+        self._ended: queue.SimpleQueue[tuple[int, dict[str, float]]] = queue.SimpleQueue()
+        self._wake = threading.Lock()
+        self._wake.acquire()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kernel-writer", daemon=True)
+        self._thread.start()
+
+    def hand(self, number: int, spans: Any) -> None:
+        self._todo.put((number, spans, time.monotonic()))
+        if self._wake.locked():
+            with contextlib.suppress(RuntimeError):
+                self._wake.release()
+
+    def take(self) -> dict[int, dict[str, float]]:
+        out: dict[int, dict[str, float]] = {}
+        while not self._ended.empty():
+            number, marks = self._ended.get_nowait()
+            out[number] = marks
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(RuntimeError):
+            self._wake.release()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        import queue
+
+        from kvpush.core.worker import FRESH_POLL_S, WorkerConfig, set_timer_slack
+
+        defaults = WorkerConfig.__attrs_attrs__  # type: ignore[attr-defined]
+        idle = next(a.default for a in defaults if a.name == "idle_poll_s")
+        slack = next(a.default for a in defaults if a.name == "timer_slack_ns")
+        set_timer_slack(slack)
+        if self.kernel.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.kernel.device)
+        running: dict[int, tuple[Any, dict[str, float]]] = {}
+        while not self._stop.is_set():
+            while True:
+                try:
+                    number, spans, handed = self._todo.get_nowait()
+                except queue.Empty:
+                    break
+                marks = {"post": time.monotonic(), "handed": handed}
+                running[number] = (self.kernel.launch(spans), marks)
+                marks["posted"] = time.monotonic()
+            for number, (event, marks) in list(running.items()):
+                if event is None or event.query():
+                    marks["settled"] = time.monotonic()
+                    self._ended.put((number, marks))
+                    del running[number]
+            self._wake.acquire(timeout=FRESH_POLL_S if running else idle)
 
 
 def _sender_stats(pair: Any) -> dict[str, Any]:
@@ -1269,7 +1362,12 @@ def plot(result: dict[str, Any], path: str) -> str:
     except ImportError:
         return f"--plot: matplotlib is not installed; no plot written to {path}"
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method, style in (("kvpush", "-"), ("ideal", "--"), ("ideal_kernel", ":")):
+    for method, style in (
+        ("kvpush", "-"),
+        ("ideal", "--"),
+        ("ideal_kernel", ":"),
+        ("ideal_kernel_writer", "-."),
+    ):
         runs = [r for r in result["runs"] if method in r]
         if not runs:
             continue
@@ -1338,7 +1436,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         choices=sorted(IDEAL_KEYS),
         help="ideal(s) replayed under the same arrivals, repeatable (default: nixl); kernel: the "
-        "one-kernel copy into a second allocation on D's device (CUDA only)",
+        "one-kernel copy into a second allocation on D's device (CUDA only); kernel_writer: that "
+        "copy launched and polled by a writer thread, as kvpush's writer does (CUDA, one rank pair)",
     )
     group.add_argument(
         "--prefill-pp", type=int, default=None, help="P pipeline stages, one process each x TP (default 1)"
@@ -1392,8 +1491,14 @@ def workload_from(args: argparse.Namespace) -> Workload:
 
 
 def check_ideals(w: Workload, ideals: Sequence[str]) -> None:
-    """Refuse, before anything starts, an ideal this workload's devices cannot run."""
-    if "kernel" in ideals:
+    """Refuse, before anything starts, an ideal this workload's devices or topology cannot run."""
+    if "kernel_writer" in ideals and w.multi_rank:
+        from kvpush.core.errors import ConfigError
+
+        raise ConfigError(
+            "--ideal kernel_writer runs with one P and one D rank only (no --prefill-pp/-tp, --decode-tp)"
+        )
+    if {"kernel", "kernel_writer"} & set(ideals):
         from kvpush.demo.serve_kernel import require_cuda
 
         for device in {*w.rank_devices()[0], *w.rank_devices()[1]}:

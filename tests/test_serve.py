@@ -397,6 +397,25 @@ def test_pair_kernel_ideal_run_replays_the_arrivals(cpu_kernel) -> None:
     assert 0 < s["p50_ms"] <= s["max_ms"]
 
 
+def test_pair_kernel_writer_ideal_hands_each_finish_to_a_thread(cpu_kernel) -> None:
+    """``--ideal kernel_writer``: the same copies launched and polled on a writer thread; every
+    request lands, the samples compare equal, and each was launched after its finish."""
+    w = serve.Workload(layers=2, median_tokens=40, max_tokens=96, requests=6, verify_every=2, poll_s=1e-3)
+    with serve.ServePair(w, modes=("kvpush", "kernel_writer")) as pair:
+        outcomes = pair.run(20.0, w.prompt_lengths(), ideal="kernel_writer", say=lambda _m: None)
+    s = serve.summarize(20.0, outcomes)
+    assert s["completed"] == 6 and s["verified"] == 3 and s["verify_failed"] == 0, s
+    for o in outcomes:
+        assert o.finish <= o.marks["handed"] <= o.marks["post"] <= o.marks["settled"] == o.done
+
+
+def test_kernel_writer_ideal_is_refused_for_several_ranks() -> None:
+    from kvpush.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="kernel_writer runs with one P and one D rank"):
+        serve.check_ideals(serve.Workload(prefill_tp=2), ["kernel_writer"])
+
+
 def _cuda() -> bool:
     from kvpush.core.kernels import triton_available
 
@@ -411,8 +430,9 @@ def test_kernel_ideal_on_cuda_replays_and_verifies(topology: dict) -> None:
     w = serve.Workload(
         layers=2, median_tokens=40, max_tokens=96, requests=8, verify_every=2, device="cuda:0", **topology
     )
-    result = serve.run(w, [20.0], sweep=False, p99_factor=2.0, ideal=["nixl", "kernel"], say=lambda _m: None)
+    ideals = ["nixl", "kernel"] if topology else ["nixl", "kernel", "kernel_writer"]
+    result = serve.run(w, [20.0], sweep=False, p99_factor=2.0, ideal=ideals, say=lambda _m: None)
     (entry,) = result["runs"]
-    for method in ("kvpush", "ideal", "ideal_kernel"):
+    for method in ("kvpush", "ideal", "ideal_kernel", *(["ideal_kernel_writer"] if not topology else [])):
         s = entry[method]
         assert s["completed"] == 8 and s["verified"] == 4 and s["verify_failed"] == 0, (method, s)
