@@ -307,9 +307,11 @@ HOOKS = ("build_read_specs", "transfer_strategy", "expected_producers")
 
 
 def _top(profiler: cProfile.Profile, n: int) -> str:
+    """The top ``n`` functions, by own time (``KVPUSH_PROFILE_SORT=cumulative``: by time with
+    callees, which shows the writer's stages; D's writer reads it too)."""
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(n)
+    stats.sort_stats(os.environ.get("KVPUSH_PROFILE_SORT", "tottime")).print_stats(n)
     return text.getvalue()
 
 
@@ -402,7 +404,7 @@ def profile_shape(
         p_profile = ""
         if profiler is not None:
             pair.sender.call_on_writer(profiler.disable)
-            p_profile = _top(profiler, 30)
+            p_profile = _top(profiler, 60)
     FAST["on"] = True
     stages = {k: statistics.median(r[k] for r in rows if k in r) for k in rows[-1]}
     off = {k: statistics.median(r[k] for r in off_rows if k in r) for k in rows[-1]} if off_rows else {}
@@ -519,12 +521,19 @@ def main(argv: list[str] | None = None) -> int:
         "--cprofile", action="store_true", help="also print cProfile tops of P's and D's writer"
     )
     parser.add_argument(
+        "--cprofile-sort",
+        choices=["tottime", "cumulative"],
+        default="tottime",
+        help="order of the cProfile tops: own time (default) or with callees (the stages)",
+    )
+    parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
         help="KV caches on cuda:0 (shapes direct32m, ipc256m)",
     )
     args = parser.parse_args(argv)
+    os.environ["KVPUSH_PROFILE_SORT"] = args.cprofile_sort  # D's process inherits it
     device = "cuda:0" if args.device == "cuda" else "cpu"
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     if args.d_busy_poll_us is not None:
@@ -556,8 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         if result["launches"]:
             print(f"kernel launches on P: {result['launches']}")
         if args.cprofile:
-            print("\n-- P writer thread, cProfile by own time --\n" + result["p_profile"])
-            print("\n-- D writer thread, cProfile by own time --\n" + result["d_profile"])
+            print("\n-- P writer thread, cProfile (" + args.cprofile_sort + ") --\n" + result["p_profile"])
+            print("\n-- D writer thread, cProfile (" + args.cprofile_sort + ") --\n" + result["d_profile"])
         sys.stdout.flush()
     return 0
 
