@@ -299,9 +299,10 @@ class Engines:
             "transfer_id": key,
         }
 
-    def add(self, rid: str, pages: Any, key: str) -> None:
+    def add(self, rid: str, pages: Any, key: str, **kwargs: Any) -> None:
+        """Register D's pages on every D rank; ``kwargs``: ``block_start``, ``num_tokens``."""
         for receiver in self.receivers.values():
-            receiver.add_request_params(rid, pages, self.params(key))
+            receiver.add_request_params(rid, pages, self.params(key), **kwargs)
 
     def finish(self, rid: str, pages: Any, key: str, **kwargs: Any) -> None:
         for sender in self.senders.values():
@@ -363,7 +364,8 @@ def push_and_check(
     token ``cached``), push, and check every byte of every D buffer."""
     engines.prefill(p_pages, tokens)
     before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
-    engines.add("d-1", d_pages, "x-1")
+    page = engines.d_pools[0].page
+    engines.add("d-1", d_pages, "x-1", block_start=cached // page, num_tokens=tokens)
     engines.finish("p-1", p_pages, "x-1")
     d, p = engines.wait()
     assert set(d.values()) == {None} and set(p.values()) == {None}, (d, p)
@@ -563,7 +565,6 @@ LENGTHS_UNCHECKED = (
 )
 
 
-@pytest.mark.xfail(strict=True, reason=LENGTHS_UNCHECKED)
 @pytest.mark.parametrize("page", [1, 16])
 def test_prefill_passing_a_page_beyond_the_prompt_moves_the_right_bytes_or_fails(page: int) -> None:
     """P's engine passes its request's page table after the prefill, which holds one page more
@@ -577,7 +578,6 @@ def test_prefill_passing_a_page_beyond_the_prompt_moves_the_right_bytes_or_fails
         assert outcome_or_bytes(engines, p_pages, d_pages, tokens) == []
 
 
-@pytest.mark.xfail(strict=True, reason=LENGTHS_UNCHECKED)
 @pytest.mark.parametrize("page", [1, 16])
 def test_decode_registering_a_page_short_of_its_suffix_moves_the_right_bytes_or_fails(page: int) -> None:
     """D has no prefix hit but registers one page fewer than the prompt holds (it counted
