@@ -381,19 +381,17 @@ def pair_blocks(
             paired.append(())  # no layer of it here (another PP stage writes it), or nothing
             continue
         first = p_start[group] if p_start is not None else 0
-        mine = f"P holds blocks {first} to {first + len(p_ids) - 1} ({len(p_ids)} blocks)"
-        if p_tokens is not None:
-            mine += f" of its {p_tokens}-token prompt"
         if decode_start is None:
             if len(d_ids) != len(p_ids):
                 raise ConfigError(
                     f"request {request_id!r}: D registered {len(d_ids)} blocks in KV group {group} "
-                    f"without stating where they start in the prompt, and {mine}: a prefix hit on "
-                    f"D, a registration short of the prompt's end and a block P holds past it look "
-                    f"alike, so P writes nothing. D must state block_start (add_request_params(..., "
-                    f"block_start=, num_tokens=); a D of this release does when its engine passes it)"
+                    f"without stating where they start in the prompt, and "
+                    f"{_holds(first, p_ids, p_tokens)}: a prefix hit on D, a registration short of "
+                    f"the prompt's end and a block P holds past it look alike, so P writes nothing. "
+                    f"D must state block_start (add_request_params(..., block_start=, num_tokens=); "
+                    f"a D of this release does when its engine passes it)"
                 )
-            paired.append(tuple(p_ids))
+            paired.append(p_ids)
             continue
         at = decode_start[group]
         if at < first or at + len(d_ids) > first + len(p_ids):
@@ -401,12 +399,19 @@ def pair_blocks(
                 f"request {request_id!r}: D registered blocks {at} to {at + len(d_ids) - 1} of KV "
                 f"group {group} ({len(d_ids)} blocks from block_start={at}"
                 f"{f', a {decode_tokens}-token prompt' if decode_tokens is not None else ''}), but "
-                f"{mine}: P cannot fill them, so it writes nothing"
+                f"{_holds(first, p_ids, p_tokens)}: P cannot fill them, so it writes nothing"
             )
-        paired.append(tuple(p_ids[at - first : at - first + len(d_ids)]))
+        skip = at - first
+        paired.append(p_ids if skip == 0 and len(d_ids) == len(p_ids) else p_ids[skip : skip + len(d_ids)])
     if type(producer) is tuple and all(a is b or a == b for a, b in zip(paired, producer)):
         return producer  # every block pairs: the checked tuple itself (its checks are not redone)
     return tuple(paired)
+
+
+def _holds(first: int, ids: Sequence[int], tokens: int | None) -> str:
+    """What P holds of a group, for an error: ``P holds blocks 0 to 2 (3 blocks)``."""
+    prompt = f" of its {tokens}-token prompt" if tokens is not None else ""
+    return f"P holds blocks {first} to {first + len(ids) - 1} ({len(ids)} blocks){prompt}"
 
 
 def producer_ranks_for(decode_tp_rank: int, decode_tp: int, producer_tp: int) -> list[int]:

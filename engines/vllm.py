@@ -521,14 +521,15 @@ class _SchedulerSide:
         self.receiving.add(rid)
 
     def _load_end_error(self, request: Request, blocks: KVCacheBlocks) -> str | None:
-        """Why D cannot receive this load, or None. kvpush pairs P's and D's blocks from the end,
-        and P pushes the blocks up to the prompt's last token: D's must end there too. A load
-        vLLM cut short (it computes the rest itself) would end a block or more earlier, and
-        every block D registered would get P's KV of later tokens, silently."""
+        """Why D cannot receive this load, or None. D registers the blocks up to the prompt's last
+        token and states the prompt's length: a load vLLM cut short (it computes the rest
+        itself) ends a block or more earlier. Paired from the end (kvpush before block starts
+        were stated, or a P of that release) every block D registered would get P's KV of later
+        tokens, silently; it is refused here, before anything is registered."""
         num_tokens = request.num_prompt_tokens
         groups = self.kv_cache_config.kv_cache_groups
-        # Only the groups kvpush transfers pair from the end; vLLM sizes an excluded group (a
-        # device replica) its own way.
+        # Only the groups kvpush transfers are checked; vLLM sizes an excluded group (a device
+        # replica) its own way.
         for gid in getattr(self.kv_cache_config, "transfer_group_ids", range(len(groups))):
             group = groups[gid]
             if gid >= len(blocks.blocks):
@@ -539,8 +540,8 @@ class _SchedulerSide:
                 return (
                     f"vLLM allocated the load of {request.request_id!r} {have} blocks of {size} tokens "
                     f"in KV-cache group {gid}, the prompt's {num_tokens} tokens take {need}: kvpush "
-                    f"pairs blocks from the prompt's end, so the request fails rather than receive "
-                    f"another position's KV"
+                    f"receives the blocks up to the prompt's end, so the request fails rather than "
+                    f"risk another position's KV"
                 )
         return None
 
