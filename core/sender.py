@@ -239,7 +239,7 @@ class PushSender(RankWorker):
         from kvpush.core.types import to_block_start
 
         start = to_block_start(block_start)
-        if start is not None and len(start) != len(blocks):
+        if start is not None and any(blocks) and len(start) != len(blocks):
             raise ConfigError(
                 f"block_start gives {len(start)} start(s), block_ids {len(blocks)} KV group(s): "
                 f"pass one start per group (an int for one group)"

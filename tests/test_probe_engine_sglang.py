@@ -607,6 +607,37 @@ def test_decode_stating_its_start_gets_the_right_pages_from_a_table_a_page_longe
             assert mismatches(pools, logical(pools, d_pages, tokens, cached * page, before[tp])) == []
 
 
+def test_prefill_stating_where_its_pages_start_is_paired_by_index() -> None:
+    """P passes only the last pages of its prompt (as an engine keeping a sliding window does)
+    and states where they start; D, with a prefix hit, states its own start: P's page of D's
+    index lands in each of D's pages. A D start before P's first page is refused (below)."""
+    tokens, page = 100, 16  # 7 pages, the last partly used
+    p_pages = [1 + i for i in range(7)]
+    d_pages = [9, 10, 11]  # the prompt's pages 4, 5 and 6
+    with Engines(gqa(page), d_tp=2, p_pages=8, d_pages=12, transport="loopback") as engines:
+        engines.prefill(p_pages, tokens)
+        before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
+        engines.add("d-1", d_pages, "x-1", block_start=4, num_tokens=tokens)
+        engines.finish("p-1", p_pages[3:], "x-1", block_start=3)
+        d, p = engines.wait()
+        assert set(d.values()) == {None} and set(p.values()) == {None}, (d, p)
+        for tp, pools in engines.d_pools.items():
+            assert mismatches(pools, logical(pools, d_pages, tokens, 4 * page, before[tp])) == []
+        with pytest.raises(ConfigError, match="one start per group"):
+            engines.finish("p-2", [1, 2], "x-2", block_start=[0, 0])
+
+
+def test_a_decode_start_before_the_prefills_first_page_fails_and_writes_nothing() -> None:
+    with Engines(gqa(16), p_pages=8, d_pages=8, transport="loopback") as engines:
+        engines.prefill([1, 2, 3, 4], 60)
+        before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
+        engines.add("d-1", [5, 6, 7], "x-1", block_start=1, num_tokens=60)
+        engines.finish("p-1", [3, 4], "x-1", block_start=2)
+        d_why, p_why = _refused(engines, before)
+        for why in (d_why, p_why):
+            assert "D registered blocks 1 to 3 of KV group 0" in why and "P holds blocks 2 to 3" in why, why
+
+
 def _refused(engines: Engines, before: dict[int, Any]) -> tuple[str, str]:
     """D's and P's reasons for a push that must fail with nothing written: every D rank failed,
     released the request's pages (no WRITE can land) and kept its bytes; P's leg failed."""
