@@ -112,9 +112,9 @@ def install_switch() -> None:
     manager.KvpushPluginManager._direct_calls = (  # type: ignore[method-assign]
         lambda self, name: direct_calls(self, name) if FAST["on"] else None
     )
-    ids, trim = planning.descriptor_ids, planning.trim_for_prefix_hit
+    ids, pair = planning.descriptor_ids, planning.pair_blocks
     sender.descriptor_ids = lambda *a, **k: (ids if FAST["on"] else _baseline_ids)(*a, **k)
-    sender.trim_for_prefix_hit = lambda *a: (trim if FAST["on"] else _baseline_trim)(*a)
+    sender.pair_blocks = lambda *a, **k: (pair if FAST["on"] else _baseline_trim)(*a)
 
 
 def _baseline_ids(regions: Any, groups: Any, block_ids: Any, *, per_token: bool = True) -> Any:

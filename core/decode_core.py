@@ -1514,6 +1514,8 @@ class DecodeCore:
             grant=grant,
             fresh_s=self.s.fresh_s,
             prompt_fingerprint=receive.meta.params.prompt_fingerprint if receive is not None else None,
+            block_start=receive.meta.block_start if receive is not None else None,
+            num_tokens=receive.meta.num_tokens if receive is not None else None,
         )
 
 

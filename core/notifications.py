@@ -16,7 +16,10 @@ Direction and meaning (docs/reliability.md):
 - ``PUSH_REG`` D → P: D's request id, the match key, D's coordinates, incarnation, TP rank, its
   block ids, staging reservation, and a freshness *grant* (the newest stamp D had from this P
   agent) with the window ``fresh_s``; optionally ``pf``, the fingerprint of D's prompt (absent:
-  not given; P then pairs on the match key alone).
+  not given; P then pairs on the match key alone); since 2.2 optionally ``bs``, where D's
+  blocks start in the request's block sequence (one index per KV group: the blocks of a
+  prefix hit D skipped), and ``nt``, the prompt's length D expects (absent: not stated; P then
+  pairs only equal block counts, docs/engine-api.md).
 - ``HB`` D → P: the match keys D still waits for at this P agent and its coordinates; P keeps
   their leases and answers, but a heartbeat renews no grant (D sends a registration's PUSH_REG
   again when P wants its key).
@@ -50,7 +53,7 @@ from kvpush.core.types import (
 from kvpush.core.wire import MAX_PARALLEL as WIRE_MAX_PARALLEL
 from kvpush.core.wire import pack, unpack
 
-NOTIF_VERSION = (2, 1)
+NOTIF_VERSION = (2, 2)
 """(major, minor) of the notification format; only the major must match."""
 MAX_BLOCK_ID = (1 << 31) - 1
 MAX_PARALLEL = WIRE_MAX_PARALLEL
@@ -62,6 +65,8 @@ MAX_KEYS = 4096
 MAX_ID_CHARS = 1024
 MAX_REASON = 2000
 MAX_STAGING_OFFSET = 1 << 48
+MAX_TOKENS = 1 << 40
+"""Largest prompt length (tokens) a PUSH_REG may state."""
 
 PUSH_REG_PREFIX = b"PUSH_REG:"
 DONE_PREFIX = b"DONE:"
@@ -109,6 +114,10 @@ def encode_push_reg(reg: PushRegistration) -> bytes:
     )
     if reg.prompt_fingerprint is not None:  # optional: absent means "not given"
         body["pf"] = reg.prompt_fingerprint
+    if reg.block_start is not None:  # optional (2.2): absent means "not stated"
+        body["bs"] = list(reg.block_start)
+    if reg.num_tokens is not None:
+        body["nt"] = reg.num_tokens
     return _msg(PUSH_REG_PREFIX, body)
 
 
@@ -290,6 +299,22 @@ def _block_ids(value: Any, what: str) -> tuple[tuple[int, ...], ...]:
     return tuple(groups)
 
 
+def _block_start(value: Any, groups: int, what: str) -> tuple[int, ...] | None:
+    """A PUSH_REG's ``bs``: absent (not stated), or one block index per KV group."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list)
+        or len(value) != groups
+        or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_BLOCK_ID for s in value)
+    ):
+        raise WireError(
+            f"{what} field 'bs' (where D's blocks start) must be one int in [0, {MAX_BLOCK_ID}] per "
+            f"KV group of 'local_block_ids' ({groups}), got {str(value)[:80]}"
+        )
+    return tuple(value)
+
+
 def _decode_coordinates(
     body: Mapping[str, Any], what: str, *, request_id: str, match_key: str, block_ids: Any = ()
 ) -> PushRegistration:
@@ -429,6 +454,8 @@ def decode_notification(message: bytes) -> Notification | None:
             block_ids=block_ids,
             staging_offset=staging,
             prompt_fingerprint=fingerprint,
+            block_start=_block_start(body.get("bs"), len(block_ids), what),
+            num_tokens=None if body.get("nt") is None else _int_field(body, "nt", what, high=MAX_TOKENS),
             **coordinates,
         )
         return Notification(kind=kind, request_id=rid, registration=reg)

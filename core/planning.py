@@ -312,6 +312,108 @@ def trim_for_prefix_hit(
     return tuple(trimmed)
 
 
+class PromptBlocks(tuple):  # type: ignore[type-arg]
+    """A prefill rank's block ids of a request (per-group tuples, as :data:`BlockIds`) with what
+    P's engine stated about them: the groups this rank holds a layer of (``held``, None: all),
+    where each group's ids start in the request's block sequence (``start``, None: at block 0)
+    and the prompt's length (``num_tokens``, None: not stated). :func:`pair_blocks` reads them."""
+
+    held: frozenset[int] | None
+    start: tuple[int, ...] | None
+    num_tokens: int | None
+
+    def __new__(
+        cls,
+        groups: BlockIds,
+        held: Collection[int] | None = None,
+        start: tuple[int, ...] | None = None,
+        num_tokens: int | None = None,
+    ) -> PromptBlocks:
+        out = super().__new__(cls, groups)
+        out.held = None if held is None else frozenset(held)
+        out.start, out.num_tokens = start, num_tokens
+        return out
+
+    def __reduce__(self) -> Any:
+        return (PromptBlocks, (tuple(self), self.held, self.start, self.num_tokens))
+
+
+def pair_blocks(
+    producer: BlockIds,
+    decode: BlockIds,
+    request_id: str,
+    *,
+    decode_start: Sequence[int] | None = None,
+    decode_tokens: int | None = None,
+) -> BlockIds:
+    """P's blocks that pair with D's registered ones, per group: D's ``i``-th block of group
+    ``g`` receives P's block of index ``decode_start[g] + i`` in the request's block sequence
+    (P's ids start at index ``producer.start[g]``, 0 unless P's engine stated otherwise).
+
+    Never "from the end": with no ``decode_start`` (a D of an earlier release, or an engine
+    that cannot tell), P pairs only a group where D registered as many blocks as P holds;
+    fewer could be a prefix hit, a registration one block short or a block P holds past the
+    prompt, and P refuses to guess. ``ConfigError`` (naming both sides' blocks) when D's blocks
+    are not all within P's, or when both sides stated a prompt length and they differ: the
+    request fails and nothing is written. Groups this rank holds no layer of move nothing
+    (``()``), as in :func:`trim_for_prefix_hit`.
+    """
+    held = getattr(producer, "held", None)
+    p_start = getattr(producer, "start", None)
+    p_tokens = getattr(producer, "num_tokens", None)
+    if len(producer) != len(decode):
+        raise ConfigError(
+            f"request {request_id!r}: P has {len(producer)} KV-cache groups, D registered {len(decode)}"
+        )
+    if decode_tokens is not None and p_tokens is not None and decode_tokens != p_tokens:
+        raise ConfigError(
+            f"request {request_id!r}: D expects a prompt of {decode_tokens} tokens, P prefilled "
+            f"{p_tokens}: the two legs hold different prompts (or one counts wrong), so P writes "
+            f"nothing into D's blocks"
+        )
+    if decode_start is not None and len(decode_start) != len(decode):
+        raise ConfigError(
+            f"request {request_id!r}: D stated {len(decode_start)} block starts for {len(decode)} KV groups"
+        )
+    paired = []
+    for group, (p_ids, d_ids) in enumerate(zip(producer, decode)):
+        if (held is not None and group not in held) or not d_ids:
+            paired.append(())  # no layer of it here (another PP stage writes it), or nothing
+            continue
+        first = p_start[group] if p_start is not None else 0
+        if decode_start is None:
+            if len(d_ids) != len(p_ids):
+                raise ConfigError(
+                    f"request {request_id!r}: D registered {len(d_ids)} blocks in KV group {group} "
+                    f"without stating where they start in the prompt, and "
+                    f"{_holds(first, p_ids, p_tokens)}: a prefix hit on D, a registration short of "
+                    f"the prompt's end and a block P holds past it look alike, so P writes nothing. "
+                    f"D must state block_start (add_request_params(..., block_start=, num_tokens=); "
+                    f"a D of this release does when its engine passes it)"
+                )
+            paired.append(p_ids)
+            continue
+        at = decode_start[group]
+        if at < first or at + len(d_ids) > first + len(p_ids):
+            raise ConfigError(
+                f"request {request_id!r}: D registered blocks {at} to {at + len(d_ids) - 1} of KV "
+                f"group {group} ({len(d_ids)} blocks from block_start={at}"
+                f"{f', a {decode_tokens}-token prompt' if decode_tokens is not None else ''}), but "
+                f"{_holds(first, p_ids, p_tokens)}: P cannot fill them, so it writes nothing"
+            )
+        skip = at - first
+        paired.append(p_ids if skip == 0 and len(d_ids) == len(p_ids) else p_ids[skip : skip + len(d_ids)])
+    if type(producer) is tuple and all(a is b or a == b for a, b in zip(paired, producer)):
+        return producer  # every block pairs: the checked tuple itself (its checks are not redone)
+    return tuple(paired)
+
+
+def _holds(first: int, ids: Sequence[int], tokens: int | None) -> str:
+    """What P holds of a group, for an error: ``P holds blocks 0 to 2 (3 blocks)``."""
+    prompt = f" of its {tokens}-token prompt" if tokens is not None else ""
+    return f"P holds blocks {first} to {first + len(ids) - 1} ({len(ids)} blocks){prompt}"
+
+
 def producer_ranks_for(decode_tp_rank: int, decode_tp: int, producer_tp: int) -> list[int]:
     """P TP ranks that write into one D rank (the inverse of the built-in TP mapping)."""
     if producer_tp <= decode_tp:

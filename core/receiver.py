@@ -179,6 +179,7 @@ class PushReceiver(RankWorker):
                 f"chars, got {rid!r:.80}"
             )
         self._check_blocks(rid, request.block_ids, "block_ids")
+        self._check_start(request)
         request.params.match_key  # raises ConfigError naming the missing fields  # noqa: B018
         self._check_advertised(request.params)  # a loopback address for a remote P is refused
         with self._results_lock:
@@ -197,6 +198,31 @@ class PushReceiver(RankWorker):
             request = self._registered_as(request)
             self._live[request.request_id] = rid
         self.run_on_writer(lambda: self._add_guarded(request))
+
+    def _check_start(self, request: RequestMetadata) -> None:
+        """``block_start`` names one start per KV group of ``block_ids``; with ``num_tokens`` too,
+        a one-group request's blocks must end at the prompt's last block (``ConfigError`` naming
+        both lengths otherwise: P would fill the wrong blocks, or D would miss some)."""
+        start, blocks, tokens = request.block_start, request.block_ids, request.num_tokens
+        if start is None:
+            return
+        if len(start) != len(blocks):
+            raise ConfigError(
+                f"block_start of {request.request_id!r} gives {len(start)} start(s), block_ids "
+                f"{len(blocks)} KV group(s): pass one start per group (an int for one group)"
+            )
+        if tokens is None or len(blocks) != 1:
+            return  # several groups: windows (sliding-window groups) end where P's do
+        size = self.config.model.block_size
+        need = -(-tokens // size)
+        if start[0] + len(blocks[0]) != need:
+            raise ConfigError(
+                f"block_ids of {request.request_id!r} are blocks {start[0]} to "
+                f"{start[0] + len(blocks[0]) - 1} of the prompt (block_start={start[0]}, "
+                f"{len(blocks[0])} blocks), but its num_tokens={tokens} tokens take blocks 0 to "
+                f"{need - 1} of {size} tokens: register the blocks from block_start to the one "
+                f"holding the prompt's last token"
+            )
 
     def _registered_as(self, request: RequestMetadata) -> RequestMetadata:
         """``request`` under the id its registration carries: its own the first time, a fresh
@@ -243,9 +269,20 @@ class PushReceiver(RankWorker):
         return rid
 
     def add_request_params(
-        self, request_id: str, block_ids: BlockIdsLike, kv_transfer_params: Mapping[str, Any]
+        self,
+        request_id: str,
+        block_ids: BlockIdsLike,
+        kv_transfer_params: Mapping[str, Any],
+        *,
+        block_start: int | Sequence[int] | None = None,
+        num_tokens: int | None = None,
     ) -> None:
-        """:meth:`add_request` from a router's ``kv_transfer_params`` dict (vLLM field names)."""
+        """:meth:`add_request` from a router's ``kv_transfer_params`` dict (vLLM field names).
+
+        ``block_start``: where ``block_ids`` start in the request's blocks (per KV group; an
+        int for one group): the number of blocks of D's prefix-cache hit it skipped, 0 with no
+        hit. ``num_tokens``: the prompt's length. Both are D's own facts, sent to P, which pairs
+        its blocks by them and fails the request rather than guess (``RequestMetadata``)."""
         if not isinstance(request_id, str) or not request_id:
             raise ConfigError(f"request_id must be a non-empty string, got {request_id!r}")
         self.add_request(
@@ -253,6 +290,8 @@ class PushReceiver(RankWorker):
                 request_id=request_id,
                 block_ids=block_ids,
                 params=TransferParams.from_dict(kv_transfer_params),
+                block_start=block_start,
+                num_tokens=num_tokens,
             )
         )
 

@@ -22,7 +22,7 @@ from kvpush.core import notifications as wire
 from kvpush.core.actions import Abort, Connect, DropPeer, Post, Report, Send
 from kvpush.core.errors import ConfigError, KvpushError, TransferError, WaitTimeout
 from kvpush.core.peers import PeerEngine
-from kvpush.core.planning import descriptor_id_grid, descriptor_ids, trim_for_prefix_hit
+from kvpush.core.planning import descriptor_id_grid, descriptor_ids, pair_blocks
 from kvpush.core.prefill_core import PrefillCore, PrefillSettings
 from kvpush.core.sidechannel import SideChannelUnanswered, fetch_metadata
 from kvpush.core.transport import TransferState
@@ -148,6 +148,7 @@ class PushSender(RankWorker):
         ready: Any = None,
         prompt_fingerprint: str | None = None,
         num_tokens: int | None = None,
+        block_start: int | Sequence[int] | None = None,
     ) -> None:
         """Prefill of ``request_id`` finished; its KV sits in ``block_ids`` (per group).
 
@@ -171,7 +172,14 @@ class PushSender(RankWorker):
         ``num_tokens`` (optional, one-KV-group models): the prompt's length. P then pushes only
         the first ``ceil(num_tokens / block_size)`` blocks, the prompt's: a block table holding
         more (a block allocated ahead for decode, a lookahead) would otherwise shift every
-        block, as P pairs its blocks with D's from the end (docs/engine-api.md).
+        block of a D that does not state where its blocks start (docs/engine-api.md). It is
+        also compared with the prompt length D states: a push whose two lengths differ fails.
+
+        ``block_start`` (optional): where ``block_ids`` start in the request's blocks, per KV
+        group (an int for one group); default 0, the blocks from the prompt's first token. An
+        engine that passes a group's tail only (a sliding-window group cut to its window)
+        states its start. P pairs D's registered blocks by the start D states, never from the
+        end, and fails the request when its blocks do not hold all of D's.
 
         Raises ``ConfigError`` naming the argument for an empty or non-string id, negative,
         repeated or out-of-range block ids, a match key already in progress, a ``ready``
@@ -181,6 +189,8 @@ class PushSender(RankWorker):
         blocks = self._check_blocks(request_id, block_ids, "block_ids")
         if num_tokens is not None:
             blocks = self._prompt_blocks(blocks, num_tokens)
+        if num_tokens is not None or block_start is not None:
+            blocks = self._stated(blocks, block_start, num_tokens)
         key = request_id if match_key is None else match_key
         if not isinstance(key, str) or not key:
             raise ConfigError(f"match_key must be a non-empty string (or None), got {match_key!r}")
@@ -222,6 +232,19 @@ class PushSender(RankWorker):
                 f"tokens; block_ids hold {len(ids)}"
             )
         return (tuple(ids[:need]),)
+
+    def _stated(self, blocks: BlockIds, block_start: Any, num_tokens: int | None) -> BlockIds:
+        """``blocks`` with what the engine stated about them, for :func:`pair_blocks`."""
+        from kvpush.core.planning import PromptBlocks
+        from kvpush.core.types import to_block_start
+
+        start = to_block_start(block_start)
+        if start is not None and any(blocks) and len(start) != len(blocks):
+            raise ConfigError(
+                f"block_start gives {len(start)} start(s), block_ids {len(blocks)} KV group(s): "
+                f"pass one start per group (an int for one group)"
+            )
+        return PromptBlocks(blocks, getattr(blocks, "held", None), start, num_tokens)
 
     def abort(self, request_id: str, match_key: str | None = None) -> None:
         """Abort a finished prefill (the engine wants its blocks back): nothing more is posted,
@@ -521,10 +544,17 @@ class PushSender(RankWorker):
     # ------------------------------------------------------------------ planning and posting
 
     def _plan(self, blocks: BlockIds, reg: PushRegistration) -> list[ReadSpec]:
-        """Trim for D's prefix hit, ask the read-spec hook, and check the plan against the rule
-        D counts producers by (``kvpush_expected_producers``)."""
+        """Pair P's blocks with D's by where D's start (:func:`pair_blocks`), ask the read-spec
+        hook, and check the plan against the rule D counts producers by
+        (``kvpush_expected_producers``)."""
         assert self.metadata is not None
-        local_ids = trim_for_prefix_hit(blocks, reg.block_ids, reg.request_id)
+        local_ids = pair_blocks(
+            blocks,
+            reg.block_ids,
+            reg.request_id,
+            decode_start=reg.block_start,
+            decode_tokens=reg.num_tokens,
+        )
         job = PushJob(
             local=self.metadata,
             decode_tp_size=reg.decode_tp_size,

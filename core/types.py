@@ -474,6 +474,40 @@ class TransferParams:
         return key
 
 
+MAX_BLOCK_START = (1 << 31) - 1
+"""Largest block index a side may state as where its blocks start (a block id's bound)."""
+MAX_PROMPT_TOKENS = 1 << 40
+"""Largest prompt length (tokens) a side may state."""
+
+
+def to_block_start(value: Any) -> tuple[int, ...] | None:
+    """``block_start`` as a tuple of per-group block indices, or None (not stated). An int is
+    one group's start; any ordered iterable of ints is one start per KV group."""
+    if value is None:
+        return None
+    if _is_int(value):
+        value = (value,)
+    value = _array_ids(value)
+    if isinstance(value, (str, bytes, Mapping, AbstractSet)) or not isinstance(value, Iterable):
+        raise ConfigError(
+            f"block_start must be an int (one KV group) or one int per KV group, got {value!r:.200}"
+        )
+    starts = tuple(value)
+    if not starts or not all(_is_int(s) and 0 <= int(s) <= MAX_BLOCK_START for s in starts):
+        raise ConfigError(
+            f"block_start must be an int (one KV group) or one int per KV group, each in "
+            f"[0, {MAX_BLOCK_START}], got {value!r:.200}"
+        )
+    return tuple(int(s) for s in starts)
+
+
+def check_num_tokens(value: Any, what: str) -> int | None:
+    """A stated prompt length: None, or an int in [0, ``MAX_PROMPT_TOKENS``]."""
+    if value is not None and (not _is_int(value) or not 0 <= int(value) <= MAX_PROMPT_TOKENS):
+        raise ConfigError(f"{what} must be a non-negative int (or None), got {value!r:.80}")
+    return None if value is None else int(value)
+
+
 @frozen(kw_only=True)
 class RequestMetadata:
     """A request D receives: its own id, its blocks per group, and where P is."""
@@ -481,6 +515,18 @@ class RequestMetadata:
     request_id: str
     block_ids: BlockIds = field(converter=to_block_ids)
     params: TransferParams
+    block_start: tuple[int, ...] | None = field(default=None, converter=to_block_start)
+    """Per KV group, the index of the first registered block in the request's block sequence
+    of that group (block ``j`` holds tokens ``[j x block_size, (j + 1) x block_size)``): the
+    blocks of D's prefix-cache hit that it skipped, 0 with no hit. Sent in ``PUSH_REG``; P
+    pairs D's ``i``-th block with its own block ``block_start + i``. None: not stated, and P
+    then pairs only when D registered as many blocks as P holds in every group
+    (docs/engine-api.md, "Which block ids each leg passes")."""
+    num_tokens: int | None = field(
+        default=None, converter=lambda v: check_num_tokens(v, "RequestMetadata.num_tokens")
+    )
+    """The prompt's length in tokens as D sees it, or None. Sent in ``PUSH_REG``; P refuses
+    the push when its own stated length differs."""
 
 
 @frozen(kw_only=True)
@@ -514,6 +560,12 @@ class PushRegistration:
     prompt_fingerprint: str | None = None
     """The fingerprint of D's prompt (``TransferParams.prompt_fingerprint``), or None: P
     refuses to write a registration whose fingerprint differs from its prefill's."""
+    block_start: tuple[int, ...] | None = None
+    """Per KV group, where D's registered blocks start in the request's block sequence
+    (``RequestMetadata.block_start``), or None: not stated (a D of an earlier release, or an
+    engine that cannot tell)."""
+    num_tokens: int | None = None
+    """The prompt's length D expects (``RequestMetadata.num_tokens``), or None."""
 
 
 @frozen(kw_only=True)

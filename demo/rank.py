@@ -212,8 +212,13 @@ class _RankServer:
             self.expect[rid] = (seed, block_ids, offsets)
             for group, ids in enumerate(block_ids):
                 self.named.setdefault(group, set()).update(ids)
-            self.worker.add_request(
-                RequestMetadata(request_id=rid, block_ids=block_ids, params=TransferParams.from_dict(params))
+            self.worker.add_request(  # offsets: the blocks of D's prefix hit, per group
+                RequestMetadata(
+                    request_id=rid,
+                    block_ids=block_ids,
+                    params=TransferParams.from_dict(params),
+                    block_start=offsets,
+                )
             )
             return None
         if kind == "cancel":

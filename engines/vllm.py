@@ -82,6 +82,10 @@ class RecvItem:
     """Why the request cannot be received (malformed kv_transfer_params): the worker fails it."""
     num_tokens: int | None = None
     """The prompt's length: the worker registers no kernel block past its last token."""
+    block_start: tuple[int, ...] | None = None
+    """Per transfer group, the index of the first registered scheduler block in the request's
+    block table (the blocks of D's local prefix hit, and a sliding-window group's blocks out of
+    its window): the worker states it in kernel blocks, and P pairs by it."""
 
 
 @dataclass
@@ -96,6 +100,9 @@ class SendItem:
     """The prompt's fingerprint: P refuses a D registration stating another prompt's."""
     num_tokens: int | None = None
     """The prompt's length: the worker pushes no kernel block past its last token."""
+    block_start: tuple[int, ...] | None = None
+    """Per transfer group, the index of the first pushed scheduler block in the prompt's block
+    table (a sliding-window group's blocks out of its window, or dropped past it)."""
 
 
 FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -385,18 +392,27 @@ class _SchedulerSide:
 
     def clip(self, block_ids: Any) -> BlockIds:
         """The transferable blocks: transfer groups only, sliding-window groups cut to their window
-        (P and D clip alike, and P's end-trim pairs the tails)."""
+        (P and D clip alike; each states where its blocks start: :meth:`clip_from`)."""
+        return self.clip_from(block_ids, None)[0]
+
+    def clip_from(self, block_ids: Any, starts: Any) -> tuple[BlockIds, tuple[int, ...]]:
+        """:meth:`clip`, and where each transfer group's clipped ids start in the request's block
+        table, given where ``block_ids`` start per KV-cache group (``starts``; None: at 0)."""
         groups = list(block_ids)
         if not groups:
-            return ()
+            return (), ()
+        firsts = [0] * len(groups) if starts is None else list(starts)
         select = getattr(self.kv_cache_config, "select_transfer_block_ids", None)
         if select is not None and len(groups) == len(self.kv_cache_config.kv_cache_groups):
             groups = list(select(groups))
-        clipped = []
-        for ids, keep in zip(groups, self._window_blocks):
+            firsts = [f[0] for f in select([[f] for f in firsts])]
+        clipped, at = [], []
+        for ids, keep, first in zip(groups, self._window_blocks, firsts):
             ids = list(ids)
-            clipped.append(tuple(ids[-keep:] if keep and len(ids) > keep else ids))
-        return tuple(clipped)
+            kept = ids[-keep:] if keep and len(ids) > keep else ids
+            clipped.append(tuple(kept))
+            at.append(first + len(ids) - len(kept))
+        return tuple(clipped), tuple(at)
 
     # -------------------------------------------------------------- D
 
@@ -449,7 +465,12 @@ class _SchedulerSide:
             return  # full local prefix hit: nothing to receive (P releases at its lease)
         # vLLM now waits for this request's KV: it is staged even without blocks (the worker then
         # reports it failed, and kv_load_failure_policy applies) so it never waits forever.
-        block_ids = self.clip(blocks.get_unhashed_block_ids_all_groups())
+        unhashed = blocks.get_unhashed_block_ids_all_groups()
+        # Where the uncached blocks start in each group's table: after the local prefix hit (and
+        # a sliding-window group's blocks out of its window). P pairs by it, never from the end.
+        tables = blocks.blocks
+        firsts = [len(tables[g]) - len(ids) if g < len(tables) else 0 for g, ids in enumerate(unhashed)]
+        block_ids, block_start = self.clip_from(unhashed, firsts)
         rid = request.request_id
         send_params = dict(params)
         error = None
@@ -462,7 +483,9 @@ class _SchedulerSide:
                 f"(kv_load_failure_policy applies)"
             )
             num_tokens = request.num_prompt_tokens
-            self._recv[rid] = RecvItem(block_ids, send_params, error=error, num_tokens=num_tokens)
+            self._recv[rid] = RecvItem(
+                block_ids, send_params, error=error, num_tokens=num_tokens, block_start=block_start
+            )
             self.receiving.add(rid)
             return
         try:
@@ -493,18 +516,20 @@ class _SchedulerSide:
             kv_transfer_params=send_params,
             error=error,
             num_tokens=request.num_prompt_tokens,
+            block_start=block_start,
         )
         self.receiving.add(rid)
 
     def _load_end_error(self, request: Request, blocks: KVCacheBlocks) -> str | None:
-        """Why D cannot receive this load, or None. kvpush pairs P's and D's blocks from the end,
-        and P pushes the blocks up to the prompt's last token: D's must end there too. A load
-        vLLM cut short (it computes the rest itself) would end a block or more earlier, and
-        every block D registered would get P's KV of later tokens, silently."""
+        """Why D cannot receive this load, or None. D registers the blocks up to the prompt's last
+        token and states the prompt's length: a load vLLM cut short (it computes the rest
+        itself) ends a block or more earlier. Paired from the end (kvpush before block starts
+        were stated, or a P of that release) every block D registered would get P's KV of later
+        tokens, silently; it is refused here, before anything is registered."""
         num_tokens = request.num_prompt_tokens
         groups = self.kv_cache_config.kv_cache_groups
-        # Only the groups kvpush transfers pair from the end; vLLM sizes an excluded group (a
-        # device replica) its own way.
+        # Only the groups kvpush transfers are checked; vLLM sizes an excluded group (a device
+        # replica) its own way.
         for gid in getattr(self.kv_cache_config, "transfer_group_ids", range(len(groups))):
             group = groups[gid]
             if gid >= len(blocks.blocks):
@@ -515,8 +540,8 @@ class _SchedulerSide:
                 return (
                     f"vLLM allocated the load of {request.request_id!r} {have} blocks of {size} tokens "
                     f"in KV-cache group {gid}, the prompt's {num_tokens} tokens take {need}: kvpush "
-                    f"pairs blocks from the prompt's end, so the request fails rather than receive "
-                    f"another position's KV"
+                    f"receives the blocks up to the prompt's end, so the request fails rather than "
+                    f"risk another position's KV"
                 )
         return None
 
@@ -560,7 +585,11 @@ class _SchedulerSide:
             logger.error("request %s is not pushed: %s", rid, why)
             self._abandon_key(rid, key, why)
             return False, None
-        blocks = _real_tail(self.clip(self._prompt_blocks(block_ids, request.num_prompt_tokens)))
+        prompt_blocks = self._prompt_blocks(block_ids, request.num_prompt_tokens)
+        clipped, firsts = self.clip_from(prompt_blocks, None)
+        blocks = _real_tail(clipped)
+        # where each group's pushed blocks start in the prompt's table (D pairs by index)
+        block_start = tuple(f + len(c) - len(b) for f, c, b in zip(firsts, clipped, blocks))
         fingerprint = _fingerprint(request)
         out = self._transfer_params(rid, params, fingerprint)
         if not any(blocks):
@@ -572,6 +601,7 @@ class _SchedulerSide:
             decode_engine_id=decode,
             prompt_fingerprint=fingerprint,
             num_tokens=request.num_prompt_tokens,
+            block_start=block_start,
         )
         self.sending.add(rid)
         self._send_keys[rid] = key
@@ -870,6 +900,14 @@ class _WorkerSide:
             out.append(ids[: len(ids) - past] if 0 < past < len(ids) else ids)
         return tuple(out)
 
+    def kernel_start(self, block_start: tuple[int, ...] | None, groups: int) -> tuple[int, ...] | None:
+        """Where a request's kernel blocks start, per group, from where its scheduler blocks do
+        (scheduler block ``b`` is kernel blocks ``b x ratio`` on)."""
+        if block_start is None or not groups:
+            return None
+        ratios = self.ratios
+        return tuple(s * (ratios[g] if g < len(ratios) else 1) for g, s in enumerate(block_start[:groups]))
+
     def start(self, meta: KvpushConnectorMetadata) -> None:
         engine = self._started()
         if self.owner.is_producer:
@@ -877,12 +915,16 @@ class _WorkerSide:
             for rid, item in meta.send.items():
                 bind = {"decode_engine_id": item.decode_engine_id} if item.decode_engine_id else {}
                 try:
+                    blocks = self.kernel_ids(item.block_ids, item.num_tokens)
                     engine.request_finished(
                         rid,
-                        self.kernel_ids(item.block_ids, item.num_tokens),
+                        blocks,
                         match_key=item.match_key,
                         ready=ready,
                         prompt_fingerprint=item.prompt_fingerprint,
+                        block_start=self.kernel_start(item.block_start, len(blocks)),
+                        # one group: P states the prompt's length too (D's must agree)
+                        num_tokens=item.num_tokens if len(blocks) == 1 else None,
                         **bind,
                     )
                 except Exception as err:  # e.g. a transfer_id already in use: release, go on
@@ -895,8 +937,13 @@ class _WorkerSide:
             try:
                 if item.error is not None:
                     raise ConfigError(item.error)
+                blocks = self.kernel_ids(item.block_ids, item.num_tokens)
                 engine.add_request_params(
-                    rid, self.kernel_ids(item.block_ids, item.num_tokens), item.kv_transfer_params
+                    rid,
+                    blocks,
+                    item.kv_transfer_params,
+                    block_start=self.kernel_start(item.block_start, len(blocks)),
+                    num_tokens=item.num_tokens,
                 )
             except Exception as err:  # a request kvpush cannot take fails; the engine goes on
                 logger.error("kvpush cannot receive request %s: %s", rid, err)

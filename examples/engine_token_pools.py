@@ -91,7 +91,7 @@ def prefill_rank(port: int, conn: Connection) -> None:
                             bits[slot, head] = value(layer, kv, token, head)
             # The prompt's pages, one id per page (the first slot of each page over PAGE).
             block_ids = [slot // PAGE for slot in req_to_token(pages)[::PAGE]]
-            sender.request_finished(rid, block_ids, match_key=f"xfer-{rid}")
+            sender.request_finished(rid, block_ids, match_key=f"xfer-{rid}", num_tokens=TOKENS)
         outcome: dict[str, str] = {}
         deadline = time.monotonic() + 60
         while len(outcome) < len(REQUESTS) and time.monotonic() < deadline:
@@ -113,9 +113,17 @@ def decode_rank(tp_rank: int, port: int, conn: Connection) -> None:
         params = conn.recv()
         expected = {}  # slot -> token of every prompt slot D receives
         for rid, (_, pages, cached) in REQUESTS.items():
-            # The pages from the one holding the first uncached token to the prompt's last.
+            # The pages from the one holding the first uncached token to the prompt's last, and
+            # where they start in the prompt (the pages of the prefix hit skipped) and its length:
+            # P pairs by them and fails the request rather than guess.
             block_ids = pages[cached // PAGE :]
-            receiver.add_request_params(rid, block_ids, {**params, "transfer_id": f"xfer-{rid}"})
+            receiver.add_request_params(
+                rid,
+                block_ids,
+                {**params, "transfer_id": f"xfer-{rid}"},
+                block_start=cached // PAGE,
+                num_tokens=TOKENS,
+            )
             slots = req_to_token(pages)
             expected.update({slots[t]: t for t in range(cached // PAGE * PAGE, TOKENS)})
         done: set[str] = set()

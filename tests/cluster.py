@@ -130,12 +130,26 @@ class Cluster:
         for sender in self.senders.values():
             sender.request_finished(request_id, block_ids, match_key=key)
 
-    def add(self, request_id: str, block_ids: Any, key: str, ranks: Any = None, **overrides: Any) -> None:
+    def add(
+        self,
+        request_id: str,
+        block_ids: Any,
+        key: str,
+        ranks: Any = None,
+        block_start: Any = None,
+        num_tokens: int | None = None,
+        **overrides: Any,
+    ) -> None:
         params = TransferParams.from_dict(self.params(key, **overrides))
+        meta = RequestMetadata(
+            request_id=request_id,
+            block_ids=block_ids,
+            params=params,
+            block_start=block_start,
+            num_tokens=num_tokens,
+        )
         for tp in self.receivers if ranks is None else ranks:
-            self.receivers[tp].add_request(
-                RequestMetadata(request_id=request_id, block_ids=block_ids, params=params)
-            )
+            self.receivers[tp].add_request(meta)
 
     def poll(self) -> None:
         for tp, receiver in self.receivers.items():

@@ -190,6 +190,8 @@ def plan_writes(
         decode_tp_size=decode_tp,
         block_ids=d_blocks,
         remote_engine_id="P",
+        # D's blocks are P's last ones (a prefix hit on D), and D says where they start
+        block_start=tuple(max(0, len(p) - len(d)) for p, d in zip(p_blocks, d_blocks)),
     )
     me = SimpleNamespace(metadata=p_meta, pm=pm, config=SimpleNamespace(parallel=p_meta.parallel))
     specs = PushSender._plan(me, p_blocks, reg)  # type: ignore[arg-type]  # the real planner

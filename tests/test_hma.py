@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from kvpush.core.errors import ConfigError, HandshakeError
 from kvpush.core.manager import get_plugin_manager
 from kvpush.core.peers import check_geometry
-from kvpush.core.planning import descriptor_ids, region_descriptors, trim_for_prefix_hit
+from kvpush.core.planning import descriptor_ids, pair_blocks, region_descriptors
 from kvpush.core.types import (
     AgentMetadata,
     HandshakeMode,
@@ -370,12 +370,16 @@ def test_descriptor_ids_across_groups_match_the_region_by_region_rule(pm, data, 
 NUM_LAYERS = 6
 P_BLOCKS = (40, 24)
 D_BLOCKS = (32, 48)
-# (P request id, transfer id, P block ids per group, D request id, D block ids per group)
+# (P request id, transfer id, P block ids per group, D request id, D block ids per group,
+#  where D's blocks start per group: D's block_start)
 REQUESTS = (
-    ("p0", "t0", ((1, 2, 3), (4, 5)), "d0", ((7, 8, 9), (30, 31))),
-    ("p1", "t1", ((10, 39), (0,)), "d1", ((0, 31), (47,))),
-    # prefix hit on D: it registers only the uncached suffix, P sends its last blocks
-    ("p2", "t2", ((12, 13, 14), (6, 23)), "d2", ((20, 21), (40,))),
+    ("p0", "t0", ((1, 2, 3), (4, 5)), "d0", ((7, 8, 9), (30, 31)), (0, 0)),
+    ("p1", "t1", ((10, 39), (0,)), "d1", ((0, 31), (47,)), (0, 0)),
+    # prefix hit on D: it registers only the uncached suffix and states where it starts
+    ("p2", "t2", ((12, 13, 14), (6, 23)), "d2", ((20, 21), (40,)), (1, 1)),
+    # a hit in one group only, and P passing a block past the prompt in group 0 (a lookahead):
+    # paired by D's starts, P's extra block moves nowhere
+    ("p3", "t3", ((15, 16, 17, 18), (7, 8)), "d3", ((22, 23, 24), (41,)), (0, 1)),
 )
 STEP_S = 60.0
 
@@ -446,7 +450,7 @@ def _decode_rank(tp_rank: int, p_port: int, d_port: int, commands: Any, results:
         try:
             results.put(("ready", who, receiver.handshake_payload()))
             requests = commands.get(timeout=STEP_S)
-            for request_id, key, block_ids in requests:
+            for request_id, key, block_ids, block_start in requests:
                 params = TransferParams(
                     remote_engine_id="P",
                     remote_host="127.0.0.1",
@@ -456,7 +460,9 @@ def _decode_rank(tp_rank: int, p_port: int, d_port: int, commands: Any, results:
                     transfer_id=key,
                 )
                 receiver.add_request(
-                    RequestMetadata(request_id=request_id, block_ids=block_ids, params=params)
+                    RequestMetadata(
+                        request_id=request_id, block_ids=block_ids, params=params, block_start=block_start
+                    )
                 )
             done: set[str] = set()
             failed: dict[str, str] = {}
@@ -533,9 +539,9 @@ def test_pp2_prefill_pushes_hybrid_kv_into_tp2_decode_byte_for_byte():
                 d_server.publish(RankKey(0, rank), payload)
 
         for pp in (0, 1):
-            commands["P", pp].put([(p_id, key, p_ids) for p_id, key, p_ids, _, _ in REQUESTS])
+            commands["P", pp].put([(p_id, key, p_ids) for p_id, key, p_ids, *_ in REQUESTS])
         for tp in (0, 1):
-            commands["D", tp].put([(d_id, key, d_ids) for _, key, _, d_id, d_ids in REQUESTS])
+            commands["D", tp].put([(d_id, key, d_ids, start) for _, key, _, d_id, d_ids, start in REQUESTS])
         reports = _collect(results, "done", procs, timeout_s=2 * STEP_S)
         for q in commands.values():
             q.put("exit")
@@ -575,8 +581,8 @@ def test_pp2_prefill_pushes_hybrid_kv_into_tp2_decode_byte_for_byte():
             assert src.shape == (2, P_BLOCKS[group], 4, 4, 8)
             assert dst.shape == (2, D_BLOCKS[group], heads, 4, 8)
             written = set()
-            for p_id, _, p_ids, _, d_ids in REQUESTS:
-                sent_ids = trim_for_prefix_hit(p_ids, d_ids, p_id)[group]
+            for p_id, _, p_ids, _, d_ids, start in REQUESTS:
+                sent_ids = pair_blocks(p_ids, d_ids, p_id, decode_start=start)[group]
                 for p_block, d_block in zip(sent_ids, d_ids[group], strict=True):
                     expected = src[:, p_block, tp * heads : (tp + 1) * heads]
                     assert expected.any()
@@ -586,5 +592,5 @@ def test_pp2_prefill_pushes_hybrid_kv_into_tp2_decode_byte_for_byte():
             untouched = [b for b in range(D_BLOCKS[group]) if b not in written]
             assert not dst[:, untouched].any(), f"stray bytes in {name} on D rank {tp}"
     assert compared == 2 * sum(
-        len(d_ids[model.group_of(layer)]) for *_, d_ids in REQUESTS for layer in range(NUM_LAYERS)
+        len(d_ids[model.group_of(layer)]) for *_, d_ids, _ in REQUESTS for layer in range(NUM_LAYERS)
     )

@@ -329,7 +329,7 @@ def _forged_registration(cluster: Cluster, key: str, block_ids: Any) -> PushRegi
     [
         ([[3, 64]], "block id 64 of group 0 is outside the region's 64 blocks"),
         ([[3, 2**31 - 1]], "outside the region's 64 blocks"),
-        ([[3, 4, 7]], "D registered 3 blocks in group 0 but P computed only 2"),
+        ([[3, 4, 7]], "D registered 3 blocks in KV group 0 without stating where they start"),
         ([[3], [4]], "P has 1 KV-cache groups, D registered 2"),
     ],
     ids=["id-at-capacity", "id-max", "more-blocks-than-p", "more-groups"],

@@ -299,9 +299,10 @@ class Engines:
             "transfer_id": key,
         }
 
-    def add(self, rid: str, pages: Any, key: str) -> None:
+    def add(self, rid: str, pages: Any, key: str, **kwargs: Any) -> None:
+        """Register D's pages on every D rank; ``kwargs``: ``block_start``, ``num_tokens``."""
         for receiver in self.receivers.values():
-            receiver.add_request_params(rid, pages, self.params(key))
+            receiver.add_request_params(rid, pages, self.params(key), **kwargs)
 
     def finish(self, rid: str, pages: Any, key: str, **kwargs: Any) -> None:
         for sender in self.senders.values():
@@ -363,7 +364,8 @@ def push_and_check(
     token ``cached``), push, and check every byte of every D buffer."""
     engines.prefill(p_pages, tokens)
     before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
-    engines.add("d-1", d_pages, "x-1")
+    page = engines.d_pools[0].page
+    engines.add("d-1", d_pages, "x-1", block_start=cached // page, num_tokens=tokens)
     engines.finish("p-1", p_pages, "x-1")
     d, p = engines.wait()
     assert set(d.values()) == {None} and set(p.values()) == {None}, (d, p)
@@ -556,20 +558,13 @@ def test_block_ids_as_arrays_tensors_and_generators_move_the_right_bytes_or_are_
             assert mismatches(pools, logical(pools, d_pages, tokens, 0, before[tp])) == []
 
 
-LENGTHS_UNCHECKED = (
-    "P pairs its blocks with D's from the end and knows neither side's prompt length: needs "
-    "request_finished(num_tokens=) (P keeps the prompt's blocks) and D stating where its "
-    "registered blocks start (report of the engine-API probe: sender/receiver/wire diffs)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=LENGTHS_UNCHECKED)
 @pytest.mark.parametrize("page", [1, 16])
 def test_prefill_passing_a_page_beyond_the_prompt_moves_the_right_bytes_or_fails(page: int) -> None:
     """P's engine passes its request's page table after the prefill, which holds one page more
     than the prompt (a page allocated ahead for the first decode token, or a speculative
-    lookahead); D registers the prompt's pages. P pairs its pages with D's from the end, so
-    without knowing the prompt's length it writes page i+1 into D's page i, and D reports done."""
+    lookahead); D registers the prompt's pages, stating no start. P paired its pages with D's
+    from the end, writing page i+1 into D's page i, and D reported done. Now P refuses to guess
+    (unequal counts, no stated start): both legs fail and nothing is written."""
     tokens = 40
     n = -(-tokens // page)
     p_pages, d_pages = [1 + i for i in range(n + 1)], [2 + i for i in range(n)]
@@ -577,18 +572,131 @@ def test_prefill_passing_a_page_beyond_the_prompt_moves_the_right_bytes_or_fails
         assert outcome_or_bytes(engines, p_pages, d_pages, tokens) == []
 
 
-@pytest.mark.xfail(strict=True, reason=LENGTHS_UNCHECKED)
 @pytest.mark.parametrize("page", [1, 16])
 def test_decode_registering_a_page_short_of_its_suffix_moves_the_right_bytes_or_fails(page: int) -> None:
     """D has no prefix hit but registers one page fewer than the prompt holds (it counted
     ``tokens // page`` pages, dropping the partly filled last one; with page 1, the last token
-    left for decode to compute). P takes that for a prefix hit and writes its pages 1.. into
-    D's pages for tokens 0.., and D reports done."""
+    left for decode to compute). P took that for a prefix hit and wrote its pages 1.. into
+    D's pages for tokens 0.., and D reported done. Now P refuses to guess: both legs fail."""
     tokens = 40 if page == 1 else 44
     n = -(-tokens // page)
     p_pages, d_pages = [1 + i for i in range(n)], [2 + i for i in range(n - 1)]
     with Engines(gqa(page), transport="loopback", p_pages=n + 2, d_pages=n + 2) as engines:
         assert outcome_or_bytes(engines, p_pages, d_pages, (n - 1) * page) == []
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("cached", [0, 1])
+def test_decode_stating_its_start_gets_the_right_pages_from_a_table_a_page_longer(
+    page: int, cached: int
+) -> None:
+    """The fix: D states where its pages start (``block_start``: the pages of its prefix hit,
+    ``cached``) and the prompt's length; P's table holds a page past the prompt. P pairs D's
+    pages by index, its extra page moves nowhere, every byte is right."""
+    tokens = 40
+    n = -(-tokens // page)
+    p_pages, d_pages = [1 + i for i in range(n + 1)], [2 + i for i in range(n - cached)]
+    with Engines(gqa(page), transport="loopback", p_pages=n + 2, d_pages=n + 2) as engines:
+        engines.prefill(p_pages[:n], tokens)
+        before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
+        engines.add("d-1", d_pages, "x-1", block_start=cached, num_tokens=tokens)
+        engines.finish("p-1", p_pages, "x-1")
+        d, p = engines.wait()
+        assert set(d.values()) == {None} and set(p.values()) == {None}, (d, p)
+        for tp, pools in engines.d_pools.items():
+            assert mismatches(pools, logical(pools, d_pages, tokens, cached * page, before[tp])) == []
+
+
+def test_prefill_stating_where_its_pages_start_is_paired_by_index() -> None:
+    """P passes only the last pages of its prompt (as an engine keeping a sliding window does)
+    and states where they start; D, with a prefix hit, states its own start: P's page of D's
+    index lands in each of D's pages. A D start before P's first page is refused (below)."""
+    tokens, page = 100, 16  # 7 pages, the last partly used
+    p_pages = [1 + i for i in range(7)]
+    d_pages = [9, 10, 11]  # the prompt's pages 4, 5 and 6
+    with Engines(gqa(page), d_tp=2, p_pages=8, d_pages=12, transport="loopback") as engines:
+        engines.prefill(p_pages, tokens)
+        before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
+        engines.add("d-1", d_pages, "x-1", block_start=4, num_tokens=tokens)
+        engines.finish("p-1", p_pages[3:], "x-1", block_start=3)
+        d, p = engines.wait()
+        assert set(d.values()) == {None} and set(p.values()) == {None}, (d, p)
+        for tp, pools in engines.d_pools.items():
+            assert mismatches(pools, logical(pools, d_pages, tokens, 4 * page, before[tp])) == []
+        with pytest.raises(ConfigError, match="one start per group"):
+            engines.finish("p-2", [1, 2], "x-2", block_start=[0, 0])
+
+
+def test_a_decode_start_before_the_prefills_first_page_fails_and_writes_nothing() -> None:
+    with Engines(gqa(16), p_pages=8, d_pages=8, transport="loopback") as engines:
+        engines.prefill([1, 2, 3, 4], 60)
+        before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
+        engines.add("d-1", [5, 6, 7], "x-1", block_start=1, num_tokens=60)
+        engines.finish("p-1", [3, 4], "x-1", block_start=2)
+        d_why, p_why = _refused(engines, before)
+        for why in (d_why, p_why):
+            assert "D registered blocks 1 to 3 of KV group 0" in why and "P holds blocks 2 to 3" in why, why
+
+
+def _refused(engines: Engines, before: dict[int, Any]) -> tuple[str, str]:
+    """D's and P's reasons for a push that must fail with nothing written: every D rank failed,
+    released the request's pages (no WRITE can land) and kept its bytes; P's leg failed."""
+    d, p = engines.wait()
+    assert all(reason is not None for reason in (*d.values(), *p.values())), (d, p)
+    deadline = time.monotonic() + 10
+    while not all("d-1" in released for released in engines.released.values()):
+        assert time.monotonic() < deadline, engines.released
+        time.sleep(0.01)
+        engines.poll()
+    for tp, pools in engines.d_pools.items():
+        assert mismatches(pools, before[tp]) == [], f"D rank {tp} failed but its pages changed"
+    return str(d[0]), str(p[RankKey(0, 0)])
+
+
+@pytest.mark.parametrize("strategy", ["direct", "packed"])
+def test_decode_pages_p_does_not_hold_fail_both_legs_naming_both_and_write_nothing(strategy: str) -> None:
+    """P's table is a page short of what D registered from its stated start (P's engine passed
+    the pages it had computed so far): P cannot fill D's last page, so it writes none of them;
+    D fails with a reason naming both sides' pages and releases them."""
+    tokens, page = 40, 16
+    with Engines(gqa(page), d_tp=2, p_pages=8, d_pages=8, transport="loopback", strategy=strategy) as engines:
+        engines.prefill([5, 2, 7], tokens)
+        before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
+        engines.add("d-1", [1, 6, 3], "x-1", block_start=0, num_tokens=tokens)
+        engines.finish("p-1", [5, 2], "x-1")
+        d_why, p_why = _refused(engines, before)
+        for why in (d_why, p_why):
+            assert "D registered blocks 0 to 2 of KV group 0" in why and "a 40-token prompt" in why, why
+            assert "P holds blocks 0 to 1 (2 blocks)" in why, why
+
+
+def test_prompt_lengths_the_legs_state_differently_fail_both_and_write_nothing() -> None:
+    """D states a 41-token prompt, P a 40-token one (three 16-token pages either way): the two
+    legs do not hold the same prompt, so P writes nothing and both fail naming both lengths."""
+    with Engines(gqa(16), p_pages=8, d_pages=8, transport="loopback") as engines:
+        engines.prefill([5, 2, 7], 40)
+        before = {tp: pools.snapshot() for tp, pools in engines.d_pools.items()}
+        engines.add("d-1", [1, 6, 3], "x-1", block_start=0, num_tokens=41)
+        engines.finish("p-1", [5, 2, 7], "x-1", num_tokens=40)
+        d_why, p_why = _refused(engines, before)
+        for why in (d_why, p_why):
+            assert "D expects a prompt of 41 tokens, P prefilled 40" in why, why
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_decode_stating_lengths_its_pages_do_not_cover_is_refused_at_add(page: int) -> None:
+    """D counted ``tokens // page`` pages but states the prompt's length and its start: its own
+    add refuses the request naming both (nothing is registered or sent), before P is asked."""
+    tokens = 40 if page == 1 else 44
+    n = -(-tokens // page)
+    with Engines(gqa(page), transport="loopback", p_pages=n + 2, d_pages=n + 2) as engines:
+        with pytest.raises(ConfigError) as err:
+            engines.add("d-1", [2 + i for i in range(n - 1)], "x-1", block_start=0, num_tokens=tokens)
+        assert f"blocks 0 to {n - 2} of the prompt" in str(err.value)
+        assert f"num_tokens={tokens} tokens take blocks 0 to {n - 1}" in str(err.value)
+        assert engines.receivers[0].pending_requests == 0
+        with pytest.raises(ConfigError, match="one start per group"):
+            engines.add("d-2", [2, 3], "x-2", block_start=[0, 0])
 
 
 def test_get_finished_from_two_threads_reports_each_request_once() -> None:

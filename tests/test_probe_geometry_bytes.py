@@ -243,7 +243,9 @@ class ProbeCluster:
         request (None: done, else the reason)."""
         for rid, p_ids, _ in requests:
             self.fill_prefill(rid, p_ids)
-        for rid, _, d_ids in requests:
+        for rid, p_ids, d_ids in requests:
+            # D holds the prompt's first blocks (a prefix hit): its blocks are P's last ones
+            start = [max(0, len(p) - len(d)) for p, d in zip(p_ids, d_ids)]
             params = TransferParams.from_dict(
                 {
                     "remote_engine_id": "P",
@@ -256,7 +258,9 @@ class ProbeCluster:
             )
             for receiver in self.receivers.values():
                 receiver.add_request(
-                    RequestMetadata(request_id=rid, block_ids=[list(g) for g in d_ids], params=params)
+                    RequestMetadata(
+                        request_id=rid, block_ids=[list(g) for g in d_ids], params=params, block_start=start
+                    )
                 )
         wait_until(
             lambda: all(r.stats["push_regs_sent"] >= len(requests) for r in self.receivers.values()),
@@ -527,7 +531,8 @@ def test_decode_registering_more_blocks_than_prefill_in_one_group_fails_and_writ
     ) as cluster:
         done = cluster.push(requests)
         assert done[(0, "fine")] is None
-        assert "D registered 2 blocks in group 1 but P computed only 1" in (done[(0, "more")] or "")
+        why = "D registered blocks 0 to 1 of KV group 1 (2 blocks from block_start=0), but P holds"
+        assert why in (done[(0, "more")] or ""), done
         assert cluster.mismatches(requests, done) == []
 
 

@@ -220,12 +220,32 @@ def test_pp2_stages_each_write_their_own_layers() -> None:
             assert sender.stats["writes"] == 2  # one per D rank, its own layers only
 
 
-def test_partial_prefix_hit_trims_from_the_end() -> None:
+def test_partial_prefix_hit_pairs_from_the_start_d_states() -> None:
     with Cluster() as cluster:
-        cluster.add("d-1", [[500 % 64, 501 % 64]], "x-1")
+        cluster.add("d-1", [[500 % 64, 501 % 64]], "x-1", block_start=3)
         cluster.finish("p-1", [[10, 11, 12, 13, 14]], "x-1")
         assert cluster.wait_decode("d-1") == {0: None}
         assert_pushed(cluster, [13, 14], [500 % 64, 501 % 64])  # the tail, not the head
+
+
+def test_a_block_p_holds_past_the_prompt_stays_unpaired_when_d_states_its_start() -> None:
+    with Cluster() as cluster:
+        cluster.add("d-1", [[1, 2]], "x-1", block_start=0, num_tokens=2 * cluster.model.block_size)
+        cluster.finish("p-1", [[10, 11, 12]], "x-1")
+        assert cluster.wait_decode("d-1") == {0: None}
+        assert_pushed(cluster, [10, 11], [1, 2])  # P's lookahead block 12 moves nowhere
+
+
+def test_fewer_blocks_without_a_stated_start_fail_naming_both_counts() -> None:
+    """A prefix hit, a registration one block short or a block P holds past the prompt look
+    alike without D's start: P refuses to guess; D fails with P's reason and is released."""
+    with Cluster() as cluster:
+        cluster.add("d-1", [[1, 2]], "x-1")
+        cluster.finish("p-1", [[10, 11, 12]], "x-1")
+        reason = cluster.wait_decode("d-1")[0]
+        assert reason is not None and "without stating where they start" in reason, reason
+        assert "D registered 2 blocks" in reason and "(3 blocks)" in reason
+        assert "without stating" in cluster.wait_prefill("p-1")[RankKey(0, 0)]
 
 
 def test_equal_block_counts_are_untouched() -> None:
