@@ -351,11 +351,11 @@ def pair_blocks(
     (P's ids start at index ``producer.start[g]``, 0 unless P's engine stated otherwise).
 
     Never "from the end": with no ``decode_start`` (a D of an earlier release, or an engine
-    that cannot tell), P pairs only a group where D registered as many blocks as P holds;
-    fewer could be a prefix hit, a registration one block short or a block P holds past the
-    prompt, and P refuses to guess. ``ConfigError`` (naming both sides' blocks) when D's blocks
-    are not all within P's, or when both sides stated a prompt length and they differ: the
-    request fails and nothing is written. Groups this rank holds no layer of move nothing
+    that cannot tell), P pairs only a group where D registered as many blocks as P holds and
+    P's start at block 0; fewer could be a prefix hit, a registration one block short or a
+    block P holds past the prompt, and P refuses to guess. ``ConfigError`` (naming both sides'
+    blocks) when D's blocks are not all within P's, or when both sides stated a prompt length
+    and they differ: the request fails and nothing is written. Groups this rank holds no layer of move nothing
     (``()``), as in :func:`trim_for_prefix_hit`.
     """
     held = getattr(producer, "held", None)
@@ -390,6 +390,13 @@ def pair_blocks(
                     f"the prompt's end and a block P holds past it look alike, so P writes nothing. "
                     f"D must state block_start (add_request_params(..., block_start=, num_tokens=); "
                     f"a D of this release does when its engine passes it)"
+                )
+            if first != 0:
+                raise ConfigError(
+                    f"request {request_id!r}: D registered {len(d_ids)} blocks in KV group {group} "
+                    f"without stating where they start in the prompt, and {_holds(first, p_ids, p_tokens)} "
+                    f"(P's engine stated block_start={first}): block for block would pair P's block "
+                    f"{first} with D's block 0, so P writes nothing. D must state block_start"
                 )
             paired.append(p_ids)
             continue
