@@ -278,6 +278,10 @@ class DecodeCore:
         registrations released on a fence with that producer silent (at most ENDED_MEMORY)."""
         self._unanswered_ids: dict[str, tuple[str, str]] = {}
         """Request id -> its entry in ``_unanswered`` (a late CANCEL_ACK finds it)."""
+        self._closed: OrderedDict[tuple[str, str], None] = OrderedDict()
+        """(P agent, incarnation) of P workers that said goodbye (``BYE``; at most
+        ENDED_MEMORY): a handshake loading one again (P's side channel still names the closed
+        worker) waits for the next attempt instead of greeting it."""
         self._ended_keys: OrderedDict[tuple[str, str], int] = OrderedDict()
         """(P engine, match key) of requests that ended here lately -> ``_seq`` then: a request
         registering such a key again first gets a stamp issued after it ended."""
@@ -459,6 +463,13 @@ class DecodeCore:
             ]
         if info is None:
             return self._engine_failed(engine, f"handshake with P failed: {error}", now)
+        closed = sorted(a for a, inc in info.incarnations.items() if (a, inc) in self._closed)
+        if closed and engine.previous is None:
+            # P's side channel still names a worker that said goodbye (its replacement is not
+            # published yet): nothing to greet; try again after the backoff.
+            engine.dead = dict(info.incarnations)
+            out = self._engine_down(engine, f"P agent(s) {closed} closed; not published afresh yet", now)
+            return [*out, DropPeer(engine_id, f"P agent(s) {closed} closed")]
         out: list[Any] = []
         previous, engine.previous = engine.previous, None
         restarted = False
@@ -555,6 +566,8 @@ class DecodeCore:
             return self._on_result(agent, engine, note, now)
         if kind is NotificationKind.HEARTBEAT and note.stamp is not None:
             return self._on_stamp(agent, engine, note, now)
+        if kind is NotificationKind.GOODBYE:
+            return self._on_goodbye(agent, engine, note, now)
         self._reject(agent, note, "not a notification a decode rank accepts")
         return []
 
@@ -1253,6 +1266,82 @@ class DecodeCore:
         if note.want:
             out += self._renew(engine, agent, set(note.want), now)
         return out
+
+    def _on_goodbye(self, agent: str, engine: _Producer | None, note: Notification, now: float) -> list[Any]:
+        """A P worker closed (``BYE``): its incarnation ``note.incarnation`` posts nothing more
+        and every WRITE it posted to this rank ended (unsettled ones: ``note.unsettled``). Each
+        request that registered with that incarnation settles that producer now: a registered
+        one fails at once, a closing or held one is released (after a fence when a WRITE ended
+        unsettled), instead of waiting for P's silence or, for copies no fence stops, the exit
+        of a process that may live on (a worker re-created in it). If the engine still has that
+        incarnation loaded it fails (its agents are dropped) and the next request handshakes
+        afresh; a handshake loading the closed incarnation again fails at once."""
+        producer, incarnation = note.producer, note.incarnation
+        out: list[Any] = []
+        for rid in sorted(self._requests):
+            receive = self._requests.get(rid)
+            if (
+                receive is None
+                or producer is None
+                or receive.agents.get(producer) != agent
+                or receive.incarnations.get(agent) != incarnation
+            ):
+                continue
+            receive.acks.discard(agent)
+            receive.awaiting.discard(agent)
+            if receive.phase is _Phase.WAITING or producer in receive.settled:
+                continue
+            receive.unanswered.discard(agent)
+            receive.settled.add(producer)
+            receive.settle_seq = self._fence_seq
+            if note.unsettled:
+                receive.unsettled.add(producer)
+            if receive.phase is _Phase.REGISTERED:
+                out += self._close(rid, f"P rank {producer} closed (its worker ended) before it pushed", now)
+            else:
+                out += self._maybe_release(rid, receive, now)
+        for where, owed in list(self._unanswered.items()):  # nothing of it is held any more
+            entry = owed.get(agent)
+            if entry is not None and entry[0] == incarnation:
+                del owed[agent]
+                if not any(r == entry[1] for _, r, _ in owed.values()):
+                    self._unanswered_ids.pop(entry[1], None)
+                if not owed:
+                    del self._unanswered[where]
+        self._closed[(agent, incarnation)] = None
+        self._closed.move_to_end((agent, incarnation))
+        if len(self._closed) > ENDED_MEMORY:
+            self._closed.popitem(last=False)
+        info = engine.info if engine is not None else None
+        if engine is not None and info is not None and info.incarnations.get(agent) == incarnation:
+            # Its requests with that incarnation were settled above; those still waiting wait
+            # for a handshake afresh (at once: P's side channel names the worker that serves now).
+            out += self._engine_down(engine, f"P agent {agent} closed (incarnation {incarnation} ended)", now)
+            engine.failed_at = float("-inf")
+            if engine.waiting:
+                self._timers.arm(("retry", engine.engine_id), now)
+        return out
+
+    def _engine_down(self, engine: _Producer, reason: str, now: float) -> list[Any]:
+        """The engine's loaded agents are no P worker any more (one closed): drop them and
+        handshake afresh after the backoff, failing nothing (unlike :meth:`_engine_failed`):
+        requests waiting for it wait for that attempt, bounded by their watchdog."""
+        engine.state = _EngineState.FAILED
+        engine.error = reason
+        engine.refused = False
+        if engine.info is not None:
+            engine.dead = dict(engine.info.incarnations)
+        engine.failed_at = now
+        self._timers.disarm(("hello", engine.engine_id))
+        self._timers.disarm(("hello_resend", engine.engine_id))
+        out: list[Any] = []
+        for rid in sorted(engine.requests):  # registered with the agents dropped below
+            receive = self._requests.get(rid)
+            if receive is not None and receive.phase is _Phase.REGISTERED:
+                out += self._close(rid, reason, now)
+        if engine.waiting:
+            self._timers.arm(("retry", engine.engine_id), self._retry_at(engine))
+        return out + self._maybe_forget(engine)
 
     def _on_refused(self, agent: str, engine: _Producer | None, note: Notification, now: float) -> list[Any]:
         """A producer answered this rank's HELLO with FAIL: it refused this rank's handshake
