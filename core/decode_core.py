@@ -1473,9 +1473,10 @@ class DecodeCore:
         return self._engine_failed(engine, reason, now)
 
     def _engine_down(self, engine: _Producer, reason: str, now: float) -> list[Any]:
-        """The engine's loaded agents are no P worker any more (one closed): drop them and
-        handshake afresh after the backoff, failing nothing (unlike :meth:`_engine_failed`):
-        requests waiting for it wait for that attempt, bounded by their watchdog."""
+        """The engine's loaded agents are no P worker any more (one closed or exited): drop
+        them and handshake afresh after the backoff, failing no request waiting for it (unlike
+        :meth:`_engine_failed`; bounded by the restart timeout, :meth:`_restarting`). Requests
+        registered with those agents fail, except those to be registered again."""
         engine.state = _EngineState.FAILED
         engine.error = reason
         engine.refused = False

@@ -116,7 +116,7 @@ def test_a_request_added_before_the_restarted_rank_is_published_waits_for_it() -
         engines.senders[RankKey(0, 0)].close()
         before = engines.d_pools[0].snapshot()
         engines.add("d-2", [5, 6, 7], "x-2")
-        time.sleep(1.5)  # D handshook meanwhile and loaded the closed worker's payload
+        time.sleep(0.5)  # D handshook meanwhile and loaded the closed worker's payload
         start_prefill_rank(engines, RankKey(0, 0))
         engines.prefill([6, 8, 9], 40)
         engines.finish("p-2", [6, 8, 9], "x-2")
