@@ -506,6 +506,11 @@ class DecodeCore:
                     # grant and may post: they settle as for any failure (an answer, or the
                     # quarantine). Copies no fence stops are held until the old process exited.
                     dead = {r for r in receive.expected - receive.settled if receive.agents.get(r) in gone}
+                    if not dead:
+                        # Every restarted rank had written it whole (its DONE): the others
+                        # carry on; nothing is asked of the new processes.
+                        receive.agents, receive.incarnations = info.agents, info.incarnations
+                        continue
                     if receive.writes_abortable and dead:
                         receive.unsettled |= dead
                         receive.settled |= dead
@@ -1406,8 +1411,9 @@ class DecodeCore:
         one fails at once, a closing or held one is released (after a fence when a WRITE ended
         unsettled), instead of waiting for P's silence or, for copies no fence stops, the exit
         of a process that may live on (a worker re-created in it). If the engine still has that
-        incarnation loaded it fails (its agents are dropped) and the next request handshakes
-        afresh; a handshake loading the closed incarnation again fails at once."""
+        incarnation loaded its agents are dropped and it is handshaken afresh at once, failing
+        no request waiting for it; a handshake that loads the closed incarnation again (P's side
+        channel still serves it) waits for the next attempt (:meth:`_engine_down`)."""
         producer, incarnation = note.producer, note.incarnation
         out: list[Any] = []
         for rid in sorted(self._requests):
@@ -1548,8 +1554,8 @@ class DecodeCore:
             receive = self._requests.get(rid)
             if receive is None or receive.key not in keys or receive.phase is not _Phase.REGISTERED:
                 continue
-            if not receive.expected & ranks or receive.rereg:
-                continue
+            if not (receive.expected - receive.settled) & ranks or receive.rereg:
+                continue  # (a rank that wrote it whole may have restarted since)
             receive.unknown_strikes += 1
             if receive.unknown_strikes >= 2:
                 out += self._close(

@@ -95,6 +95,32 @@ def test_a_request_registered_with_a_p_rank_that_restarted_before_d_noticed_is_s
     machine.teardown()
 
 
+def test_a_p_stage_that_restarted_after_writing_its_share_does_not_fail_the_request() -> None:
+    """PP2: stage 0 wrote its share (DONE), then was killed and came back; stage 1 still
+    prefills. D, handshaking afresh, failed the request ("P engine restarted while this rank
+    reconnected": 18 requests in a CPU soak with P kills) though nothing was asked of the new
+    stage 0 any more; now the request carries on and lands once stage 1 writes."""
+    machine = LossyCluster()
+    machine.start(topology=(2, 1, 1))
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right", prefill_first=True)
+    machine.pump(rounds=8, stall_writes=False)
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    machine.pump(rounds=8, stall_writes=False)
+    machine.prefill_finished(i=1, j=0, one_rank=True, bind=True, boom=False)  # stage 0 only
+    machine.pump(rounds=8, stall_writes=False)
+    d = machine.live_d()[0]
+    assert d.core._requests[machine.requests[1].rid].reported == {machine.p_procs[0].rank}
+    machine.fault(kind="prefill_rank_restarts", i=0, j=0)  # stage 0 killed, back at once
+    for _ in range(12):  # D finds stage 0's process gone and handshakes afresh
+        machine.advance_clock(dt=1.0)
+        machine.pump(rounds=8, stall_writes=False)
+    assert d.core.stats["exited_producers"] == 1 and _outcomes(machine)[1] == []
+    machine.prefill_finished(i=1, j=0, one_rank=False, bind=True, boom=False)  # stage 1 (alive)
+    machine.pump(rounds=8, stall_writes=False)
+    assert _outcomes(machine)[1] == ["done"], d.requests
+    machine.teardown()
+
+
 def test_rank_processes_a_p_rank_killed_and_back_before_d_noticed_serves_what_d_registered() -> None:
     """The same over real NIXL between rank processes, with D's silence bound (60 s) far longer
     than the restart: d-1 was registered with the process that is killed, d-2 is added after
