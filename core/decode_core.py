@@ -70,6 +70,8 @@ _DONE = NotificationKind.DONE
 HEARTBEAT_KEYS_PER_MESSAGE = 256
 ENDED_MEMORY = 4096
 """How many ended request ids D remembers, to tell late duplicates from early notifications."""
+ENGINE_PROBE = "\0engine:"
+"""``ProbeExit`` request id prefix of a probe of a P engine's silent agents (not a request's)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -166,6 +168,11 @@ class _Producer:
     """While reconnecting: what the engine's agents were (to spot a P restart)."""
     refused: bool = False
     """The last handshake failed because a producer refused this rank's metadata."""
+    restarting: str = ""
+    """Why a loaded incarnation ended (it said goodbye, or its process exited); "" when none
+    did. Until the engine is ready again, but at most ``peer_silence_s``, a handshake that
+    fails (P's side channel still names the old process, or does not answer while the rank
+    starts) fails no request: the next attempt comes after the backoff."""
 
 
 class _Phase(enum.Enum):
@@ -235,6 +242,10 @@ class _Receive:
     """Producer agents whose acknowledgement of an earlier registration's CANCEL it waits for
     before registering (see :meth:`DecodeCore._owed_cancels`)."""
     acks_asked: bool = False
+    rereg: set[RankKey] = attrs.field(factory=set)
+    """Producers whose process exited before they wrote (a P rank restarted under its name):
+    registered again with the process that serves now, once the old one's connections are
+    fenced (``fence_id``) and the engine is handshaken afresh."""
 
 
 @attrs.define(eq=False)
@@ -278,6 +289,10 @@ class DecodeCore:
         registrations released on a fence with that producer silent (at most ENDED_MEMORY)."""
         self._unanswered_ids: dict[str, tuple[str, str]] = {}
         """Request id -> its entry in ``_unanswered`` (a late CANCEL_ACK finds it)."""
+        self._closed: OrderedDict[tuple[str, str], None] = OrderedDict()
+        """(P agent, incarnation) of P workers that said goodbye (``BYE``; at most
+        ENDED_MEMORY): a handshake loading one again (P's side channel still names the closed
+        worker) waits for the next attempt instead of greeting it."""
         self._ended_keys: OrderedDict[tuple[str, str], int] = OrderedDict()
         """(P engine, match key) of requests that ended here lately -> ``_seq`` then: a request
         registering such a key again first gets a stamp issued after it ended."""
@@ -296,6 +311,8 @@ class DecodeCore:
             "dead_peers": 0,
             "quarantined": 0,
             "fences": 0,
+            "exited_producers": 0,
+            "reregistered": 0,
         }
 
     # ------------------------------------------------------------------ queries
@@ -422,6 +439,8 @@ class DecodeCore:
             # and a new request of their key first asks P again for their unanswered CANCELs.
             engine.failures, engine.requests = failed.failures, failed.requests
             engine.dead, engine.waiting = failed.dead, failed.waiting
+            engine.previous = failed.previous  # a reconnect's: a P restart is still spotted
+            engine.restarting = failed.restarting
             self._timers.disarm(("retry", engine.engine_id))
         self._engines[engine.engine_id] = engine
         return [*moved, Connect(engine.engine_id, engine.host, engine.port)]
@@ -457,8 +476,18 @@ class DecodeCore:
                 DropPeer(engine_id, "a fence went out while this handshake ran; handshaking again"),
                 Connect(engine.engine_id, engine.host, engine.port),
             ]
+        if info is None and engine.restarting:
+            out = self._engine_down(engine, f"handshake with P failed while a P rank restarts: {error}", now)
+            return [*out, DropPeer(engine_id, "handshake failed")]
         if info is None:
             return self._engine_failed(engine, f"handshake with P failed: {error}", now)
+        closed = sorted(a for a, inc in info.incarnations.items() if (a, inc) in self._closed)
+        if closed:
+            # P's side channel still names a worker that said goodbye (its replacement is not
+            # published yet): nothing to greet; try again after the backoff.
+            engine.dead = dict(info.incarnations)
+            out = self._engine_down(engine, f"P agent(s) {closed} closed; not published afresh yet", now)
+            return [*out, DropPeer(engine_id, f"P agent(s) {closed} closed")]
         out: list[Any] = []
         previous, engine.previous = engine.previous, None
         restarted = False
@@ -468,8 +497,8 @@ class DecodeCore:
             gone = {a for a, inc in previous.incarnations.items() if info.incarnations.get(a) != inc}
             for rid in sorted(engine.requests):
                 receive = self._requests[rid]
-                if receive.phase is not _Phase.REGISTERED:
-                    continue
+                if receive.phase is not _Phase.REGISTERED or receive.rereg:
+                    continue  # (registered again once fenced and ready)
                 if restarted:
                     # The restarted ranks' old processes are gone, but bytes their kernels queued
                     # may still be on the way (TCP delivers them after the process died): fence
@@ -477,6 +506,11 @@ class DecodeCore:
                     # grant and may post: they settle as for any failure (an answer, or the
                     # quarantine). Copies no fence stops are held until the old process exited.
                     dead = {r for r in receive.expected - receive.settled if receive.agents.get(r) in gone}
+                    if not dead:
+                        # Every restarted rank had written it whole (its DONE): the others
+                        # carry on; nothing is asked of the new processes.
+                        receive.agents, receive.incarnations = info.agents, info.incarnations
+                        continue
                     if receive.writes_abortable and dead:
                         receive.unsettled |= dead
                         receive.settled |= dead
@@ -555,6 +589,8 @@ class DecodeCore:
             return self._on_result(agent, engine, note, now)
         if kind is NotificationKind.HEARTBEAT and note.stamp is not None:
             return self._on_stamp(agent, engine, note, now)
+        if kind is NotificationKind.GOODBYE:
+            return self._on_goodbye(agent, engine, note, now)
         self._reject(agent, note, "not a notification a decode rank accepts")
         return []
 
@@ -594,9 +630,13 @@ class DecodeCore:
                 out += self._stamp_awaited(name, None, now)
             elif kind == "acks":
                 out += self._on_acks_timeout(name, now)
+            elif kind == "restart":
+                out += self._on_restart_timeout(name, now)
             elif kind == "retry":
                 engine = self._engines.get(name)
                 waiting = [r for r in engine.waiting if r in self._requests] if engine is not None else []
+                if engine is not None:  # registered requests waiting to register again too
+                    waiting += sorted(r for r in engine.requests if self._requests[r].rereg)
                 if engine is not None and engine.state is _EngineState.FAILED and waiting:
                     out += self._engine_wanted(self._requests[waiting[0]].meta, now)
             elif kind == "hello_resend":
@@ -918,6 +958,18 @@ class DecodeCore:
             why = f"{reason} before any PUSH_REG was sent; nothing to settle"
             return self._end(rid, receive, Report(rid, outcome, why), release=True)
         logger.warning("request %s stops: %s", rid, reason)
+        if receive.rereg:
+            # Not registered again yet: its exited producers settle through a fence of their
+            # own, issued once every producer settled (the pending one may predate a live
+            # producer's last post).
+            receive.settled |= receive.rereg
+            receive.unsettled |= receive.rereg
+            receive.rereg = set()
+            pending = self._fences.get(receive.fence_id) if receive.fence_id is not None else None
+            if pending is not None:
+                pending.waiting.discard(rid)
+            receive.fence_id = None
+            receive.settle_seq = self._fence_seq
         receive.phase = _Phase.CLOSING
         receive.cancelled = cancelled
         out: list[Any] = []
@@ -1044,8 +1096,11 @@ class DecodeCore:
     def producers_exited(self, rid: str, agents: Iterable[str], now: float) -> list[Any]:
         """The driver saw these producer processes of held request ``rid`` exit (``ProbeExit``):
         their copies ended with them. Once every silent producer has, the blocks go back (after
-        a fence, for whatever else their connections carried)."""
+        a fence, for whatever else their connections carried). A probe of an engine's silent
+        agents (``ENGINE_PROBE``): :meth:`_agents_exited`."""
         receive = self._requests.get(rid)
+        if receive is None and rid.startswith(ENGINE_PROBE):
+            return self._agents_exited(rid[len(ENGINE_PROBE) :], set(agents), now)
         if receive is None or not receive.held or receive.fence_id is not None:
             return []
         exited = set(agents)
@@ -1056,6 +1111,97 @@ class DecodeCore:
         return self._await_fence(
             rid, receive, silent | receive.unsettled, f"P rank(s) {names} exited while held", now
         )
+
+    def _agents_exited(self, engine_id: str, exited: set[str], now: float) -> list[Any]:
+        """Agents of a ready engine that missed a heartbeat answer run in processes that have
+        exited: those incarnations are gone (a P rank killed, maybe already back under its
+        name), whatever ``peer_silence_s`` says. Each registered request whose producer there
+        had not reported is registered again, with the process that serves now, once the old
+        one's connections are fenced (its copies ended with it; bytes its kernel queued end at
+        the fence); the engine is handshaken afresh meanwhile. A handshake that loads an exited
+        incarnation again (the rank is still starting) waits for the next attempt."""
+        engine = self._engines.get(engine_id)
+        info = engine.info if engine is not None else None
+        if engine is None or info is None or engine.state is not _EngineState.READY:
+            return []
+        gone = {a: info.incarnations.get(a, "") for a in exited if a in info.agents.values()}
+        if not gone:
+            return []
+        self.stats["exited_producers"] += len(gone)
+        for agent, incarnation in gone.items():
+            self._mark_closed(agent, incarnation)
+        fence_id = self._fence_seq + 1
+        rids = []
+        for rid in sorted(engine.requests):
+            receive = self._requests[rid]
+            if receive.phase is not _Phase.REGISTERED:
+                continue
+            dead = {
+                r
+                for r in receive.expected - receive.settled - receive.reported
+                if gone.get(receive.agents.get(r, "")) == receive.incarnations.get(receive.agents.get(r, ""))
+            }
+            if not dead:
+                continue
+            receive.rereg |= dead
+            for r in dead:  # a packed push starts again from its first chunk
+                receive.arrived.pop(r, None)
+                receive.chunks.pop(r, None)
+                receive.manifests.pop(r, None)
+            receive.fence_id = fence_id
+            rids.append(rid)
+        why = f"P agent(s) {sorted(gone)} exited (their process is gone); handshaking afresh"
+        self._restarting(
+            engine,
+            f"P agent(s) {sorted(gone)} answered no heartbeat and exited, and no new process of "
+            f"theirs answered within {self.s.peer_silence_s:g}s",
+            now,
+        )
+        logger.warning("P engine %s: %s", engine_id, why)
+        self._fence_seq = fence_id
+        self.stats["fences"] += 1
+        agents = frozenset(info.agents.values())
+        self._fences[fence_id] = _Fence(engine_id, now, agents, set(rids), why)
+        return self._reconnect(engine, why, Fence(fence_id, engine_id, tuple(sorted(agents)), why))
+
+    def _mark_closed(self, agent: str, incarnation: str) -> None:
+        self._closed[(agent, incarnation)] = None
+        self._closed.move_to_end((agent, incarnation))
+        if len(self._closed) > ENDED_MEMORY:
+            self._closed.popitem(last=False)
+
+    def _reregister(self, rid: str, now: float) -> list[Any]:
+        """Register ``rid`` again with the producers that replaced exited ones (see
+        :meth:`_agents_exited`), once their fence is confirmed and the engine is ready."""
+        receive = self._requests.get(rid)
+        engine = self._engines.get(receive.engine_id) if receive is not None else None
+        info = engine.info if engine is not None else None
+        if (
+            receive is None
+            or engine is None
+            or info is None
+            or not receive.rereg
+            or receive.fence_id is not None
+            or receive.phase is not _Phase.REGISTERED
+            or engine.state is not _EngineState.READY
+        ):
+            return []
+        ranks, receive.rereg = sorted(receive.rereg), set()
+        receive.agents, receive.incarnations = info.agents, info.incarnations
+        receive.processes, receive.writes_abortable = info.processes, info.writes_abortable
+        receive.write_deadline_s = info.write_deadline_s
+        receive.unknown_strikes = 0
+        out: list[Any] = []
+        for rank in ranks:
+            agent = info.agents[rank]
+            reg = self._coordinates(rid, receive, grant=engine.stamps.get(agent))
+            receive.grants[agent] = reg.grant
+            if reg.grant is not None:
+                receive.last_grant = now
+            out.append(Send(agent, wire.encode_push_reg(reg)))
+            self.stats["push_regs_sent"] += 1
+            self.stats["reregistered"] += 1
+        return out
 
     def _await_fence(
         self, rid: str, receive: _Receive, producers: set[RankKey] | frozenset[RankKey], why: str, now: float
@@ -1110,6 +1256,10 @@ class DecodeCore:
         for rid in sorted(fence.waiting):
             receive = self._requests.get(rid)
             if receive is None or receive.fence_id != fence_id:
+                continue
+            if receive.phase is _Phase.REGISTERED:  # nothing of the exited producers can land
+                receive.fence_id = None
+                out += self._reregister(rid, now)
                 continue
             out += self._finish_close(
                 rid, receive, f"released after P's connections were fenced ({fence.why})"
@@ -1254,6 +1404,102 @@ class DecodeCore:
             out += self._renew(engine, agent, set(note.want), now)
         return out
 
+    def _on_goodbye(self, agent: str, engine: _Producer | None, note: Notification, now: float) -> list[Any]:
+        """A P worker closed (``BYE``): its incarnation ``note.incarnation`` posts nothing more
+        and every WRITE it posted to this rank ended (unsettled ones: ``note.unsettled``). Each
+        request that registered with that incarnation settles that producer now: a registered
+        one fails at once, a closing or held one is released (after a fence when a WRITE ended
+        unsettled), instead of waiting for P's silence or, for copies no fence stops, the exit
+        of a process that may live on (a worker re-created in it). If the engine still has that
+        incarnation loaded its agents are dropped and it is handshaken afresh at once, failing
+        no request waiting for it; a handshake that loads the closed incarnation again (P's side
+        channel still serves it) waits for the next attempt (:meth:`_engine_down`)."""
+        producer, incarnation = note.producer, note.incarnation
+        out: list[Any] = []
+        for rid in sorted(self._requests):
+            receive = self._requests.get(rid)
+            if (
+                receive is None
+                or producer is None
+                or receive.agents.get(producer) != agent
+                or receive.incarnations.get(agent) != incarnation
+            ):
+                continue
+            receive.acks.discard(agent)
+            receive.awaiting.discard(agent)
+            if receive.phase is _Phase.WAITING or producer in receive.settled:
+                continue
+            receive.unanswered.discard(agent)
+            receive.settled.add(producer)
+            receive.settle_seq = self._fence_seq
+            if note.unsettled:
+                receive.unsettled.add(producer)
+            if receive.phase is _Phase.REGISTERED:
+                out += self._close(rid, f"P rank {producer} closed (its worker ended) before it pushed", now)
+            else:
+                out += self._maybe_release(rid, receive, now)
+        for where, owed in list(self._unanswered.items()):  # nothing of it is held any more
+            entry = owed.get(agent)
+            if entry is not None and entry[0] == incarnation:
+                del owed[agent]
+                if not any(r == entry[1] for _, r, _ in owed.values()):
+                    self._unanswered_ids.pop(entry[1], None)
+                if not owed:
+                    del self._unanswered[where]
+        self._mark_closed(agent, incarnation)
+        info = engine.info if engine is not None else None
+        if engine is not None and info is not None and info.incarnations.get(agent) == incarnation:
+            self._restarting(
+                engine,
+                f"P agent {agent} closed (incarnation {incarnation} ended) and no new worker of it "
+                f"answered within {self.s.peer_silence_s:g}s",
+                now,
+            )
+            # Its requests with that incarnation were settled above; those still waiting wait
+            # for a handshake afresh (at once: P's side channel names the worker that serves now).
+            out += self._engine_down(engine, f"P agent {agent} closed (incarnation {incarnation} ended)", now)
+            engine.failed_at = float("-inf")
+            if engine.waiting:
+                self._timers.arm(("retry", engine.engine_id), now)
+        return out
+
+    def _restarting(self, engine: _Producer, reason: str, now: float) -> None:
+        """A loaded incarnation of ``engine`` ended: wait up to ``peer_silence_s`` for a new
+        one (then its requests fail with ``reason``, as for a silent P)."""
+        if not engine.restarting:
+            self._timers.arm(("restart", engine.engine_id), now + self.s.peer_silence_s)
+        engine.restarting = reason
+
+    def _on_restart_timeout(self, engine_id: str, now: float) -> list[Any]:
+        engine = self._engines.get(engine_id)
+        if engine is None or not engine.restarting or engine.state is _EngineState.READY:
+            return []
+        reason, engine.restarting = engine.restarting, ""
+        self.stats["dead_peers"] += 1
+        return self._engine_failed(engine, reason, now)
+
+    def _engine_down(self, engine: _Producer, reason: str, now: float) -> list[Any]:
+        """The engine's loaded agents are no P worker any more (one closed or exited): drop
+        them and handshake afresh after the backoff, failing no request waiting for it (unlike
+        :meth:`_engine_failed`; bounded by the restart timeout, :meth:`_restarting`). Requests
+        registered with those agents fail, except those to be registered again."""
+        engine.state = _EngineState.FAILED
+        engine.error = reason
+        engine.refused = False
+        if engine.info is not None:
+            engine.dead = dict(engine.info.incarnations)
+        engine.failed_at = now
+        self._timers.disarm(("hello", engine.engine_id))
+        self._timers.disarm(("hello_resend", engine.engine_id))
+        out: list[Any] = []
+        for rid in sorted(engine.requests):  # registered with the agents dropped below
+            receive = self._requests.get(rid)
+            if receive is not None and receive.phase is _Phase.REGISTERED and not receive.rereg:
+                out += self._close(rid, reason, now)
+        if engine.waiting or any(self._requests[r].rereg for r in engine.requests):
+            self._timers.arm(("retry", engine.engine_id), self._retry_at(engine))
+        return out + self._maybe_forget(engine)
+
     def _on_refused(self, agent: str, engine: _Producer | None, note: Notification, now: float) -> list[Any]:
         """A producer answered this rank's HELLO with FAIL: it refused this rank's handshake
         metadata (the reason names the cause and the fix). Accepted only from a producer
@@ -1308,8 +1554,8 @@ class DecodeCore:
             receive = self._requests.get(rid)
             if receive is None or receive.key not in keys or receive.phase is not _Phase.REGISTERED:
                 continue
-            if not receive.expected & ranks:
-                continue
+            if not (receive.expected - receive.settled) & ranks or receive.rereg:
+                continue  # (a rank that wrote it whole may have restarted since)
             receive.unknown_strikes += 1
             if receive.unknown_strikes >= 2:
                 out += self._close(
@@ -1325,10 +1571,16 @@ class DecodeCore:
 
     def _engine_ready(self, engine: _Producer, now: float) -> list[Any]:
         engine.state = _EngineState.READY
+        engine.restarting = ""
+        self._timers.disarm(("restart", engine.engine_id))
         engine.failures = 0
         self._timers.disarm(("hello", engine.engine_id))
         self._timers.disarm(("hello_resend", engine.engine_id))
-        out: list[Any] = self._arm_heartbeat(now)  # also renews idle agents' grants
+        out: list[Any] = []
+        for rid in sorted(engine.requests):
+            if self._requests[rid].rereg:
+                out += self._reregister(rid, now)
+        out += self._arm_heartbeat(now)  # also renews idle agents' grants
         waiting, engine.waiting = engine.waiting, []
         for rid in waiting:
             if rid in self._requests:
@@ -1339,6 +1591,9 @@ class DecodeCore:
         engine = self._engines.get(engine_id)
         if engine is None or engine.state is not _EngineState.HELLO:
             return []
+        if engine.restarting:  # the side channel may still name the process that ended
+            why = "P did not answer this rank's HELLO while a P rank restarts"
+            return self._engine_down(engine, why, now)
         return self._engine_failed(
             engine,
             f"P did not answer this rank's HELLO within {self.s.hello_timeout_s:g}s: P could not reach "
@@ -1419,6 +1674,11 @@ class DecodeCore:
                         engine, f"P agent {agent} answered no heartbeat for {self.s.peer_silence_s:g}s", now
                     )
                     break
+                identity = engine.info.processes.get(agent)
+                if now - heard > self.s.heartbeat_interval_s and identity is not None:
+                    # A heartbeat answer missed: has its process exited (killed, maybe already
+                    # back under its name)? Then D need not wait for peer_silence_s.
+                    out.append(ProbeExit(ENGINE_PROBE + engine.engine_id, ((agent, identity),)))
                 engine.heard.setdefault(agent, now)
                 out += self._send_renewal(engine, agent, keys, now)
         if any(r.phase is not _Phase.CLOSING for r in self._requests.values()) or any(
@@ -1456,7 +1716,7 @@ class DecodeCore:
         out = {}
         for rid in engine.requests:
             receive = self._requests[rid]
-            if receive.phase is _Phase.REGISTERED and receive.expected & ranks:
+            if receive.phase is _Phase.REGISTERED and receive.expected & ranks and not receive.rereg:
                 out[receive.key] = rid
         return out
 

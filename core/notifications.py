@@ -1,7 +1,7 @@
 """Notification formats: ``PREFIX + msgpack(map)``, versioned, bounded, never pickle.
 
-Prefixes: ``PUSH_REG:``, ``DONE:``, ``FAIL:``, ``CANCEL:``, ``CANCEL_ACK:``, ``HB:`` and
-``HELLO:``. Every body carries ``"v": [major, minor]``; a peer with another *major* version is
+Prefixes: ``PUSH_REG:``, ``DONE:``, ``FAIL:``, ``CANCEL:``, ``CANCEL_ACK:``, ``HB:``,
+``HELLO:`` and ``BYE:``. Every body carries ``"v": [major, minor]``; a peer with another *major* version is
 refused with a ``WireError`` naming both, unknown fields are ignored (so one minor version apart
 interoperates). Every value from a peer is range-checked here, when decoded, with an error
 naming the field: block ids below 2**31, distinct within a group and not all groups empty;
@@ -30,6 +30,8 @@ Direction and meaning (docs/reliability.md):
 - ``DONE`` / ``FAIL`` P → D: one producer ``(pp, tp)`` (and its TP size) finished or failed a
   request; a packed DONE carries the manifest D scatters from.
 - ``CANCEL`` D → P and ``CANCEL_ACK`` P → D: see docs/reliability.md, "Cancel".
+- ``BYE`` P → D: a P worker closed (its producer rank and incarnation): it posts nothing more
+  and every WRITE it posted to this D rank ended (``unsettled``: one ended without completing).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ CANCEL_PREFIX = b"CANCEL:"
 CANCEL_ACK_PREFIX = b"CANCEL_ACK:"
 HEARTBEAT_PREFIX = b"HB:"
 HELLO_PREFIX = b"HELLO:"
+GOODBYE_PREFIX = b"BYE:"
 
 _V = list(NOTIF_VERSION)
 _unpackb = msgpack.unpackb
@@ -222,6 +225,15 @@ def encode_heartbeat_answer(
 def encode_hello(reg: PushRegistration, decode_tp_rank: int) -> bytes:
     """D → P after the notif-only handshake (``reg`` carries D's coordinates only)."""
     return _msg(HELLO_PREFIX, _coordinates(reg, decode_tp_rank))
+
+
+def encode_goodbye(producer: RankKey, incarnation: str, unsettled: bool = True) -> bytes:
+    """P → D once a closing P worker has nothing in flight: ``incarnation`` ended. ``unsettled``:
+    a WRITE it posted to this D rank ended without completing (bytes may follow: D fences)."""
+    return _msg(
+        GOODBYE_PREFIX,
+        {"pp": producer.pp_rank, "tp": producer.tp_rank, "inc": incarnation, "unsettled": unsettled},
+    )
 
 
 # ------------------------------------------------------------------------------ field checks
@@ -383,6 +395,7 @@ _PREFIXES = (
     (CANCEL_PREFIX, NotificationKind.CANCEL),
     (HEARTBEAT_PREFIX, NotificationKind.HEARTBEAT),
     (HELLO_PREFIX, NotificationKind.HELLO),
+    (GOODBYE_PREFIX, NotificationKind.GOODBYE),
 )
 
 
@@ -489,6 +502,13 @@ def decode_notification(message: bytes) -> Notification | None:
             registration=reg,
             producer=RankKey(0, reg.decode_tp_rank),
             incarnation=reg.decode_incarnation,
+        )
+    if kind is NotificationKind.GOODBYE:
+        return Notification(
+            kind=kind,
+            producer=_producer(body, what),
+            incarnation=_str_field(body, "inc", what),
+            unsettled=body.get("unsettled", True) is not False,
         )
     request_id = _str_field(body, "request_id", what)
     if kind is NotificationKind.CANCEL:

@@ -311,6 +311,10 @@ class PrefillCore:
         (loaded notify-only) to every HELLO and registration from it until the backoff ends."""
         self._closing = ""
         """Why this rank is shutting down ("" while it is not): see :meth:`shutdown`."""
+        self._said_goodbye = False
+        """Said goodbye (:meth:`goodbye`): nothing is posted any more."""
+        self._unsettled_to: set[tuple[str, int]] = set()
+        """(D engine, D rank) to which a WRITE of this incarnation ended without completing."""
         self.stats: dict[str, int] = {
             "pushes": 0,
             "bytes": 0,
@@ -358,6 +362,7 @@ class PrefillCore:
         engine = self._engines.get(engine_id)
         if engine is not None and not engine.inflight:
             del self._engines[engine_id]
+            self._unsettled_to = {e for e in self._unsettled_to if e[0] != engine_id}
 
     def pending_requests(self) -> list[tuple[str, str]]:
         """``(match key, request id)`` of every finished prefill not reported yet."""
@@ -474,6 +479,22 @@ class PrefillCore:
                 continue  # every destination is written or being written: it may still end sent
             out += self._fail_held(request, reason)
             out += self._fail_request(request, reason, now)
+        return out
+
+    def goodbye(self, now: float) -> list[Any]:
+        """After :meth:`shutdown`, once no WRITE is in flight: tell every loaded D rank that this
+        incarnation ended (``BYE``): it posts nothing more and every WRITE it posted ended, so D
+        may settle what it still waits for from it (fencing first where a WRITE to that rank
+        ended unsettled) instead of waiting for its silence or, for copies no fence stops, its
+        process's exit. Nothing (and no promise) while a WRITE is still in flight."""
+        if not self._closing or self.inflight_handles():
+            return []
+        self._said_goodbye = True
+        out: list[Any] = []
+        for engine in self._engines.values():
+            for rank, agent in sorted(engine.agents.items()):
+                unsettled = (engine.engine_id, rank) in self._unsettled_to
+                out.append(Send(agent, wire.encode_goodbye(self.s.rank, self.s.incarnation, unsettled)))
         return out
 
     def _fail_held(self, request: _Request, reason: str) -> list[Any]:
@@ -1447,7 +1468,7 @@ class PrefillCore:
         """Called by the driver immediately before it posts: still wanted, not cancelled, and
         the registration's grant still fresh? A stale one goes back to waiting for a grant."""
         request = self._requests.get(key)
-        if request is None or request.dests is None or request.failure:
+        if request is None or request.dests is None or request.failure or self._said_goodbye:
             return False
         dest = request.dests.get(rank)
         entry = request.regs.get(rank)
@@ -1508,6 +1529,7 @@ class PrefillCore:
         dest = request.dests.get(rank) if request.dests else None
         if dest is not None and maybe_sent:
             dest.unsettled = True  # part of a refused post may have gone out
+            self._unsettled_to.add((request.engine_id, rank))
         return self._fail_request(request, f"WRITE to D rank {rank} failed: {reason}", now)
 
     def write_settled(
@@ -1536,6 +1558,7 @@ class PrefillCore:
         if dest.error:
             dest.state = _Dest.FAILED
             dest.unsettled = True  # aborted or failed after it was posted
+            self._unsettled_to.add((request.engine_id, rank))
             request.failure = request.failure or dest.error
             entry = request.regs.get(rank)
             if entry is not None and (engine is None or rank not in engine.replacing):

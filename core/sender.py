@@ -771,7 +771,9 @@ class PushSender(RankWorker):
     def _before_stop(self) -> None:
         """Tell D before going: the core stops posting and answers every registration FAIL,
         at once where nothing was posted, else once the WRITE settled; this waits for WRITEs in
-        flight (at most ``close_timeout_s``) so that their outcome reaches D too."""
+        flight (at most ``close_timeout_s``) so that their outcome reaches D too. Once none is
+        in flight, every loaded D rank is told this incarnation ended (``BYE``); with a WRITE
+        still in flight at the bound, it is not (D's quarantine or hold decides)."""
         core = self.core
         assert core is not None
         deadline = time.monotonic() + self.config.close_timeout_s
@@ -788,6 +790,9 @@ class PushSender(RankWorker):
                     )
                     return
                 time.sleep(0.002)
+            # Nothing of this incarnation is in flight any more: D may let go of what it still
+            # holds for it (a worker re-created in this process is a new incarnation).
+            self.call_on_writer(lambda: self._execute(core.goodbye(lease_clock())))
         except WaitTimeout as err:
             logger.warning("%s could not tell D it is closing: %s", self.agent_name, err)
 

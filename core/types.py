@@ -602,6 +602,9 @@ class NotificationKind(enum.Enum):
     PUSH_REG = "push_reg"
     HELLO = "hello"
     """D → P after the notif-only handshake: proves the notification path both ways."""
+    GOODBYE = "goodbye"
+    """P → D when a P worker closed: that incarnation posts nothing more and nothing it posted
+    is in flight (``unsettled``: a WRITE of it to this D rank ended without completing)."""
 
 
 @frozen(kw_only=True)

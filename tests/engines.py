@@ -190,6 +190,19 @@ class Engines:
         os.kill(rank.process.pid, signal.SIGKILL)
         rank.process.join(timeout=10)
 
+    def restart_prefill(self, index: int = 0) -> None:
+        """SIGKILL P rank ``index`` and start a fresh process under the same name (a new
+        incarnation) with every planned prompt prepared; serve its new metadata."""
+        old = self.p_ranks[index]
+        if old.process.is_alive():
+            self.kill(old)
+        (fresh,), payloads = _start_ranks([self.p_specs[index]], timeout_s=120)
+        self.ranks.append(fresh)
+        fresh.call(("prepare", [(rid, plan["seed"], plan["p_ids"]) for rid, plan in self.plans.items()]))
+        self.p_server.publish_all(payloads)
+        self.p_ranks[index] = fresh
+        self.p_results[fresh.key] = {}
+
     def restart_decode(self) -> None:
         """Start fresh decode processes under the same names and serve their new metadata."""
         old = self.d_ranks

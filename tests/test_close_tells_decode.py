@@ -49,6 +49,26 @@ def test_closing_p_fails_a_registration_it_never_wrote_at_once() -> None:
         assert time.monotonic() - closed_at < 5  # told, not timed out
 
 
+def test_closing_p_whose_fail_was_lost_still_lets_d_release_at_its_goodbye() -> None:
+    """Every FAIL is lost on its way to D. Once nothing of it is in flight the closing worker
+    says goodbye (``BYE``), which settles what D registered with it: D fails the request and
+    releases its blocks at once. It used to wait for P's silence and then, P's process living
+    on (same host: copies no fence stops), hold the blocks until that process exited."""
+    options = {"inner": "nixl", "drop_notifs": 1.0, "drop_prefixes": ["FAIL:"]}
+    with Cluster(transport="faulty", transport_options=options, **SLOW_SILENCE) as cluster:
+        _connected(cluster)
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[3]], "x-1")  # P never finishes it
+        wait_until(lambda: sender.call_on_writer(sender.core.state_sizes)["stashed"] == 1, what="P's stash")
+        closed_at = time.monotonic()
+        sender.close()
+        reason = cluster.wait_decode("d-1", timeout_s=5)[0]
+        cluster.wait_released("d-1", timeout_s=5)
+        assert reason is not None and "closed" in reason, reason
+        assert time.monotonic() - closed_at < 5  # told, not timed out
+        assert cluster.receivers[0].transport.injected["drop"] >= 1  # the FAIL was lost
+
+
 def test_closing_p_lets_a_write_in_flight_land_and_d_finish() -> None:
     """A WRITE in flight at close is waited for (bounded): its bytes and DONE reach D, and P
     reports the push sent, not failed."""

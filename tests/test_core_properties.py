@@ -93,6 +93,7 @@ FAULTS = [
     "prefill_rank_restarts",
     "prefill_rank_restarts_behind",
     "prefill_rank_closes",
+    "prefill_rank_recreated",
     "prefill_abandoned",
     "decode_rank_dies",
     "decode_rank_restarts",
@@ -140,6 +141,9 @@ class PProc(Proc):
     hung: bool = False
     """Its threads stopped (a process hung in the driver): it runs no timer, reads no message and
     polls nothing, but is alive, and a copy it launched may still land."""
+    process: str = ""
+    """The OS process it runs in ("": its own); a worker re-created in a live process shares
+    it, so D's probe never sees the closed worker's process exit."""
 
 
 @attrs.define(eq=False)
@@ -255,7 +259,7 @@ class CoreCluster(RuleBasedStateMachine):
             self.d_procs.append(self._new_d(tp, offset=-50.0 * tp))
         self.ready = True
 
-    def _new_p(self, rank: RankKey, offset: float) -> PProc:
+    def _new_p(self, rank: RankKey, offset: float, process: str = "") -> PProc:
         n = next(self.seq)
         proc = PProc(
             agent=f"{P_ENGINE}-prefill-pp{rank.pp_rank}-tp{rank.tp_rank}",
@@ -263,6 +267,7 @@ class CoreCluster(RuleBasedStateMachine):
             offset=offset,
             born=n,
             rank=rank,
+            process=process,
         )
         proc.core = PrefillCore(
             PrefillSettings(
@@ -458,7 +463,7 @@ class CoreCluster(RuleBasedStateMachine):
                 self.fences.append((d, action.fence_id))
             elif isinstance(action, ProbeExit):
                 # What /proc shows on the shared host: a process that died or was replaced is gone.
-                running = {p.inc for p in self.live_p()}
+                running = {p.process or p.inc for p in self.live_p()}
                 exited = [agent for agent, process in action.processes if process["inc"] not in running]
                 if exited:
                     self._run_d(d, d.core.producers_exited(action.request_id, exited, self.now(d)))
@@ -803,7 +808,7 @@ class CoreCluster(RuleBasedStateMachine):
             incarnations={p.agent: p.inc for p in live.values()},
             write_deadline_s=WRITE_DEADLINE_S,
             writes_abortable=not self.kernel_copies,
-            processes={p.agent: {"inc": p.inc} for p in live.values()},
+            processes={p.agent: {"inc": p.process or p.inc} for p in live.values()},
         )
         self._run_d(proc, proc.core.connected(action.engine_id, info, "", now))
 
@@ -848,6 +853,16 @@ class CoreCluster(RuleBasedStateMachine):
         elif kind == "prefill_rank_closes" and ps:
             p = ps[j % len(ps)]  # its worker's close(): the writer drains on, posting nothing more
             self._run_p(p, p.core.shutdown("the prefill worker closed", self.now(p)))
+        elif kind == "prefill_rank_recreated" and ps:
+            # close(), then a new worker under the same name in the same (live) process: the
+            # closed one says goodbye once nothing of it is in flight (close() waits for that).
+            p = ps[j % len(ps)]
+            self._run_p(p, p.core.shutdown("the prefill worker closed", self.now(p)))
+            if p.core.inflight_handles():
+                return  # still closing: its WRITEs settle (or close() gives up: no goodbye)
+            self._run_p(p, p.core.goodbye(self.now(p)))
+            p.alive = False  # its agent is gone; an aborted WRITE of it may still land
+            self.p_procs.append(self._new_p(p.rank, offset=p.offset, process=p.process or p.inc))
         elif kind.startswith("prefill_rank_") and ps:
             p = ps[j % len(ps)]
             p.alive = False
@@ -1223,7 +1238,10 @@ def test_one_chunk_of_a_packed_push_does_not_settle_a_cancelled_request(kernel_c
 def test_a_held_request_goes_back_once_the_process_that_could_copy_has_exited(fault: str) -> None:
     """Found by the machine above: a held request whose P died (or restarted under its name)
     stayed held for ever, its cancel resent to nobody. The kernel copy ended with the process;
-    D sees it exited (``ProbeExit``: /proc on the shared host) and releases after a fence."""
+    D sees it exited (``ProbeExit``: /proc on the shared host) and releases after a fence.
+    (D now probes a silent producer's process at its first missed heartbeat answer, before the
+    request is held: the exit is seen there, the engine fenced, and the request registered
+    again; its prefill died with the process, so it fails at its watchdog and is released.)"""
     machine, req = _pushing(kernel_copies=True)
     d = machine.d_procs[0]
     machine.advance_clock(dt=WRITE_DEADLINE_S + 0.5)
@@ -1234,7 +1252,8 @@ def test_a_held_request_goes_back_once_the_process_that_could_copy_has_exited(fa
         if req.released:
             break
     assert req.outcomes == ["failed"] and req.released
-    assert d.core.stats["held_for_kernel_copies"] == 1 and d.core.stats["fences"] >= 1
+    exit_seen = d.core.stats["held_for_kernel_copies"] + d.core.stats["exited_producers"]
+    assert exit_seen >= 1 and d.core.stats["fences"] >= 1
     machine.teardown()
 
 
@@ -1488,3 +1507,30 @@ def test_a_cancel_from_a_d_rank_p_never_loaded_is_acknowledged() -> None:
     state.cancel(i=0, j=0)
     state.add_on_another_rank(i=0, j=0)
     state.teardown()  # drains: every request ends and every block is released
+
+
+def test_a_worker_recreated_in_its_live_process_lets_d_release_what_it_held_for_the_closed_one() -> None:
+    """A P worker closed and re-created in the same (live) process under the same name: D held
+    a cancelled request's blocks for the closed incarnation (its copy was in flight; its answer
+    was lost), probed a process that never exits and dropped the new incarnation's answers, so
+    the blocks never came back. The closed worker now says goodbye once its copy ended, and D
+    releases."""
+    machine, req = _pushing(kernel_copies=True)
+    (old,) = machine.p_procs
+    machine.cancel(i=0, j=0)
+    _deliver_first(machine, "cancel")  # P: a copy is in flight, the ack waits for it
+    machine.fault(kind="prefill_rank_recreated", i=0, j=0)  # close(): waits for the copy
+    assert old.alive
+    (w,) = machine.writes.values()
+    machine._land(w, True)
+    machine._poll(old)  # the copy ended: P acknowledges the cancel ...
+    machine.net.clear()  # ... and the answer is lost
+    machine.fault(kind="prefill_rank_recreated", i=0, j=0)  # nothing in flight: goodbye, re-created
+    assert not old.alive and len(machine.live_p()) == 1
+    for _ in range(40):
+        machine.advance_clock(dt=5.0)
+        machine.pump(rounds=3, stall_writes=False)
+        if req.released:
+            break
+    assert req.outcomes == ["cancelled"] and req.released
+    machine.teardown()

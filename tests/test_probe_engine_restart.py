@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 from test_probe_engine_sglang import Engines, Pools, gqa, logical, mismatches, push_and_check
 
 from kvpush.engine import ParallelConfig, PushReceiver, PushSender, RankKey, WorkerConfig
@@ -22,8 +21,14 @@ FAST = {"lease_s": 3.0, "write_deadline_s": 1.0, "handshake_timeout_s": 1.0}
 
 def restart_prefill_rank(engines: Engines, rank: RankKey) -> None:
     """Close P rank ``rank``'s worker and start a new one in this process on fresh pools."""
+    engines.senders[rank].close()
+    start_prefill_rank(engines, rank)
+
+
+def start_prefill_rank(engines: Engines, rank: RankKey) -> None:
+    """Start a new worker for P rank ``rank`` (its old one closed) in this process on fresh
+    pools, and publish it on P's side channel."""
     old = engines.senders[rank]
-    old.close()
     model, parallel = old.config.model, old.config.parallel
     pools = Pools(model, parallel, engines.p_pools[rank].pages)
     layout, caches = pools.kv_caches()
@@ -87,17 +92,12 @@ def settle_or_land(
             time.sleep(0.02)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "D registers the first request after the restart with the closed incarnation's agent, "
-        "fails it at peer_silence_s, then holds its blocks until P's process exits (it cannot "
-        "fence same-host copies, and drops the new incarnation's CANCEL_ACK): a worker re-created "
-        "in a live process never lets them go. Needs P's close() to tell D its incarnation ended "
-        "(decode_core/prefill_core; see the engine-API probe's report)"
-    ),
-)
 def test_a_prefill_rank_restarted_in_its_process_leaves_no_decode_blocks_held() -> None:
+    """D used to register the first request after the restart with the closed incarnation's
+    agent, fail it at peer_silence_s, then hold its blocks until P's process exited (it cannot
+    fence same-host copies, and dropped the new incarnation's CANCEL_ACK): a worker re-created
+    in a live process never let them go. Now the closed worker says goodbye (``BYE``) once
+    nothing of it is in flight, and D handshakes afresh with the one that serves now."""
     with Engines(gqa(16), p_pages=12, d_pages=12, **FAST) as engines:
         push_and_check(engines, [3, 5, 7], [1, 2, 4], 40)
         restart_prefill_rank(engines, RankKey(0, 0))
@@ -105,6 +105,24 @@ def test_a_prefill_rank_restarted_in_its_process_leaves_no_decode_blocks_held() 
         engines.add("d-2", [5, 6, 7], "x-2")
         engines.finish("p-2", [6, 8, 9], "x-2")
         settle_or_land(engines, "d-2", "p-2", [5, 6, 7], 40, bound_s=15)
+
+
+def test_a_request_added_before_the_restarted_rank_is_published_waits_for_it() -> None:
+    """P's side channel still serves the closed worker when D handshakes for the next request:
+    D does not greet an incarnation that said goodbye (its HELLO would go unanswered and fail
+    the request); it handshakes again after the backoff and registers with the new worker."""
+    with Engines(gqa(16), p_pages=12, d_pages=12, **FAST) as engines:
+        push_and_check(engines, [3, 5, 7], [1, 2, 4], 40)
+        engines.senders[RankKey(0, 0)].close()
+        before = engines.d_pools[0].snapshot()
+        engines.add("d-2", [5, 6, 7], "x-2")
+        time.sleep(0.5)  # D handshook meanwhile and loaded the closed worker's payload
+        start_prefill_rank(engines, RankKey(0, 0))
+        engines.prefill([6, 8, 9], 40)
+        engines.finish("p-2", [6, 8, 9], "x-2")
+        d, p = engines.wait("d-2", "p-2", timeout_s=15)
+        assert set(d.values()) == {None} and set(p.values()) == {None}, (d, p)
+        assert mismatches(engines.d_pools[0], logical(engines.d_pools[0], [5, 6, 7], 40, 0, before)) == []
 
 
 def test_a_decode_rank_restarted_in_its_process_gets_later_requests_byte_exact() -> None:

@@ -22,6 +22,7 @@ import attrs
 import pytest
 from test_core_properties import CoreCluster, Proc, Violation
 
+from engines import Engines
 from kvpush.core.actions import DropPeer
 
 
@@ -60,6 +61,96 @@ def test_requests_after_an_idle_p_rank_restarted_are_served_by_the_new_process()
     machine.pump(rounds=8, stall_writes=False)
     assert _outcomes(machine) == [["done"], ["done"]], d.requests
     machine.teardown()
+
+
+def test_a_request_registered_with_a_p_rank_that_restarted_before_d_noticed_is_served() -> None:
+    """A P rank killed under load and back (same agent name) before D noticed its silence:
+    D registered the next request with the dead process and failed it at ``peer_silence_s``
+    (the soak with P kills: up to 40 of 40 such requests), though the new process finished
+    its prefill. D now checks, when an agent it asks about requests missed a heartbeat
+    answer, whether that agent's process has exited (same host: /proc): the incarnation is
+    gone, D fences its connections and handshakes afresh, and registers the request with the
+    new process once nothing of the old one can land."""
+    machine = LossyCluster()
+    machine.start(topology=(1, 1, 1))
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right", prefill_first=True)
+    machine.pump(rounds=8, stall_writes=False)
+    assert _outcomes(machine) == [["done"]]
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    machine.pump(rounds=8, stall_writes=False)  # registered with P; its prefill still runs
+    machine.fault(kind="prefill_rank_restarts", i=0, j=0)  # killed (its prefill lost), back at once
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    machine.pump(rounds=8, stall_writes=False)  # registered with the dead process: lost
+    machine.prefill_finished(i=2, j=0, one_rank=False, bind=True, boom=False)  # on the new process
+    d = machine.live_d()[0]
+    silence = d.core.s.peer_silence_s
+    t0 = machine.t
+    while machine.t - t0 < silence - 1.0 and not all(_outcomes(machine)):
+        machine.advance_clock(dt=1.0)
+        machine.pump(rounds=8, stall_writes=False)
+    assert _outcomes(machine)[2] == ["done"], (machine.t - t0, d.requests)
+    # Registered again too: D cannot tell whose prefill died with the old process. The new
+    # process holds it until its prefill comes; it never does: it fails at its watchdog.
+    assert _outcomes(machine)[1] == [] and d.core.stats["reregistered"] == 2
+    machine.teardown()
+
+
+def test_a_p_stage_that_restarted_after_writing_its_share_does_not_fail_the_request() -> None:
+    """PP2: stage 0 wrote its share (DONE), then was killed and came back; stage 1 still
+    prefills. D, handshaking afresh, failed the request ("P engine restarted while this rank
+    reconnected": 18 requests in a CPU soak with P kills) though nothing was asked of the new
+    stage 0 any more; now the request carries on and lands once stage 1 writes."""
+    machine = LossyCluster()
+    machine.start(topology=(2, 1, 1))
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right", prefill_first=True)
+    machine.pump(rounds=8, stall_writes=False)
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    machine.pump(rounds=8, stall_writes=False)
+    machine.prefill_finished(i=1, j=0, one_rank=True, bind=True, boom=False)  # stage 0 only
+    machine.pump(rounds=8, stall_writes=False)
+    d = machine.live_d()[0]
+    assert d.core._requests[machine.requests[1].rid].reported == {machine.p_procs[0].rank}
+    machine.fault(kind="prefill_rank_restarts", i=0, j=0)  # stage 0 killed, back at once
+    for _ in range(12):  # D finds stage 0's process gone and handshakes afresh
+        machine.advance_clock(dt=1.0)
+        machine.pump(rounds=8, stall_writes=False)
+    assert d.core.stats["exited_producers"] == 1 and _outcomes(machine)[1] == []
+    machine.prefill_finished(i=1, j=0, one_rank=False, bind=True, boom=False)  # stage 1 (alive)
+    machine.pump(rounds=8, stall_writes=False)
+    assert _outcomes(machine)[1] == ["done"], d.requests
+    machine.teardown()
+
+
+def test_rank_processes_a_p_rank_killed_and_back_before_d_noticed_serves_what_d_registered() -> None:
+    """The same over real NIXL between rank processes, with D's silence bound (60 s) far longer
+    than the restart: d-1 was registered with the process that is killed, d-2 is added after
+    its replacement is published; the new process finishes both prefills and both land byte
+    for byte. D used to register d-2 with the dead process and fail both at peer_silence_s."""
+    with Engines(
+        heartbeat_interval_s=0.25, peer_silence_s=60.0, request_timeout_s=60.0, lease_s=30.0
+    ) as engines:
+        engines.plan("warm", [0], [0])
+        engines.add("warm")
+        engines.finish("warm")
+        engines.wait_decode(["warm"])
+        engines.plan("d-1", [1, 2], [1, 2])
+        engines.plan("d-2", [3, 4], [3, 4])
+        engines.add("d-1")
+        engines.wait(
+            "P to hold d-1's registration",
+            lambda: engines.health(engines.p_ranks)[0]["stashed_registrations"] == 1,
+            10,
+        )
+        engines.restart_prefill(0)  # killed; its replacement starts (seconds) and is published
+        engines.add("d-2")
+        engines.finish("d-1")
+        engines.finish("d-2")
+        engines.wait_decode(["d-1", "d-2"], timeout_s=30)
+        for rid in ("d-1", "d-2"):
+            ((kind, result),) = engines.decode_outcome(rid).values()
+            assert kind == "done" and result["ok"], (rid, kind, result)
+        (health,) = engines.health(engines.d_ranks)
+        assert health["stats"]["exited_producers"] >= 1 and health["stats"]["dead_peers"] == 0, health
 
 
 def test_an_idle_p_that_is_alive_is_not_handshaken_again() -> None:

@@ -47,6 +47,7 @@ PREFIXES = (
     notes.CANCEL_ACK_PREFIX,
     notes.HEARTBEAT_PREFIX,
     notes.HELLO_PREFIX,
+    notes.GOODBYE_PREFIX,
 )
 
 # ------------------------------------------------------------------ strategies
@@ -143,6 +144,8 @@ def valid_messages(draw: st.DrawFn) -> bytes:
         return notes.encode_heartbeat_answer(
             producer, draw(clock), draw(st.text(max_size=8)), *draw(st.tuples(keys, keys, keys))
         )
+    if kind == 8:
+        return notes.encode_goodbye(producer, draw(names), draw(st.booleans()))
     reg = draw(registrations(blocks=False))
     return notes.encode_hello(reg, reg.decode_tp_rank)
 
@@ -312,6 +315,18 @@ def test_fail_and_cancel_ack_round_trip(
     assert ack is not None and (ack.kind, ack.write_in_flight, ack.unsettled) == (
         NotificationKind.CANCEL_ACK,
         inflight,
+        unsettled,
+    )
+
+
+@FUZZ
+@given(producers(), names, st.booleans())
+def test_goodbye_round_trips(producer: tuple[RankKey, int], incarnation: str, unsettled: bool) -> None:
+    bye = decode(notes.encode_goodbye(producer[0], incarnation, unsettled))
+    assert bye is not None and (bye.kind, bye.producer, bye.incarnation, bye.unsettled) == (
+        NotificationKind.GOODBYE,
+        producer[0],
+        incarnation,
         unsettled,
     )
 
