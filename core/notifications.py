@@ -30,7 +30,7 @@ Direction and meaning (docs/reliability.md):
 - ``DONE`` / ``FAIL`` P → D: one producer ``(pp, tp)`` (and its TP size) finished or failed a
   request; a packed DONE carries the manifest D scatters from.
 - ``CANCEL`` D → P and ``CANCEL_ACK`` P → D: see docs/reliability.md, "Cancel".
-- ``BYE`` P → D: a P worker closed (its producer rank and incarnation): it posts nothing more
+- ``BYE`` P → D (since 2.3): a P worker closed (its producer rank and incarnation): it posts nothing more
   and every WRITE it posted to this D rank ended (``unsettled``: one ended without completing).
 """
 
@@ -55,7 +55,7 @@ from kvpush.core.types import (
 from kvpush.core.wire import MAX_PARALLEL as WIRE_MAX_PARALLEL
 from kvpush.core.wire import pack, unpack
 
-NOTIF_VERSION = (2, 2)
+NOTIF_VERSION = (2, 3)
 """(major, minor) of the notification format; only the major must match."""
 MAX_BLOCK_ID = (1 << 31) - 1
 MAX_PARALLEL = WIRE_MAX_PARALLEL
