@@ -1,0 +1,415 @@
+"""Probe: a peer restarts under the same name (agent name, side-channel address, engine id)
+with a DIFFERENT configuration while the other side keeps running with requests registered
+or in flight.
+
+Every rank is a real process (:mod:`kvpush.demo.rank`) over real NIXL; this process serves
+both engines' side channels, as a scheduler would, and publishes a restarted rank's payload
+under the same rank key (the side channel keeps serving a rank nobody republished). What must
+hold for every request on every live D rank: done with every byte right, or failed (or
+cancelled) with its blocks released; and no byte anywhere in a D rank outside the blocks a
+request added there named (``check_untouched``), nor in blocks freed after a failure
+(``check_freed``). The surviving side must take the new incarnation's metadata (regions,
+geometry, parallel sizes) before any WRITE or completion, never facts cached from the old one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import attrs
+import pytest
+
+from kvpush.core.sidechannel import SideChannelServer
+from kvpush.core.types import ModelSpec, ParallelConfig, RankKey
+from kvpush.demo.rank import RankSpec
+from kvpush.demo.runner import _Rank, _start_ranks, _stop
+
+BASE = ModelSpec(name="reconfig-gqa", num_layers=4, num_kv_heads=2, head_dim=32, block_size=8)
+FAST = {
+    "heartbeat_interval_s": 0.25,
+    "write_deadline_s": 1.5,
+    "handshake_timeout_s": 2.0,
+}
+"""Short timers (as the soak's): a silent P is dead after 3 heartbeats + the handshake bound."""
+
+
+@attrs.frozen
+class Side:
+    """One engine's configuration: model, layout, parallel sizes and blocks per KV group."""
+
+    model: ModelSpec = BASE
+    layout: str = "uniform"
+    pp: int = 1
+    tp: int = 1
+    blocks: int = 64
+
+    def parallel(self, pp: int, tp: int) -> ParallelConfig:
+        return ParallelConfig.for_stage(
+            num_layers=self.model.num_layers, pp_size=self.pp, pp_rank=pp, tp_size=self.tp, tp_rank=tp
+        )
+
+
+class Rig:
+    """P engine ``prefill-0`` and D engine ``decode-0``, each rank a process; either side can
+    be killed and started again under the same names with another :class:`Side`."""
+
+    def __init__(self, p: Side, d: Side, **worker: Any) -> None:
+        self.worker = {**FAST, **worker}
+        self.p_server = SideChannelServer("prefill-0")
+        self.d_server = SideChannelServer("decode-0")
+        self.all: list[_Rank] = []
+        self.p_side, self.d_side = p, d
+        self.p_ranks: list[_Rank] = []
+        self.d_ranks: list[_Rank] = []
+        self.d_gen = 0
+        """How many times D was (re)started: a D rank's results are kept per start."""
+        self.results: dict[tuple[int, RankKey], dict[str, tuple[str, Any]]] = {}
+        self.released: set[tuple[int, RankKey, str]] = set()
+        self.p_results: dict[str, dict[RankKey, str | None]] = {}
+        self.added: dict[tuple[int, RankKey], list[str]] = {}
+        try:
+            self.start_p(p)
+            self.start_d(d)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ processes
+
+    def _spec(self, role: str, side: Side, pp: int, tp: int) -> RankSpec:
+        prefill = role == "prefill"
+        return RankSpec(
+            role=role,
+            engine_id="prefill-0" if prefill else "decode-0",
+            parallel=side.parallel(pp, tp) if prefill else ParallelConfig(
+                tp_size=side.tp, tp_rank=tp, num_layers=side.model.num_layers
+            ),
+            model=side.model,
+            layout=side.layout,
+            blocks_per_group=(side.blocks,) * side.model.num_groups,
+            side_channel_port=(self.p_server if prefill else self.d_server).port,
+            request_timeout_s=12.0,
+            lease_s=4.0,
+            worker_options=dict(self.worker),
+            log_level=os.environ.get("KVPUSH_TEST_RANK_LOG", "ERROR"),
+        )
+
+    def start_p(self, side: Side) -> None:
+        specs = [self._spec("prefill", side, pp, tp) for pp in range(side.pp) for tp in range(side.tp)]
+        ranks, payloads = _start_ranks(specs, timeout_s=120)
+        self.all += ranks
+        self.p_ranks, self.p_side = ranks, side
+        self.p_server.publish_all(payloads)
+
+    def start_d(self, side: Side) -> None:
+        specs = [self._spec("decode", side, 0, tp) for tp in range(side.tp)]
+        ranks, payloads = _start_ranks(specs, timeout_s=120)
+        self.all += ranks
+        self.d_gen += 1
+        self.d_ranks, self.d_side = ranks, side
+        for rank in ranks:
+            self.results[(self.d_gen, rank.key)] = {}
+            self.added[(self.d_gen, rank.key)] = []
+        self.d_server.publish_all(payloads)
+
+    @staticmethod
+    def kill(ranks: list[_Rank]) -> None:
+        for rank in ranks:
+            if rank.process.is_alive():
+                os.kill(rank.process.pid, signal.SIGKILL)
+            rank.process.join(timeout=10)
+
+    def restart_d(self, side: Side) -> None:
+        """SIGKILL every D rank and start D again under the same names with ``side``."""
+        self.poll()
+        self.kill(self.d_ranks)
+        self.start_d(side)
+
+    def restart_p(self, side: Side) -> None:
+        self.poll()
+        self.kill(self.p_ranks)
+        self.start_p(side)
+
+    def close(self) -> None:
+        _stop(self.all)
+        for server in (self.p_server, self.d_server):
+            server.close()
+
+    def __enter__(self) -> Rig:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ requests
+
+    def ids(self, side: Side, first: int, n: int) -> list[list[int]]:
+        return [list(range(first, first + n)) for _ in range(side.model.num_groups)]
+
+    def prefill(self, rid: str, seed: int, first: int, n: int) -> None:
+        for rank in self.p_ranks:
+            rank.call(("prepare", [(rid, seed, self.ids(self.p_side, first, n))]))
+
+    def finish(self, rid: str, first: int, n: int) -> None:
+        for rank in self.p_ranks:
+            rank.call(("finish", rid, self.ids(self.p_side, first, n), f"key-{rid}"))
+
+    def add(self, rid: str, seed: int, first: int, n: int, *, pp: int | None = None, tp: int | None = None) -> None:
+        params = {
+            "remote_engine_id": "prefill-0",
+            "remote_host": "127.0.0.1",
+            "remote_port": self.p_server.port,
+            "tp_size": self.p_side.tp if tp is None else tp,
+            "pp_size": self.p_side.pp if pp is None else pp,
+            "transfer_id": f"key-{rid}",
+        }
+        for rank in self.d_ranks:
+            rank.call(("add", rid, self.ids(self.d_side, first, n), params, seed, [0] * self.d_side.model.num_groups))
+            self.added[(self.d_gen, rank.key)].append(rid)
+
+    def push(self, rid: str, seed: int, p_first: int, d_first: int, n: int) -> None:
+        self.prefill(rid, seed, p_first, n)
+        self.add(rid, seed, d_first, n)
+        self.finish(rid, p_first, n)
+
+    def poll(self) -> None:
+        for rank in self.d_ranks:
+            if not rank.process.is_alive():
+                continue
+            got = rank.call(("poll",))
+            mine = self.results[(self.d_gen, rank.key)]
+            for kind in ("done", "failed", "cancelled"):
+                for rid, value in got[kind].items():
+                    mine[rid] = (kind, value)
+            self.released.update((self.d_gen, rank.key, rid) for rid in got["released"])
+        for rank in self.p_ranks:
+            if not rank.process.is_alive():
+                continue
+            got = rank.call(("poll",))
+            for rid in got["sent"]:
+                self.p_results.setdefault(rid, {})[rank.key] = None
+            for rid, reason in got["failed"].items():
+                self.p_results.setdefault(rid, {})[rank.key] = reason
+
+    def settle(self, rids: list[str], timeout_s: float = 20.0) -> dict[str, dict[RankKey, tuple[str, Any]]]:
+        """Wait (bounded) until every live D rank reported each request and released the failed
+        ones; return each request's outcome per D rank."""
+
+        def pending() -> list[str]:
+            out = []
+            for rank in self.d_ranks:
+                mine = self.results[(self.d_gen, rank.key)]
+                for rid in rids:
+                    if rid not in mine:
+                        out.append(f"{rid}@{rank.key}: no outcome")
+                    elif mine[rid][0] != "done" and (self.d_gen, rank.key, rid) not in self.released:
+                        out.append(f"{rid}@{rank.key}: {mine[rid]} but its blocks were not released")
+            return out
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            left = pending()
+            if not left:
+                break
+            assert time.monotonic() < deadline, f"not settled within {timeout_s}s: {left}"
+            time.sleep(0.05)
+        return {
+            rid: {rank.key: self.results[(self.d_gen, rank.key)][rid] for rank in self.d_ranks} for rid in rids
+        }
+
+    def check_bytes(self, outcomes: dict[str, dict[RankKey, tuple[str, Any]]]) -> None:
+        """Every request done on a D rank holds every byte right there; no byte outside named
+        blocks or in freed ones on any live D rank."""
+        wrong = {
+            (rid, key): value
+            for rid, per_rank in outcomes.items()
+            for key, (kind, value) in per_rank.items()
+            if kind == "done" and not value["ok"]
+        }
+        assert not wrong, f"D reported done with wrong KV: {wrong}"
+        for rank in self.d_ranks:
+            untouched = rank.call(("check_untouched",))
+            freed = rank.call(("check_freed",))
+            assert not untouched, f"D rank {rank.key}: bytes outside the named blocks: {untouched}"
+            assert not freed, f"D rank {rank.key}: bytes in freed blocks: {freed}"
+
+    def wait_p(self, rids: list[str], timeout_s: float = 15.0) -> dict[str, dict[RankKey, str | None]]:
+        deadline = time.monotonic() + timeout_s
+        keys = [rank.key for rank in self.p_ranks]
+        while True:
+            self.poll()
+            if all(key in self.p_results.get(rid, {}) for rid in rids for key in keys):
+                return {rid: dict(self.p_results[rid]) for rid in rids}
+            assert time.monotonic() < deadline, f"P did not report {rids} within {timeout_s}s: {self.p_results}"
+            time.sleep(0.05)
+
+
+def done_everywhere(outcome: dict[RankKey, tuple[str, Any]]) -> bool:
+    return all(kind == "done" for kind, _ in outcome.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# D restarts with another configuration while P holds the old start's registration
+# ---------------------------------------------------------------------------------------------
+
+
+def outcome_kinds(outcomes: dict[str, dict[RankKey, tuple[str, Any]]]) -> dict[str, list[str]]:
+    return {rid: sorted({kind for kind, _ in per.values()}) for rid, per in outcomes.items()}
+
+
+@pytest.mark.parametrize("blocks", [16, 128])
+def test_d_restarted_with_other_block_counts_gets_no_write_of_the_old_registration(blocks: int) -> None:
+    """Same model (the compatibility hash does not cover block counts): D's regions are
+    re-allocated with another size (and addresses). A registration of the old start, held by
+    P when the prefill finishes, must never be written into the new process; new requests land
+    byte-exact in the new regions."""
+    with Rig(Side(), Side(blocks=64)) as rig:
+        rig.push("warm", 1, 0, 0, 3)
+        rig.check_bytes(rig.settle(["warm"]))
+        rig.prefill("old", 2, 3, 4)
+        rig.add("old", 2, 10, 4)  # registered with P; P has not finished yet
+        time.sleep(0.5)
+        rig.restart_d(Side(blocks=blocks))
+        rig.finish("old", 3, 4)
+        for i, first in ((1, 2), (2, 6), (3, 12)):
+            rig.push(f"new-{i}", 10 + i, 10 + 4 * i, first, 3)
+        outcomes = rig.settle(["new-1", "new-2", "new-3"])
+        rig.check_bytes(outcomes)
+        assert done_everywhere(outcomes["new-3"]), outcomes
+        p = rig.wait_p(["old"])
+        assert all(reason is not None for reason in p["old"].values()), p
+
+
+RECONFIGURED = {
+    "block_size": (Side(), Side(model=attrs.evolve(BASE, block_size=16))),
+    "bf16->fp16": (Side(), Side(model=attrs.evolve(BASE, dtype="float16"))),
+    "fp8 format": (
+        Side(model=attrs.evolve(BASE, dtype="float8_e4m3fn")),
+        Side(model=attrs.evolve(BASE, dtype="float8_e5m2")),
+    ),
+    "num_layers": (Side(), Side(model=attrs.evolve(BASE, num_layers=6))),
+    "kv_heads": (Side(), Side(model=attrs.evolve(BASE, num_kv_heads=4))),
+    "head_dim": (Side(), Side(model=attrs.evolve(BASE, head_dim=64))),
+    "token_major": (Side(), Side(layout="token_major")),
+    "hma": (
+        Side(),
+        Side(
+            model=attrs.evolve(
+                BASE,
+                layer_groups=[i % 2 for i in range(4)],
+                layer_kinds=["full" if i % 2 == 0 else "sliding_window" for i in range(4)],
+            ),
+            layout="hma",
+        ),
+    ),
+    "mla": (Side(), Side(model=attrs.evolve(BASE, attention="mla", num_kv_heads=1, head_dim=64))),
+}
+
+
+@pytest.mark.parametrize("change", sorted(RECONFIGURED))
+def test_d_restarted_with_another_geometry_is_refused_and_nothing_lands(change: str) -> None:
+    """D comes back under its names with a model/layout P does not run. P must read the new
+    start's metadata (and refuse it), never write the old start's registration into the new
+    process, and D's new requests end failed with their blocks released."""
+    before, after = RECONFIGURED[change]
+    with Rig(before, before) as rig:
+        rig.push("warm", 1, 0, 0, 3)
+        rig.check_bytes(rig.settle(["warm"]))
+        rig.prefill("old", 2, 3, 4)
+        rig.add("old", 2, 10, 4)
+        time.sleep(0.5)
+        rig.restart_d(after)
+        rig.finish("old", 3, 4)
+        rig.prefill("new", 3, 8, 3)
+        rig.add("new", 3, 2, 3)
+        rig.finish("new", 8, 3)
+        outcomes = rig.settle(["new"])
+        rig.check_bytes(outcomes)
+        assert outcome_kinds(outcomes) == {"new": ["failed"]}, outcomes
+        p = rig.wait_p(["old", "new"])
+        assert all(reason is not None for per in p.values() for reason in per.values()), p
+
+
+@pytest.mark.parametrize(("p_tp", "d_before", "d_after"), [(1, 2, 1), (1, 1, 2), (2, 1, 2), (2, 2, 1)])
+def test_d_restarted_with_another_tp_size(p_tp: int, d_before: int, d_after: int) -> None:
+    """P has loaded D's ranks of the old TP size (a rank the new start no longer has among
+    them); requests registered before the restart never land in the new processes, and new
+    requests are planned for the new TP size and land byte-exact on every new rank."""
+    with Rig(Side(tp=p_tp), Side(tp=d_before)) as rig:
+        rig.push("warm", 1, 0, 0, 3)
+        rig.check_bytes(rig.settle(["warm"]))
+        rig.prefill("old", 2, 3, 4)
+        rig.add("old", 2, 10, 4)
+        time.sleep(0.5)
+        rig.restart_d(Side(tp=d_after))
+        rig.finish("old", 3, 4)
+        for i, first in ((1, 2), (2, 20), (3, 30)):
+            rig.push(f"new-{i}", 10 + i, 10 + 4 * i, first, 3)
+        outcomes = rig.settle(["new-1", "new-2", "new-3"])
+        rig.check_bytes(outcomes)
+        assert done_everywhere(outcomes["new-3"]), outcomes
+
+
+# ---------------------------------------------------------------------------------------------
+# P restarts with another configuration while D holds registered requests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "d_tp"),
+    [
+        (Side(pp=2), Side(pp=1), 1),
+        (Side(pp=1), Side(pp=2), 1),
+        (Side(pp=2), Side(pp=1), 2),
+        (Side(tp=1), Side(tp=2), 2),
+        (Side(tp=2), Side(tp=1), 2),
+        (Side(tp=2, pp=2), Side(tp=1, pp=1), 1),
+    ],
+    ids=["pp2->pp1", "pp1->pp2", "pp2->pp1 dtp2", "tp1->tp2 dtp2", "tp2->tp1 dtp2", "pp2tp2->pp1tp1"],
+)
+def test_p_restarted_with_other_parallel_sizes(before: Side, after: Side, d_tp: int) -> None:
+    """D's registered requests count the old producers: they must end failed and released
+    (never done short of a stage, never written by the new processes); new requests count the
+    new producers and land byte-exact."""
+    with Rig(before, Side(tp=d_tp)) as rig:
+        rig.push("warm", 1, 0, 0, 3)
+        rig.check_bytes(rig.settle(["warm"]))
+        rig.prefill("old", 2, 3, 4)
+        rig.add("old", 2, 10, 4)
+        time.sleep(0.5)
+        rig.restart_p(after)
+        rig.prefill("old", 2, 3, 4)  # the new process prefills the same prompt again
+        rig.finish("old", 3, 4)
+        outcomes = rig.settle(["old"])
+        rig.check_bytes(outcomes)
+        for i, first in ((1, 20), (2, 30), (3, 40)):
+            rig.push(f"new-{i}", 10 + i, 10 + 4 * i, first, 3)
+        outcomes = rig.settle(["new-1", "new-2", "new-3"])
+        rig.check_bytes(outcomes)
+        assert done_everywhere(outcomes["new-3"]), outcomes
+
+
+@pytest.mark.parametrize("change", ["block_size", "bf16->fp16", "token_major", "mla"])
+def test_p_restarted_with_another_geometry_fails_d_requests_and_nothing_lands(change: str) -> None:
+    """P comes back with a model/layout D does not run: D's registered request fails and is
+    released, new ones fail (refused at D's handshake) and are released; no byte lands."""
+    before, after = RECONFIGURED[change]
+    with Rig(before, before) as rig:
+        rig.push("warm", 1, 0, 0, 3)
+        rig.check_bytes(rig.settle(["warm"]))
+        rig.prefill("old", 2, 3, 4)
+        rig.add("old", 2, 10, 4)
+        time.sleep(0.5)
+        rig.restart_p(after)
+        rig.prefill("old", 2, 3, 4)
+        rig.finish("old", 3, 4)
+        rig.prefill("new", 3, 8, 3)
+        rig.add("new", 3, 20, 3)
+        rig.finish("new", 8, 3)
+        outcomes = rig.settle(["old", "new"])
+        rig.check_bytes(outcomes)
+        assert outcome_kinds(outcomes) == {"old": ["failed"], "new": ["failed"]}, outcomes
