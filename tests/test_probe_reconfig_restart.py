@@ -56,8 +56,9 @@ class Rig:
     """P engine ``prefill-0`` and D engine ``decode-0``, each rank a process; either side can
     be killed and started again under the same names with another :class:`Side`."""
 
-    def __init__(self, p: Side, d: Side, **worker: Any) -> None:
+    def __init__(self, p: Side, d: Side, *, strategy: str | None = None, **worker: Any) -> None:
         self.worker = {**FAST, **worker}
+        self.strategy = strategy
         self.p_server = SideChannelServer("prefill-0")
         self.d_server = SideChannelServer("decode-0")
         self.all: list[_Rank] = []
@@ -94,6 +95,7 @@ class Rig:
             request_timeout_s=12.0,
             lease_s=4.0,
             worker_options=dict(self.worker),
+            strategy=self.strategy,
             log_level=os.environ.get("KVPUSH_TEST_RANK_LOG", "ERROR"),
         )
 
@@ -261,13 +263,26 @@ def outcome_kinds(outcomes: dict[str, dict[RankKey, tuple[str, Any]]]) -> dict[s
     return {rid: sorted({kind for kind, _ in per.values()}) for rid, per in outcomes.items()}
 
 
-@pytest.mark.parametrize("blocks", [16, 128])
-def test_d_restarted_with_other_block_counts_gets_no_write_of_the_old_registration(blocks: int) -> None:
-    """Same model (the compatibility hash does not cover block counts): D's regions are
-    re-allocated with another size (and addresses). A registration of the old start, held by
-    P when the prefill finishes, must never be written into the new process; new requests land
-    byte-exact in the new regions."""
-    with Rig(Side(), Side(blocks=64)) as rig:
+@pytest.mark.parametrize(
+    ("blocks", "strategy", "worker"),
+    [
+        (16, None, {}),
+        (128, None, {}),
+        (16, "packed", {}),
+        # The old registration's grant is still fresh when P finishes: P posts it at once, to
+        # the agent it loaded for the rank (the dead start), before the new start said a word.
+        (16, None, {"fresh_s": 6.0, "peer_silence_s": 8.0}),
+    ],
+    ids=["fewer", "more", "fewer-packed", "fewer-fresh-grant"],
+)
+def test_d_restarted_with_other_block_counts_gets_no_write_of_the_old_registration(
+    blocks: int, strategy: str | None, worker: dict[str, Any]
+) -> None:
+    """Same model (the compatibility hash does not cover block counts): D's regions (and its
+    staging pool) are re-allocated with another size and addresses. A registration of the old
+    start, held by P when the prefill finishes, must never be written into the new process;
+    new requests land byte-exact in the new regions."""
+    with Rig(Side(), Side(blocks=64), strategy=strategy, **worker) as rig:
         rig.push("warm", 1, 0, 0, 3)
         rig.check_bytes(rig.settle(["warm"]))
         rig.prefill("old", 2, 3, 4)
@@ -413,3 +428,23 @@ def test_p_restarted_with_another_geometry_fails_d_requests_and_nothing_lands(ch
         outcomes = rig.settle(["old", "new"])
         rig.check_bytes(outcomes)
         assert outcome_kinds(outcomes) == {"old": ["failed"], "new": ["failed"]}, outcomes
+
+
+def test_d_restarted_refused_then_restarted_right_is_served() -> None:
+    """D comes back with a geometry P refuses (P loads its agent notify-only to tell it), then
+    again under the same names with the right one: P must handshake the newest start afresh
+    (never keep the refused start's agent or reason) and its requests land byte-exact."""
+    with Rig(Side(), Side()) as rig:
+        rig.push("warm", 1, 0, 0, 3)
+        rig.check_bytes(rig.settle(["warm"]))
+        rig.restart_d(RECONFIGURED["block_size"][1])
+        rig.push("refused", 2, 4, 2, 3)
+        outcomes = rig.settle(["refused"])
+        rig.check_bytes(outcomes)
+        assert outcome_kinds(outcomes) == {"refused": ["failed"]}, outcomes
+        rig.restart_d(Side(blocks=32))
+        for i, first in ((1, 2), (2, 6), (3, 12)):
+            rig.push(f"new-{i}", 10 + i, 10 + 4 * i, first, 3)
+        outcomes = rig.settle(["new-1", "new-2", "new-3"])
+        rig.check_bytes(outcomes)
+        assert done_everywhere(outcomes["new-3"]), outcomes
