@@ -27,6 +27,8 @@ from kvpush.core.types import ModelSpec, ParallelConfig, RankKey
 from kvpush.demo.rank import RankSpec
 from kvpush.demo.runner import _Rank, _start_ranks, _stop
 
+BEHIND = "0000000000000001" + "00000000"
+"""An incarnation whose start time sorts before every real one (a clock behind)."""
 BASE = ModelSpec(name="reconfig-gqa", num_layers=4, num_kv_heads=2, head_dim=32, block_size=8)
 FAST = {
     "heartbeat_interval_s": 0.25,
@@ -80,34 +82,36 @@ class Rig:
 
     # ------------------------------------------------------------------ processes
 
-    def _spec(self, role: str, side: Side, pp: int, tp: int) -> RankSpec:
+    def _spec(self, role: str, side: Side, pp: int, tp: int, **extra: Any) -> RankSpec:
         prefill = role == "prefill"
         return RankSpec(
             role=role,
             engine_id="prefill-0" if prefill else "decode-0",
-            parallel=side.parallel(pp, tp) if prefill else ParallelConfig(
-                tp_size=side.tp, tp_rank=tp, num_layers=side.model.num_layers
-            ),
+            parallel=side.parallel(pp, tp)
+            if prefill
+            else ParallelConfig(tp_size=side.tp, tp_rank=tp, num_layers=side.model.num_layers),
             model=side.model,
             layout=side.layout,
             blocks_per_group=(side.blocks,) * side.model.num_groups,
             side_channel_port=(self.p_server if prefill else self.d_server).port,
             request_timeout_s=12.0,
             lease_s=4.0,
-            worker_options=dict(self.worker),
+            worker_options={**self.worker, **extra},
             strategy=self.strategy,
             log_level=os.environ.get("KVPUSH_TEST_RANK_LOG", "ERROR"),
         )
 
-    def start_p(self, side: Side) -> None:
-        specs = [self._spec("prefill", side, pp, tp) for pp in range(side.pp) for tp in range(side.tp)]
+    def start_p(self, side: Side, **extra: Any) -> None:
+        specs = [
+            self._spec("prefill", side, pp, tp, **extra) for pp in range(side.pp) for tp in range(side.tp)
+        ]
         ranks, payloads = _start_ranks(specs, timeout_s=120)
         self.all += ranks
         self.p_ranks, self.p_side = ranks, side
         self.p_server.publish_all(payloads)
 
-    def start_d(self, side: Side) -> None:
-        specs = [self._spec("decode", side, 0, tp) for tp in range(side.tp)]
+    def start_d(self, side: Side, **extra: Any) -> None:
+        specs = [self._spec("decode", side, 0, tp, **extra) for tp in range(side.tp)]
         ranks, payloads = _start_ranks(specs, timeout_s=120)
         self.all += ranks
         self.d_gen += 1
@@ -124,16 +128,17 @@ class Rig:
                 os.kill(rank.process.pid, signal.SIGKILL)
             rank.process.join(timeout=10)
 
-    def restart_d(self, side: Side) -> None:
-        """SIGKILL every D rank and start D again under the same names with ``side``."""
+    def restart_d(self, side: Side, **extra: Any) -> None:
+        """SIGKILL every D rank and start D again under the same names with ``side``
+        (``extra``: more ``WorkerConfig`` fields for the new start)."""
         self.poll()
         self.kill(self.d_ranks)
-        self.start_d(side)
+        self.start_d(side, **extra)
 
-    def restart_p(self, side: Side) -> None:
+    def restart_p(self, side: Side, **extra: Any) -> None:
         self.poll()
         self.kill(self.p_ranks)
-        self.start_p(side)
+        self.start_p(side, **extra)
 
     def close(self) -> None:
         _stop(self.all)
@@ -159,7 +164,9 @@ class Rig:
         for rank in self.p_ranks:
             rank.call(("finish", rid, self.ids(self.p_side, first, n), f"key-{rid}"))
 
-    def add(self, rid: str, seed: int, first: int, n: int, *, pp: int | None = None, tp: int | None = None) -> None:
+    def add(
+        self, rid: str, seed: int, first: int, n: int, *, pp: int | None = None, tp: int | None = None
+    ) -> None:
         params = {
             "remote_engine_id": "prefill-0",
             "remote_host": "127.0.0.1",
@@ -169,7 +176,16 @@ class Rig:
             "transfer_id": f"key-{rid}",
         }
         for rank in self.d_ranks:
-            rank.call(("add", rid, self.ids(self.d_side, first, n), params, seed, [0] * self.d_side.model.num_groups))
+            rank.call(
+                (
+                    "add",
+                    rid,
+                    self.ids(self.d_side, first, n),
+                    params,
+                    seed,
+                    [0] * self.d_side.model.num_groups,
+                )
+            )
             self.added[(self.d_gen, rank.key)].append(rid)
 
     def push(self, rid: str, seed: int, p_first: int, d_first: int, n: int) -> None:
@@ -220,7 +236,8 @@ class Rig:
             assert time.monotonic() < deadline, f"not settled within {timeout_s}s: {left}"
             time.sleep(0.05)
         return {
-            rid: {rank.key: self.results[(self.d_gen, rank.key)][rid] for rank in self.d_ranks} for rid in rids
+            rid: {rank.key: self.results[(self.d_gen, rank.key)][rid] for rank in self.d_ranks}
+            for rid in rids
         }
 
     def check_bytes(self, outcomes: dict[str, dict[RankKey, tuple[str, Any]]]) -> None:
@@ -246,7 +263,9 @@ class Rig:
             self.poll()
             if all(key in self.p_results.get(rid, {}) for rid in rids for key in keys):
                 return {rid: dict(self.p_results[rid]) for rid in rids}
-            assert time.monotonic() < deadline, f"P did not report {rids} within {timeout_s}s: {self.p_results}"
+            assert time.monotonic() < deadline, (
+                f"P did not report {rids} within {timeout_s}s: {self.p_results}"
+            )
             time.sleep(0.05)
 
 
@@ -448,3 +467,146 @@ def test_d_restarted_refused_then_restarted_right_is_served() -> None:
         outcomes = rig.settle(["new-1", "new-2", "new-3"])
         rig.check_bytes(outcomes)
         assert done_everywhere(outcomes["new-3"]), outcomes
+
+
+def test_d_restarted_on_a_clock_behind_is_served() -> None:
+    """Incarnations sort by start time: a D restarted under the same names on a host whose
+    clock is behind (another machine taking over the address, an NTP step) states an
+    incarnation older than the one P loaded. It is the live process all the same: its requests
+    must be served (or fail named and released), never its registrations written to the dead
+    start or the dead start's into it."""
+    with Rig(Side(), Side()) as rig:
+        rig.push("warm", 1, 0, 0, 3)
+        rig.check_bytes(rig.settle(["warm"]))
+        rig.prefill("old", 2, 3, 4)
+        rig.add("old", 2, 10, 4)
+        time.sleep(0.5)
+        rig.restart_d(Side(blocks=32), incarnation=BEHIND)
+        rig.finish("old", 3, 4)
+        for i, first in ((1, 2), (2, 6), (3, 12)):
+            rig.push(f"new-{i}", 10 + i, 10 + 4 * i, first, 3)
+            outcomes = rig.settle([f"new-{i}"])
+            rig.check_bytes(outcomes)
+        assert done_everywhere(outcomes["new-3"]), outcomes
+
+
+@pytest.mark.parametrize("idle", [False, True], ids=["registered", "idle"])
+def test_p_restarted_on_a_clock_behind_is_found(idle: bool) -> None:
+    """The same for P, with another PP size: D drops the new start's heartbeat answers as late
+    ones of a replaced start (its incarnation sorts before the loaded one), so it must find the
+    restart by the dead start's silence: a registered request fails and is released, later ones
+    are served by the new process."""
+    with Rig(Side(pp=2), Side()) as rig:
+        rig.push("warm", 1, 0, 0, 3)
+        rig.check_bytes(rig.settle(["warm"]))
+        if not idle:
+            rig.prefill("old", 2, 3, 4)
+            rig.add("old", 2, 10, 4)
+            time.sleep(0.5)
+        rig.restart_p(Side(pp=1), incarnation=BEHIND)
+        if not idle:
+            rig.prefill("old", 2, 3, 4)
+            rig.finish("old", 3, 4)
+            rig.check_bytes(rig.settle(["old"]))
+        for i, first in ((1, 20), (2, 30), (3, 40)):
+            rig.push(f"new-{i}", 10 + i, 10 + 4 * i, first, 3)
+            outcomes = rig.settle([f"new-{i}"])
+            rig.check_bytes(outcomes)
+        assert done_everywhere(outcomes["new-3"]), outcomes
+
+
+# ---------------------------------------------------------------------------------------------
+# The same finding in P's core: which start of a D rank is live is told by identity
+# ---------------------------------------------------------------------------------------------
+
+
+def _core_loaded(incarnation: str) -> Any:
+    """A P core that loaded D rank 0 (start ``incarnation``) on its HELLO, with a finished
+    prefill that start registered (P posts it)."""
+    from test_handshake_refusal import D_AGENT, _hello, _prefill
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.actions import Connect, Post
+
+    core = _prefill()
+    assert any(isinstance(a, Connect) for a in core.notification(D_AGENT, _hello(incarnation), 100.0))
+    core.connected("D", 0, D_AGENT, incarnation, 1, "", 100.1)
+    core.finished("x-1", "p-1", ((5,),), "", 100.2)
+    reg = wire.encode_push_reg(_coordinates(decode_incarnation=incarnation, grant=100.1))
+    assert any(isinstance(a, Post) for a in core.notification(D_AGENT, _decoded(reg), 100.3))
+    return core
+
+
+def _decoded(message: bytes) -> Any:
+    from kvpush.core import notifications as wire
+
+    note = wire.decode_notification(message)
+    assert note is not None
+    return note
+
+
+def _coordinates(**overrides: Any) -> Any:
+    from test_protocol_safety import _registration
+
+    return _registration(**{"block_ids": ((3,),), "grant": None, **overrides})
+
+
+def test_core_a_hello_of_a_d_start_on_a_clock_behind_is_a_restart() -> None:
+    """P loaded start "d5"; D restarts as "d1" (it sorts before: a clock behind). Its HELLO
+    used to be answered to the dead start's agent (taken for the loaded start's), P never
+    loaded the new one. Now it is a restart: the old start's request fails once its WRITE
+    settled, the rank is dropped, and P handshakes afresh (D's side channel names the live
+    start); its registrations are then served."""
+    from test_handshake_refusal import D_AGENT, _hello
+
+    from kvpush.core.actions import Connect, DropPeer, Post, Report
+
+    core = _core_loaded("d5")
+    handle = object()
+    core.posted("x-1", 0, [handle], 8, 100.35)  # the old start's WRITE, in flight
+    actions = core.notification(D_AGENT, _hello("d1"), 100.4)
+    assert not any(isinstance(a, DropPeer) for a in actions)  # not under its WRITE
+    actions = core.write_settled("x-1", 0, handle, False, 100.5, "peer gone")
+    assert any(isinstance(a, Report) and a.outcome == "failed" for a in actions), actions
+    assert any(isinstance(a, DropPeer) for a in actions), actions
+    assert any(isinstance(a, Connect) for a in actions), actions
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.6)
+    core.finished("x-2", "p-2", ((6,),), "", 100.7)
+    reg = _decoded(wire_push_reg(decode_incarnation="d1", request_id="d-2", match_key="x-2", grant=100.6))
+    assert any(isinstance(a, Post) for a in core.notification(D_AGENT, reg, 100.8))
+    # A late message of the replaced start "d5" (it sorts after the live one) is stale now.
+    late = _decoded(wire_push_reg(decode_incarnation="d5", request_id="d-3", match_key="x-3", grant=100.6))
+    assert not core.notification(D_AGENT, late, 100.9)
+    assert not core.notification(D_AGENT, _hello("d5"), 101.0)
+
+
+def wire_push_reg(**overrides: Any) -> bytes:
+    from kvpush.core import notifications as wire
+
+    return wire.encode_push_reg(_coordinates(**overrides))
+
+
+def test_core_a_late_hello_of_a_start_p_never_loaded_costs_one_reload_at_most() -> None:
+    """A HELLO of an earlier-sorting start P never loaded is taken for a restart, but when D's
+    side channel then serves a later start, that HELLO's start is dead: its further messages
+    are stale (no reload per late message)."""
+    from test_handshake_refusal import D_AGENT, _hello, _prefill
+
+    from kvpush.core.actions import Connect
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d1"), 100.0)
+    core.connected("D", 0, D_AGENT, "d2", 1, "", 100.1)  # the side channel serves "d2"
+    assert not any(isinstance(a, Connect) for a in core.notification(D_AGENT, _hello("d1"), 100.2))
+
+
+def test_core_a_refused_d_restarted_on_a_clock_behind_skips_the_backoff() -> None:
+    from test_handshake_refusal import D_AGENT, WHY, _hello, _prefill
+
+    from kvpush.core.actions import Connect
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d5"), 100.0)
+    core.connected("D", 0, D_AGENT, "d5", 0, WHY, 100.1)  # refused, D told
+    fixed = core.notification(D_AGENT, _hello("d1"), 100.5)  # restarted (a clock behind), in backoff
+    assert any(isinstance(a, Connect) for a in fixed), fixed
