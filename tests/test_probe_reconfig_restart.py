@@ -610,3 +610,132 @@ def test_core_a_refused_d_restarted_on_a_clock_behind_skips_the_backoff() -> Non
     core.connected("D", 0, D_AGENT, "d5", 0, WHY, 100.1)  # refused, D told
     fixed = core.notification(D_AGENT, _hello("d1"), 100.5)  # restarted (a clock behind), in backoff
     assert any(isinstance(a, Connect) for a in fixed), fixed
+
+
+# ---------------------------------------------------------------------------------------------
+# A D worker re-created in its live process over the same memory, with another size
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lost_cancel", [False, True], ids=["closed", "cancel-lost"])
+def test_d_worker_recreated_over_the_same_memory_with_fewer_blocks(lost_cancel: bool) -> None:
+    """The engine keeps its KV memory and re-creates its D worker over a smaller part of it:
+    the regions start at the same addresses with another size (NIXL registers them again in
+    the same process, under the same agent name). P must write through the new start's
+    regions only: new requests land byte-exact, and no byte of the memory changes outside the
+    blocks a request named. A request registered before the restart is settled by the old
+    worker's close() (its CANCEL acknowledged: released, nothing lands) or, when P never got
+    the CANCEL (``cancel-lost``), reported failed and NOT released: P still holds it with a
+    fresh grant and writes it through the old start's agent, and the bytes do land in this
+    process's memory, in exactly its blocks (which the engine must therefore keep)."""
+    import torch
+
+    from kvpush.core.manager import get_plugin_manager
+    from kvpush.core.receiver import PushReceiver
+    from kvpush.core.sender import PushSender
+    from kvpush.core.types import RequestMetadata, TransferParams
+    from kvpush.core.worker import WorkerConfig
+    from kvpush.layouts.uniform import allocate_kv_caches
+
+    model = ModelSpec(name="inproc", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+    parallel = ParallelConfig(tp_size=1, tp_rank=0, num_layers=2)
+    pm = get_plugin_manager(load_entrypoints=False)
+    p_server, d_server = SideChannelServer("P"), SideChannelServer("D")
+    p_caches = allocate_kv_caches(model, parallel, 32)
+    for tensor in p_caches.values():
+        tensor.view(torch.int16).copy_(torch.randint(-30_000, 30_000, tensor.shape, dtype=torch.int16))
+    memory = allocate_kv_caches(model, parallel, 32)  # D's KV memory, kept across the restart
+
+    lossy = {"drop_notifs": 1.0, "notif_prefixes": ["CANCEL:"]} if lost_cancel else {}
+    fresh = {"fresh_s": 6.0, "peer_silence_s": 8.0} if lost_cancel else {}
+
+    def config(engine: str, port: int) -> WorkerConfig:
+        return WorkerConfig(
+            engine_id=engine,
+            parallel=parallel,
+            model=model,
+            side_channel_port=port,
+            transport="faulty",
+            transport_options={"inner": "nixl", **(lossy if engine == "P" else {})},
+            close_timeout_s=1.0,
+            **{**FAST, **fresh},
+        )
+
+    def decode(blocks: int) -> PushReceiver:
+        caches = {name: tensor[:, :blocks] for name, tensor in memory.items()}  # same addresses
+        receiver = PushReceiver(config("D", d_server.port), caches, pm=pm)
+        receiver.start()
+        d_server.publish(parallel.rank, receiver.handshake_payload())
+        return receiver
+
+    def add(receiver: PushReceiver, rid: str, blocks: list[int]) -> None:
+        params = {
+            "remote_engine_id": "P",
+            "remote_host": "127.0.0.1",
+            "remote_port": p_server.port,
+            "tp_size": 1,
+            "pp_size": 1,
+            "transfer_id": f"key-{rid}",
+        }
+        receiver.add_request(
+            RequestMetadata(request_id=rid, block_ids=[blocks], params=TransferParams.from_dict(params))
+        )
+
+    def outcome(receiver: PushReceiver, rid: str) -> str:
+        deadline = time.monotonic() + 15
+        seen: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            got = receiver.wait_finished(0.05)
+            seen.update({r: "done" for r in got.done})
+            seen.update({r: f"failed: {why}" for r, why in got.failed.items()})
+            seen.update({r: f"cancelled: {why}" for r, why in got.cancelled.items()})
+            if rid in seen:
+                return seen[rid]
+        raise AssertionError(f"{rid}: no outcome within 15s")
+
+    sender = PushSender(config("P", p_server.port), p_caches, pm=pm)
+    sender.start()
+    p_server.publish(parallel.rank, sender.handshake_payload())
+    receiver = decode(32)
+    named: set[int] = set()
+    try:
+        add(receiver, "r1", [1, 2])
+        sender.request_finished("p1", [[5, 6]], match_key="key-r1")
+        assert outcome(receiver, "r1") == "done"
+        named |= {1, 2}
+        add(receiver, "r2", [20, 21])  # registered; P has not finished
+        time.sleep(0.5)
+        receiver.close()  # the engine re-creates its worker over blocks 0-7 of the same memory
+        closed = receiver.get_finished()
+        assert "r2" in closed.failed and ("r2" in closed.released) is not lost_cancel, closed
+        if lost_cancel:
+            named |= {20, 21}  # not released: the engine keeps them
+        receiver = decode(8)
+        sender.request_finished("p2", [[7, 8]], match_key="key-r2")
+        add(receiver, "r3", [3, 4])
+        sender.request_finished("p3", [[9, 10]], match_key="key-r3")
+        r3 = outcome(receiver, "r3")
+        add(receiver, "r4", [5, 6])
+        sender.request_finished("p4", [[11, 12]], match_key="key-r4")
+        assert outcome(receiver, "r4") == "done", r3
+        named |= {5, 6} | ({3, 4} if r3 == "done" else set())
+        time.sleep(1.0)  # a late WRITE of r2 would land by now
+        for name, tensor in memory.items():
+            for d_block, p_block in ((1, 5), (2, 6), (5, 11), (6, 12)) + (
+                ((3, 9), (4, 10)) if r3 == "done" else ()
+            ):
+                got, want = tensor[:, d_block].view(torch.int16), p_caches[name][:, p_block].view(torch.int16)
+                assert torch.equal(got, want), (name, d_block)
+            late = tensor[:, [20, 21]].view(torch.int16)
+            if lost_cancel and bool(late.ne(0).any()):  # r2's late WRITE, whole, into r2's blocks
+                assert torch.equal(late, p_caches[name][:, [7, 8]].view(torch.int16)), name
+            others = [b for b in range(32) if b not in named]
+            written = [b for b in others if bool(tensor[:, b].ne(0).any())]
+            assert not written, (
+                f"{name}: blocks {written} of D's memory were written, no live request named them"
+            )
+    finally:
+        receiver.close()
+        sender.close()
+        p_server.close()
+        d_server.close()
