@@ -685,12 +685,13 @@ def test_d_worker_recreated_over_the_same_memory_with_fewer_blocks(lost_cancel: 
         deadline = time.monotonic() + 15
         seen: dict[str, str] = {}
         while time.monotonic() < deadline:
-            got = receiver.wait_finished(0.05)
+            got = receiver.get_finished()
             seen.update({r: "done" for r in got.done})
             seen.update({r: f"failed: {why}" for r, why in got.failed.items()})
             seen.update({r: f"cancelled: {why}" for r, why in got.cancelled.items()})
             if rid in seen:
                 return seen[rid]
+            time.sleep(0.01)
         raise AssertionError(f"{rid}: no outcome within 15s")
 
     sender = PushSender(config("P", p_server.port), p_caches, pm=pm)
