@@ -82,12 +82,16 @@ class Rig:
 
     # ------------------------------------------------------------------ processes
 
-    def _spec(self, role: str, side: Side, pp: int, tp: int, **extra: Any) -> RankSpec:
+    def _spec(
+        self, role: str, side: Side, pp: int, tp: int, parallel: ParallelConfig | None = None, **extra: Any
+    ) -> RankSpec:
         prefill = role == "prefill"
         return RankSpec(
             role=role,
             engine_id="prefill-0" if prefill else "decode-0",
-            parallel=side.parallel(pp, tp)
+            parallel=parallel
+            if parallel is not None
+            else side.parallel(pp, tp)
             if prefill
             else ParallelConfig(tp_size=side.tp, tp_rank=tp, num_layers=side.model.num_layers),
             model=side.model,
@@ -139,6 +143,18 @@ class Rig:
         self.poll()
         self.kill(self.p_ranks)
         self.start_p(side, **extra)
+
+    def restart_p_stage(self, pp: int, start_layer: int, end_layer: int) -> None:
+        """SIGKILL P stage ``pp`` (TP 1) alone and start it again under its name with another
+        layer window; the other stages keep running (a staggered restart)."""
+        self.poll()
+        (old,) = [rank for rank in self.p_ranks if rank.key.pp_rank == pp]
+        self.kill([old])
+        parallel = attrs.evolve(self.p_side.parallel(pp, 0), start_layer=start_layer, end_layer=end_layer)
+        ranks, payloads = _start_ranks([self._spec("prefill", self.p_side, pp, 0, parallel)], timeout_s=120)
+        self.all += ranks
+        self.p_ranks = [ranks[0] if rank is old else rank for rank in self.p_ranks]
+        self.p_server.publish_all(payloads)
 
     def close(self) -> None:
         _stop(self.all)
@@ -740,3 +756,28 @@ def test_d_worker_recreated_over_the_same_memory_with_fewer_blocks(lost_cancel: 
         sender.close()
         p_server.close()
         d_server.close()
+
+
+def test_p_stages_restarted_one_by_one_with_another_layer_split() -> None:
+    """PP2 (layers 0-1 | 2-3) becomes PP2 (0-2 | 3), one stage at a time, the other one
+    running: between the two restarts P's side channel serves a new stage 0 (layers 0-2) and
+    the old stage 1 (layers 2-3), whose windows overlap. D must not count that mix as a
+    producer set (layer 2 written twice, or by a stage that is gone): requests registered
+    before or between the restarts end failed and released, or done with every byte right;
+    once both stages run the new split, requests land byte-exact."""
+    with Rig(Side(pp=2), Side()) as rig:
+        rig.push("warm", 1, 0, 0, 3)
+        rig.check_bytes(rig.settle(["warm"]))
+        rig.prefill("old", 2, 3, 4)
+        rig.add("old", 2, 10, 4)
+        time.sleep(0.5)
+        rig.restart_p_stage(0, 0, 3)
+        rig.push("mid", 3, 8, 20, 3)
+        outcomes = rig.settle(["old", "mid"])
+        rig.check_bytes(outcomes)
+        rig.restart_p_stage(1, 3, 4)
+        for i, first in ((1, 30), (2, 40), (3, 50)):
+            rig.push(f"new-{i}", 10 + i, 10 + 4 * i, first, 3)
+            outcomes = rig.settle([f"new-{i}"])
+            rig.check_bytes(outcomes)
+        assert done_everywhere(outcomes["new-3"]), outcomes
