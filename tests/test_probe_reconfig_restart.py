@@ -46,7 +46,8 @@ class Side:
     layout: str = "uniform"
     pp: int = 1
     tp: int = 1
-    blocks: int = 64
+    blocks: int | tuple[int, ...] = 64
+    """Blocks of every KV group, or per group."""
 
     def parallel(self, pp: int, tp: int) -> ParallelConfig:
         return ParallelConfig.for_stage(
@@ -96,7 +97,9 @@ class Rig:
             else ParallelConfig(tp_size=side.tp, tp_rank=tp, num_layers=side.model.num_layers),
             model=side.model,
             layout=side.layout,
-            blocks_per_group=(side.blocks,) * side.model.num_groups,
+            blocks_per_group=side.blocks
+            if isinstance(side.blocks, tuple)
+            else (side.blocks,) * side.model.num_groups,
             side_channel_port=(self.p_server if prefill else self.d_server).port,
             request_timeout_s=12.0,
             lease_s=4.0,
@@ -781,3 +784,31 @@ def test_p_stages_restarted_one_by_one_with_another_layer_split() -> None:
             outcomes = rig.settle([f"new-{i}"])
             rig.check_bytes(outcomes)
         assert done_everywhere(outcomes["new-3"]), outcomes
+
+
+HMA = attrs.evolve(
+    BASE,
+    layer_groups=[i % 2 for i in range(4)],
+    layer_kinds=["full" if i % 2 == 0 else "sliding_window" for i in range(4)],
+)
+
+
+def test_hma_d_restarted_with_fewer_blocks_in_one_group() -> None:
+    """Hybrid model: D comes back with its sliding-window group cut to 8 blocks (the full group
+    keeps 64). A registration of the old start naming blocks 10-13 of both groups must never be
+    written (in the new start they are past the group's end); new requests land byte-exact."""
+    with Rig(Side(model=HMA, layout="hma"), Side(model=HMA, layout="hma")) as rig:
+        rig.push("warm", 1, 0, 0, 3)
+        rig.check_bytes(rig.settle(["warm"]))
+        rig.prefill("old", 2, 3, 4)
+        rig.add("old", 2, 10, 4)
+        time.sleep(0.5)
+        rig.restart_d(Side(model=HMA, layout="hma", blocks=(64, 8)))
+        rig.finish("old", 3, 4)
+        for i, first in ((1, 0), (2, 3), (3, 5)):
+            rig.push(f"new-{i}", 10 + i, 10 + 4 * i, first, 3)
+            outcomes = rig.settle([f"new-{i}"])
+            rig.check_bytes(outcomes)
+        assert done_everywhere(outcomes["new-3"]), outcomes
+        p = rig.wait_p(["old"])
+        assert all(reason is not None for reason in p["old"].values()), p
