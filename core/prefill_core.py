@@ -217,6 +217,11 @@ class _Decode:
     start, which may use the request id again)."""
 
 
+MAX_REPLACED = 4096
+"""(D engine, rank) entries of ``PrefillCore._replaced`` kept (oldest forgotten first), each
+with the last ``MAX_REPLACED_PER_RANK`` incarnations."""
+MAX_REPLACED_PER_RANK = 16
+
 MAX_SEEN = 1024
 """D registrations a key remembers across its attempts; past that, every registration of a new
 D request id is taken for an ended attempt's (refused, never written)."""
@@ -309,6 +314,9 @@ class PrefillCore:
         self._refusals: dict[tuple[tuple[str, int], int], _Refusal] = {}
         """(address, D rank) -> the refusal of that rank's metadata, told through its agent
         (loaded notify-only) to every HELLO and registration from it until the backoff ends."""
+        self._replaced: dict[tuple[str, int], list[str]] = {}
+        """(D engine, rank) -> the incarnations P loaded for it and dropped since (kept when the
+        engine is forgotten): their late messages are stale, whatever their start time says."""
         self._closing = ""
         """Why this rank is shutting down ("" while it is not): see :meth:`shutdown`."""
         self._said_goodbye = False
@@ -574,7 +582,7 @@ class PrefillCore:
         reg = note.registration
         if reg is not None:
             engine = self._engines.get(reg.decode_engine_id)
-            if engine is not None and self._stale(engine, reg):
+            if engine is not None and self._stale(engine, reg, hello=kind is NotificationKind.HELLO):
                 self._reject(agent, note, "a late message of a D incarnation P already replaced")
                 return []
         if kind is NotificationKind.PUSH_REG:
@@ -881,7 +889,7 @@ class PrefillCore:
         assert reg is not None
         engine = self._engine_for(reg)
         rank = reg.decode_tp_rank
-        if self._restarted(engine, reg) and engine.agents.get(rank) in (None, agent):
+        if self._restarted(engine, reg, hello=True) and engine.agents.get(rank) in (None, agent):
             return self._decode_restarted(engine, reg, agent, note, now)
         if engine.agents.get(rank) == agent:
             return [Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation))]
@@ -1044,9 +1052,9 @@ class PrefillCore:
 
     def _connect(self, engine: _Decode, rank: int, now: float, incarnation: str = "") -> list[Any]:
         """Handshake with one D rank (``incarnation``: the one the message asking for it
-        states). A newer incarnation of a rank whose metadata P refused skips the address
+        states). Another incarnation of a rank whose metadata P refused skips the address
         backoff (at most once per ``retry_backoff_s``): a D fixed and restarted handshakes
-        again at once."""
+        again at once (also one restarted on a clock behind: told apart by identity)."""
         if rank in engine.connecting or rank in engine.agents:
             return []
         address = (engine.host, engine.port)
@@ -1054,7 +1062,8 @@ class PrefillCore:
         refusal = self._refusals.get((address, rank))
         restarted = (
             refusal is not None
-            and incarnation > refusal.incarnation
+            and bool(incarnation)
+            and incarnation != refusal.incarnation
             and now >= refusal.retried_at + self.s.retry_backoff_s
         )
         if restarted:
@@ -1123,7 +1132,14 @@ class PrefillCore:
         owed = engine.owed.pop(rank, ())
         out: list[Any] = [Send(a, m) for a, inc, m in owed if a == agent and inc == incarnation]
         hello = engine.hellos.pop(rank, None)
-        engine.hello_incarnations.pop(rank, None)
+        said = engine.hello_incarnations.pop(rank, None)
+        if said is not None and said < incarnation:
+            # The HELLO came from a start that sorts before the one D's side channel serves:
+            # one that died (its HELLO late), not the live one. Its further messages are stale,
+            # so a late one is never taken for a restart (:meth:`_restarted`). A later-sorting
+            # one is handshaken again at its next message, as ever (D's side channel may not
+            # serve the start that spoke yet).
+            self._remember_replaced(engine_id, rank, said)
         if hello is not None:
             if hello == agent:
                 out.append(Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation)))
@@ -1246,7 +1262,9 @@ class PrefillCore:
             return []
         reason = engine.replacing.pop(rank)
         agent = engine.agents.pop(rank, None)
-        engine.incarnations.pop(rank, None)
+        gone = engine.incarnations.pop(rank, None)
+        if gone is not None:
+            self._remember_replaced(engine.engine_id, rank, gone)
         engine.hellos.pop(rank, None)
         engine.hello_incarnations.pop(rank, None)
         engine.owed.pop(rank, None)  # as when the whole engine is dropped
@@ -1263,18 +1281,42 @@ class PrefillCore:
             out += self.notification(held_agent, held_note, now)
         return out
 
-    @staticmethod
-    def _restarted(engine: _Decode, reg: PushRegistration) -> bool:
-        """Does ``reg`` come from a newer start of a D rank P has loaded? (Incarnations sort
-        by start time, so a late message of a replaced start is not taken for a restart.)"""
-        known = engine.incarnations.get(reg.decode_tp_rank)
-        return known is not None and reg.decode_incarnation > known
+    def _remember_replaced(self, engine_id: str, rank: int, incarnation: str) -> None:
+        replaced = self._replaced.pop((engine_id, rank), [])
+        if incarnation not in replaced:
+            replaced.append(incarnation)
+        self._replaced[(engine_id, rank)] = replaced[-MAX_REPLACED_PER_RANK:]
+        while len(self._replaced) > MAX_REPLACED:
+            del self._replaced[next(iter(self._replaced))]
 
-    @staticmethod
-    def _stale(engine: _Decode, reg: PushRegistration) -> bool:
-        """Does ``reg`` come from an older start of a D rank than the one P has loaded?"""
-        known = engine.incarnations.get(reg.decode_tp_rank)
-        return known is not None and reg.decode_incarnation < known
+    def _restarted(self, engine: _Decode, reg: PushRegistration, *, hello: bool = False) -> bool:
+        """Does ``reg`` come from another start of a D rank P has loaded, one P never replaced?
+
+        A later-sorting start (incarnations begin with the start time) is a restart. So is an
+        earlier-sorting one P never loaded when it says HELLO (a start handshaking now): a D
+        restarted on a clock behind (a host taking over the address, a clock stepped back)
+        was taken for a late message, and P answered its HELLOs to the dead start it kept
+        loaded, so none of the new start's requests was served. Either way P loads the rank
+        afresh from D's side channel, which names the live start; a start P loaded and
+        dropped since is never taken for a restart (its messages are late)."""
+        rank, incarnation = reg.decode_tp_rank, reg.decode_incarnation
+        known = engine.incarnations.get(rank)
+        if known is None or incarnation == known:
+            return False
+        if incarnation in self._replaced.get((engine.engine_id, rank), ()):
+            return False
+        return incarnation > known or hello
+
+    def _stale(self, engine: _Decode, reg: PushRegistration, *, hello: bool = False) -> bool:
+        """Does ``reg`` come from a start of a D rank that P replaced, or an earlier-sorting one
+        that is not a HELLO (see :meth:`_restarted`)?"""
+        rank, incarnation = reg.decode_tp_rank, reg.decode_incarnation
+        known = engine.incarnations.get(rank)
+        if known is None or incarnation == known:
+            return False
+        if incarnation in self._replaced.get((engine.engine_id, rank), ()):
+            return True
+        return incarnation < known and not hello
 
     def _drop_engine(self, engine: _Decode, reason: str, now: float) -> list[Any]:
         """Forget a D engine now, or once its WRITEs in flight settled (never under them)."""

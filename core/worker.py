@@ -90,8 +90,10 @@ class WorkerConfig:
     (:mod:`kvpush.core.notif_auth`); unauthenticated ones are dropped."""
     incarnation: str = ""
     """Id of this engine start (carried in metadata, PUSH_REG and HB); empty: a fresh one per
-    worker (start time, then random bits). Ids must sort by start time: a peer seen with a
-    greater one is a new peer, a message with a smaller one is a late one and is dropped."""
+    worker (start time, then random bits). Ids must be unique per start and should sort by
+    start time: a peer seen with a greater one is a new peer, a message with a smaller one is a
+    late one and is dropped, except that P takes a HELLO of a D start it never loaded for a new
+    start whatever its id (then D's side channel decides which start is live)."""
     engine_ttl_s: float = 3600.0
     """Remote engines idle this long (and with no request in progress) are evicted; <= 0 never."""
     close_timeout_s: float = 5.0
