@@ -297,6 +297,15 @@ def done_everywhere(outcome: dict[RankKey, tuple[str, Any]]) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+SLOW = pytest.mark.slow
+"""The long tail of a family (each case starts and kills rank processes, 10-20 s): run with
+``-m slow``; one case of each family stays in the default run."""
+
+
+def _tail(*values: Any, **kw: Any) -> Any:
+    return pytest.param(*values, marks=SLOW, **kw)
+
+
 def outcome_kinds(outcomes: dict[str, dict[RankKey, tuple[str, Any]]]) -> dict[str, list[str]]:
     return {rid: sorted({kind for kind, _ in per.values()}) for rid, per in outcomes.items()}
 
@@ -304,14 +313,13 @@ def outcome_kinds(outcomes: dict[str, dict[RankKey, tuple[str, Any]]]) -> dict[s
 @pytest.mark.parametrize(
     ("blocks", "strategy", "worker"),
     [
-        (16, None, {}),
-        (128, None, {}),
-        (16, "packed", {}),
+        pytest.param(16, None, {}, id="fewer"),
+        _tail(128, None, {}, id="more"),
+        _tail(16, "packed", {}, id="fewer-packed"),
         # The old registration's grant is still fresh when P finishes: P posts it at once, to
         # the agent it loaded for the rank (the dead start), before the new start said a word.
-        (16, None, {"fresh_s": 6.0, "peer_silence_s": 8.0}),
+        pytest.param(16, None, {"fresh_s": 6.0, "peer_silence_s": 8.0}, id="fewer-fresh-grant"),
     ],
-    ids=["fewer", "more", "fewer-packed", "fewer-fresh-grant"],
 )
 def test_d_restarted_with_other_block_counts_gets_no_write_of_the_old_registration(
     blocks: int, strategy: str | None, worker: dict[str, Any]
@@ -363,7 +371,7 @@ RECONFIGURED = {
 }
 
 
-@pytest.mark.parametrize("change", sorted(RECONFIGURED))
+@pytest.mark.parametrize("change", [c if c == "block_size" else _tail(c, id=c) for c in sorted(RECONFIGURED)])
 def test_d_restarted_with_another_geometry_is_refused_and_nothing_lands(change: str) -> None:
     """D comes back under its names with a model/layout P does not run. P must read the new
     start's metadata (and refuse it), never write the old start's registration into the new
@@ -387,7 +395,9 @@ def test_d_restarted_with_another_geometry_is_refused_and_nothing_lands(change: 
         assert all(reason is not None for per in p.values() for reason in per.values()), p
 
 
-@pytest.mark.parametrize(("p_tp", "d_before", "d_after"), [(1, 2, 1), (1, 1, 2), (2, 1, 2), (2, 2, 1)])
+@pytest.mark.parametrize(
+    ("p_tp", "d_before", "d_after"), [(1, 2, 1), _tail(1, 1, 2), _tail(2, 1, 2), _tail(2, 2, 1)]
+)
 def test_d_restarted_with_another_tp_size(p_tp: int, d_before: int, d_after: int) -> None:
     """P has loaded D's ranks of the old TP size (a rank the new start no longer has among
     them); requests registered before the restart never land in the new processes, and new
@@ -415,14 +425,13 @@ def test_d_restarted_with_another_tp_size(p_tp: int, d_before: int, d_after: int
 @pytest.mark.parametrize(
     ("before", "after", "d_tp"),
     [
-        (Side(pp=2), Side(pp=1), 1),
-        (Side(pp=1), Side(pp=2), 1),
-        (Side(pp=2), Side(pp=1), 2),
-        (Side(tp=1), Side(tp=2), 2),
-        (Side(tp=2), Side(tp=1), 2),
-        (Side(tp=2, pp=2), Side(tp=1, pp=1), 1),
+        pytest.param(Side(pp=2), Side(pp=1), 1, id="pp2->pp1"),
+        _tail(Side(pp=1), Side(pp=2), 1, id="pp1->pp2"),
+        _tail(Side(pp=2), Side(pp=1), 2, id="pp2->pp1 dtp2"),
+        _tail(Side(tp=1), Side(tp=2), 2, id="tp1->tp2 dtp2"),
+        _tail(Side(tp=2), Side(tp=1), 2, id="tp2->tp1 dtp2"),
+        _tail(Side(tp=2, pp=2), Side(tp=1, pp=1), 1, id="pp2tp2->pp1tp1"),
     ],
-    ids=["pp2->pp1", "pp1->pp2", "pp2->pp1 dtp2", "tp1->tp2 dtp2", "tp2->tp1 dtp2", "pp2tp2->pp1tp1"],
 )
 def test_p_restarted_with_other_parallel_sizes(before: Side, after: Side, d_tp: int) -> None:
     """D's registered requests count the old producers: they must end failed and released
@@ -446,7 +455,7 @@ def test_p_restarted_with_other_parallel_sizes(before: Side, after: Side, d_tp: 
         assert done_everywhere(outcomes["new-3"]), outcomes
 
 
-@pytest.mark.parametrize("change", ["block_size", "bf16->fp16", "token_major", "mla"])
+@pytest.mark.parametrize("change", ["block_size", _tail("bf16->fp16"), _tail("token_major"), _tail("mla")])
 def test_p_restarted_with_another_geometry_fails_d_requests_and_nothing_lands(change: str) -> None:
     """P comes back with a model/layout D does not run: D's registered request fails and is
     released, new ones fail (refused at D's handshake) and are released; no byte lands."""
@@ -468,6 +477,7 @@ def test_p_restarted_with_another_geometry_fails_d_requests_and_nothing_lands(ch
         assert outcome_kinds(outcomes) == {"old": ["failed"], "new": ["failed"]}, outcomes
 
 
+@SLOW
 def test_d_restarted_refused_then_restarted_right_is_served() -> None:
     """D comes back with a geometry P refuses (P loads its agent notify-only to tell it), then
     again under the same names with the right one: P must handshake the newest start afresh
@@ -509,7 +519,7 @@ def test_d_restarted_on_a_clock_behind_is_served() -> None:
         assert done_everywhere(outcomes["new-3"]), outcomes
 
 
-@pytest.mark.parametrize("idle", [False, True], ids=["registered", "idle"])
+@pytest.mark.parametrize("idle", [False, _tail(True, id="idle")], ids=["registered", "idle"])
 def test_p_restarted_on_a_clock_behind_is_found(idle: bool) -> None:
     """The same for P, with another PP size: D drops the new start's heartbeat answers as late
     ones of a replaced start (its incarnation sorts before the loaded one), so it must find the
