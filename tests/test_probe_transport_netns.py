@@ -28,23 +28,17 @@ processes) is removed at the end; every wait is bounded.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import subprocess
 import time
-import traceback
-from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
 import pytest
-
-from kvpush.core.transport import TransferState, TransportConfig
+from _nixl_agent_proc import Agent as _Proc
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl._api")
 
-BLOCK = 1 << 20
 BLOCKS = 16
 FILL = 0xAB
 WAIT_S = 30.0
@@ -64,122 +58,12 @@ def _unavailable() -> str | None:
 pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
 
 
-def _descs(base: int, blocks: int = BLOCKS) -> np.ndarray:
-    return np.array([(base + i * BLOCK, BLOCK, 0) for i in range(blocks)], dtype=np.uint64)
+def Agent(ns: str, name: str, fill: int, err_mode: str = "none", env: dict[str, str] | None = None) -> Any:
+    """An agent in namespace ``ns`` with one buffer of ``fill`` bytes, UCX over TCP on the link."""
+    from kvpush.demo import netns
 
-
-def _main(conn: Connection, ns: str, name: str, fill: int, err_mode: str, env: dict[str, str]) -> None:
-    """An agent in namespace ``ns`` with one buffer of ``fill`` bytes, driven over ``conn``;
-    it progresses UCX (drains notifications, polls its WRITEs) between commands."""
-    os.environ["UCX_LOG_LEVEL"] = "fatal"
-    os.environ.update(env)
-    try:
-        from kvpush.demo import netns
-        from kvpush.transports.nixl import NixlTransport
-
-        netns.enter(ns)
-        options = {"ucx_tls": "tcp", "ucx_net_devices": netns.LINK, "ucx_error_handling_mode": err_mode}
-        transport = NixlTransport(TransportConfig(agent_name=name, options=options))
-        buf = torch.full((BLOCK * BLOCKS,), fill, dtype=torch.uint8)
-        transport.register_buffer(buf.data_ptr(), buf.numel(), "DRAM", 0)
-        local = transport.prepare_local(_descs(buf.data_ptr()), "DRAM")
-        conn.send(("ok", (transport.metadata(), buf.data_ptr())))
-    except Exception:
-        conn.send(("error", traceback.format_exc()))
-        return
-    handles: list[Any] = []
-    states: list[str] = []
-    try:
-        while True:
-            with contextlib.suppress(Exception):
-                transport.drain_notifs()
-            for i, handle in enumerate(handles):
-                if handle is not None and states[i] == "pending":
-                    state = transport.poll(handle)
-                    if state is not TransferState.PENDING:
-                        states[i] = state.value
-            if not conn.poll(0.001):
-                continue
-            cmd, *args = conn.recv()
-            if cmd == "stop":
-                break
-            try:
-                if cmd == "load":
-                    conn.send(("ok", transport.load_peer(args[0])))
-                elif cmd == "write":
-                    peer, base = args
-                    remote = transport.prepare_remote(peer, _descs(base), "DRAM")
-                    ids = np.arange(BLOCKS, dtype=np.int32)
-                    handles.append(transport.post_write(local, ids, remote, ids, b"DONE-partitioned"))
-                    states.append("pending")
-                    conn.send(("ok", len(handles) - 1))
-                elif cmd == "abort":  # what P's core does at the WRITE deadline
-                    index, peer = args
-                    if states[index] == "pending":
-                        transport.release(handles[index])
-                        states[index] = "aborted"
-                    handles[index] = None
-                    transport.remove_peer(peer)
-                    conn.send(("ok", states[index]))
-                elif cmd == "notify":
-                    transport.send_notif(args[0], args[1])
-                    conn.send(("ok", None))
-                elif cmd == "fence":
-                    transport.fence_peer(args[0])
-                    conn.send(("ok", None))
-                elif cmd == "fenced":
-                    conn.send(("ok", transport.fenced(args[0])))
-                elif cmd == "landed":
-                    conn.send(("ok", int((buf != fill).sum())))
-                elif cmd == "states":
-                    conn.send(("ok", list(states)))
-                elif cmd == "sockets":
-                    from kvpush.transports import tcp_fence
-
-                    conn.send(("ok", [str(s) for s in tcp_fence.sockets()]))
-                else:
-                    conn.send(("error", f"unknown command {cmd!r}"))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-    finally:
-        with contextlib.suppress(Exception):
-            transport.close()
-
-
-class Agent:
-    def __init__(
-        self, ns: str, name: str, fill: int, err_mode: str = "none", env: dict[str, str] | None = None
-    ) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_main, args=(child, ns, name, fill, err_mode, env or {}), daemon=True
-        )
-        self.process.start()
-        child.close()
-        self.blob, self.addr = self._reply("start")
-
-    def _reply(self, what: str) -> Any:
-        if not self.conn.poll(WAIT_S):
-            raise TimeoutError(f"no answer to {what!r} within {WAIT_S}s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"{what!r} failed:\n{value}")
-        return value
-
-    def call(self, *message: Any) -> Any:
-        self.conn.send(message)
-        return self._reply(message[0])
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(("stop",))
-            self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=10)
-        self.conn.close()
+    options = {"ucx_tls": "tcp", "ucx_net_devices": netns.LINK, "ucx_error_handling_mode": err_mode}
+    return _Proc(name, options, fill, BLOCKS, ns=ns, env={"UCX_LOG_LEVEL": "fatal", **(env or {})})
 
 
 def _iptables(pair: Any, *args: str) -> None:
@@ -221,7 +105,7 @@ def test_a_write_queued_behind_a_connect_during_a_partition_never_lands_after_th
             _iptables(pair, "-I", "INPUT", "-i", LINK, "-j", "DROP")
             _iptables(pair, "-I", "OUTPUT", "-o", LINK, "-j", "DROP")
             d_name = p.call("load", d.blob)
-            index = p.call("write", d_name, d.addr)
+            index = p.call("write", d_name, d.addr, BLOCKS, b"DONE-partitioned")
             time.sleep(2.0)  # P's connect() is retransmitting its SYN into the partition
             assert p.call("states")[index] == "pending", "the WRITE ended during the partition"
             p.call("abort", index, d_name)

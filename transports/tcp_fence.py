@@ -11,9 +11,20 @@ process does.
 The fence is the kernel's own rule (RFC 1122 4.2.2.13, Linux ``tcp_rcv_state_process``): a
 socket shut down for reading and writing sends a FIN and answers any *new* data with a reset,
 dropping it. Bytes already in the socket's receive queue are still read, so a fence is
-complete only once every fenced socket is gone or has an empty receive queue and is no longer
-``ESTABLISHED``. :func:`shut_down` shuts sockets down by inode; :func:`fence_complete` checks
-them. Linux only (``/proc/self/net/tcp*``); elsewhere :func:`supported` is False.
+complete only once every fenced socket is closed or has an empty receive queue and is no longer
+``ESTABLISHED``. That reset takes the socket out of ``/proc/net/tcp`` (state ``CLOSE``) while
+this process still holds it and can still read what it had received, so a socket missing from
+the table is asked itself (``FIONREAD``). :func:`shut_down` shuts sockets down by inode;
+:func:`fence_complete` checks them. Linux only (``/proc/self/net/tcp*``); elsewhere
+:func:`supported` is False.
+
+A fenced peer reconnects by itself: UCX's TCP transport opens a new connection when one it is
+still setting up (its connection request sent, not yet acknowledged) is reset, and the peer's
+queued WRITE goes out on it once this side's UCX acknowledges, whether or not the peer's agent
+is still loaded. :func:`refuse` stops that at the kernel: a socket filter on this process's UCX
+listeners (inherited by every connection accepted after it) drops any segment that carries a
+UCX connection request naming one of the peer's listeners, so no connection of the peer can
+be set up until :func:`admit` lifts it (the peer loaded again).
 
 Which sockets carry a peer's data (:func:`peer_sockets`): connections this process made to one
 of the peer's UCX listeners (the peer publishes them), and connections into one of this
@@ -22,13 +33,20 @@ process's own UCX listeners from the peer's addresses.
 
 from __future__ import annotations
 
+import array
 import contextlib
+import ctypes
+import fcntl
 import ipaddress
 import os
 import socket
 import stat
+import struct
+import termios
+import threading
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -207,12 +225,210 @@ def shut_down(inodes: Iterable[int]) -> list[int]:
 
 
 def fence_complete(inodes: Iterable[int]) -> bool:
-    """True once every socket in ``inodes`` is gone, or is past ``ESTABLISHED`` with nothing
-    left to read (new data is then answered with a reset)."""
+    """True once every socket in ``inodes`` is closed, or is past ``ESTABLISHED`` with nothing
+    left to read (new data is then answered with a reset). A socket the peer reset is no longer
+    in ``/proc/net/tcp`` but keeps its unread bytes while this process holds it: it counts as
+    closed only once nothing is left in it (``FIONREAD``)."""
     wanted = set(inodes)
     if not wanted:
         return True
+    listed = set()
     for row in sockets():
-        if row.inode in wanted and (row.state == ESTABLISHED or row.rx_queue > 0):
+        if row.inode in wanted:
+            listed.add(row.inode)
+            if row.state == ESTABLISHED or row.rx_queue > 0:
+                return False
+    return all(_unread(fd, inode) == 0 for inode, fd in own_socket_fds().items() if inode in wanted - listed)
+
+
+def _unread(fd: int, inode: int) -> int:
+    """Bytes left to read in socket ``inode`` held as ``fd`` (0 once it is closed)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return 0
+    try:
+        if os.fstat(dup).st_ino != inode:
+            return 0  # closed and the number reused
+        count = array.array("i", [0])
+        try:
+            fcntl.ioctl(dup, termios.FIONREAD, count)
+        except OSError:
+            return 0
+        return count[0]
+    finally:
+        os.close(dup)
+
+
+# ------------------------------------------------------------------------------ refusal
+
+UCX_MAGIC = 0xCAFEBABE12345678
+"""First 8 bytes (little-endian) a UCX TCP endpoint sends on a connection it opened."""
+CONN_REQ_LEN = 42
+"""A UCX 1.23 connection request: magic (8), AM header (id 32 at 8, length 29 at 9), event at 13
+(bit 0: request), flags, connection id, then the sender's interface ``sockaddr_in`` at 26 (family
+2 in host order, the port and IPv4 address in network order): the address it listens on, which
+it publishes. Checked against a real UCX by ``tests/test_probe_transport_fence.py``."""
+_AM_ID_CM, _EVENT_AT, _ADDR_AT = 32, 13, 26
+MAX_REFUSED = 700
+"""Addresses one listener can refuse (five filter instructions each; the kernel takes 4096)."""
+SO_ATTACH_FILTER, SO_DETACH_FILTER = 26, 27
+
+_refusals: dict[int, set[tuple[str, int]]] = {}
+"""Listener inode -> the peer addresses its filter refuses."""
+_refusals_lock = threading.Lock()
+
+
+def conn_req_source(payload: bytes) -> tuple[str, int] | None:
+    """The listener address a UCX TCP connection request names (the first bytes a UCX peer sends
+    on a connection it opened); None if ``payload`` does not start with one."""
+    if len(payload) < CONN_REQ_LEN or int.from_bytes(payload[:8], "little") != UCX_MAGIC:
+        return None
+    if payload[8] != _AM_ID_CM or not payload[_EVENT_AT] & 1:
+        return None
+    family = int.from_bytes(payload[_ADDR_AT : _ADDR_AT + 2], "little")
+    if family != socket.AF_INET:
+        return None
+    port = int.from_bytes(payload[_ADDR_AT + 2 : _ADDR_AT + 4], "big")
+    return str(ipaddress.IPv4Address(payload[_ADDR_AT + 4 : _ADDR_AT + 8])), port
+
+
+def _program(refused: Iterable[tuple[str, int]]) -> list[tuple[int, int, int, int]]:
+    """A classic BPF socket filter (run by the kernel on every TCP segment, ``skb->data`` at the
+    TCP header) that drops a segment whose payload is a UCX connection request naming one of
+    ``refused`` and keeps every other segment whole."""
+    keep, drop = (0x06, 0, 0, 0xFFFFFFFF), (0x06, 0, 0, 0)
+
+    def must_equal(load: tuple[int, int, int, int], value: int) -> list[tuple[int, int, int, int]]:
+        return [load, (0x15, 1, 0, value), keep]  # jeq value: skip the keep, else keep
+
+    ldb_ind, ldh_ind, ld_ind = 0x50, 0x48, 0x40
+    prog = [
+        (0x30, 0, 0, 12),  # ldb [12]: TCP data offset (high nibble)
+        (0x54, 0, 0, 0xF0),  # and #0xf0
+        (0x74, 0, 0, 2),  # rsh #2: header length in bytes
+        (0x07, 0, 0, 0),  # tax
+        (0x80, 0, 0, 0),  # ld len
+        (0x1C, 0, 0, 0),  # sub x: payload length
+        (0x35, 1, 0, CONN_REQ_LEN),  # jge #CONN_REQ_LEN: skip the keep
+        keep,
+    ]
+    magic = UCX_MAGIC.to_bytes(8, "little")
+    prog += must_equal((ld_ind, 0, 0, 0), int.from_bytes(magic[:4], "big"))
+    prog += must_equal((ld_ind, 0, 0, 4), int.from_bytes(magic[4:], "big"))
+    prog += must_equal((ldb_ind, 0, 0, 8), _AM_ID_CM)
+    prog += [(ldb_ind, 0, 0, _EVENT_AT), (0x45, 1, 0, 1), keep]  # jset #1: a request
+    prog += must_equal((ldh_ind, 0, 0, _ADDR_AT), int.from_bytes(socket.AF_INET.to_bytes(2, "little"), "big"))
+    for host, port in sorted(refused):
+        prog.append((ldh_ind, 0, 0, _ADDR_AT + 2))
+        if host in WILDCARDS:
+            prog += [(0x15, 0, 1, port), drop]  # jeq port: drop, else skip it
+        else:
+            ip = int(ipaddress.IPv4Address(host))
+            prog += [(0x15, 0, 3, port), (ld_ind, 0, 0, _ADDR_AT + 4), (0x15, 0, 1, ip), drop]
+    prog.append(keep)
+    return prog
+
+
+def _attach(fd: int, inode: int, prog: list[tuple[int, int, int, int]] | None) -> bool:
+    """Set (None: remove) the socket filter of listener ``inode`` held as ``fd``."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(dup)
+        if not stat.S_ISSOCK(info.st_mode) or info.st_ino != inode:
             return False
-    return True
+        with socket.socket(fileno=dup) as sock:
+            dup = -1
+            if prog is None:
+                with contextlib.suppress(OSError):  # ENOENT: none attached
+                    sock.setsockopt(socket.SOL_SOCKET, SO_DETACH_FILTER, 0)
+                return True
+            code = b"".join(struct.pack("HBBI", *ins) for ins in prog)
+            buf = ctypes.create_string_buffer(code, len(code))
+            fprog = struct.pack("HL", len(prog), ctypes.addressof(buf))
+            sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+            return True
+    finally:
+        if dup >= 0:
+            os.close(dup)
+
+
+def _own_listener_sockets(own_listeners: Iterable[tuple[str, int]]) -> list[tuple[int, int]]:
+    """``(inode, fd)`` of this process's listening sockets at ``own_listeners``."""
+    wanted = set(own_listeners)
+    mine = own_socket_fds()
+    return [
+        (s.inode, mine[s.inode])
+        for s in sockets()
+        if s.state == LISTEN and s.inode in mine and s.local in wanted
+    ]
+
+
+def _refusable(peer_listeners: Iterable[tuple[str, int]] | None) -> set[tuple[str, int]]:
+    out = set()
+    for host, port in peer_listeners or ():
+        with contextlib.suppress(ValueError):
+            if host in WILDCARDS or ipaddress.ip_address(host).version == 4:
+                out.add((host, port))
+    return out
+
+
+def _update(own_listeners: Iterable[tuple[str, int]], change: Any) -> list[tuple[str, int]]:
+    done = []
+    with _refusals_lock:
+        held = _own_listener_sockets(own_listeners)
+        mine = own_socket_fds()
+        for inode in [i for i in _refusals if i not in mine]:
+            del _refusals[inode]  # a listener closed since
+        for inode, fd in held:
+            refused = change(set(_refusals.get(inode, ())))
+            if len(refused) > MAX_REFUSED:
+                continue
+            if _attach(fd, inode, _program(refused) if refused else None):
+                if refused:
+                    _refusals[inode] = refused
+                else:
+                    _refusals.pop(inode, None)
+                done.append(inode)
+    return done
+
+
+def refuse(
+    peer_listeners: Iterable[tuple[str, int]] | None, own_listeners: Iterable[tuple[str, int]]
+) -> bool:
+    """From now on, the kernel drops every UCX connection request naming one of
+    ``peer_listeners`` that reaches one of this process's ``own_listeners``, on connections
+    accepted after this call (an earlier one must be shut down): the peer's UCX cannot set up a
+    connection here, so nothing it queued can be sent here. True if every listener refuses them
+    (False: a peer that published no IPv4 listener, a listener already refusing
+    :data:`MAX_REFUSED` addresses)."""
+    peer = _refusable(peer_listeners)
+    own = list(own_listeners)
+    if not peer or not own:
+        return False
+    held = _update(own, lambda refused: refused | peer)
+    return (
+        bool(held)
+        and len(held) == len(_own_listener_sockets(own))
+        and all(peer <= _refusals.get(inode, set()) for inode in held)
+    )
+
+
+def admit(peer_listeners: Iterable[tuple[str, int]] | None, own_listeners: Iterable[tuple[str, int]]) -> None:
+    """Lift :func:`refuse` for ``peer_listeners`` on ``own_listeners`` (the peer was loaded
+    again). Connections accepted while it was refused keep refusing it."""
+    peer = _refusable(peer_listeners)
+    if peer:
+        _update(list(own_listeners), lambda refused: refused - peer)
+
+
+def refused(own_listeners: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
+    """The peer addresses this process's ``own_listeners`` refuse."""
+    with _refusals_lock:
+        out: set[tuple[str, int]] = set()
+        for inode, _ in _own_listener_sockets(own_listeners):
+            out |= _refusals.get(inode, set())
+        return out
