@@ -19,7 +19,10 @@ connected. Both are protocol decisions (prefill/decode cores), not the transport
 was done: P's core posts to a D rank only with a grant issued since it loaded that rank's agent
 (a stamp that crossed this very connection), so the protocol never posts the WRITE this test
 posts by hand (``tests/test_probe_grant_after_load.py``); this test keeps the transport's own
-behaviour on record.
+behaviour on record. A fence that refuses the peer at D's UCX listeners (``tcp_fence.refuse``,
+not yet called by ``NixlTransport``) drops the connection request of the connection P opens
+after the partition heals: with it wired in, both cases passed (one run each, 20:50 UTC
+2026-12-01).
 
 Everything made here (two namespaces, the veth pair, iptables rules inside them, two
 processes) is removed at the end; every wait is bounded.
@@ -76,7 +79,8 @@ OPEN = (
     "was not up yet after its handle is released and its agent removed, and send it in full once "
     "a connection comes up; D's fence cannot shut a connection that does not exist yet. The "
     "protocol no longer posts on such a connection (P waits for a grant issued since it loaded "
-    "D's agent: tests/test_probe_grant_after_load.py); the transport alone still sends it"
+    "D's agent: tests/test_probe_grant_after_load.py); the transport alone still sends it until "
+    "NixlTransport.fence_peer calls tcp_fence.refuse (passed with it)"
 )
 
 
