@@ -201,6 +201,9 @@ class PairSpec:
     barrier whenever another job holds the second core (bimodal timings on a shared box)."""
     transport: str = "nixl"
     """The kvpush transport of both engines (``cuda_ipc`` for the ``cuda_ipc`` method)."""
+    nixl_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    """Options of kvpush's NIXL transport (``--nixl-option``; under ``cuda_ipc``, of the NIXL
+    transport it wraps), e.g. ``{"progress_thread": True}``. The raw agents keep their own."""
     decode_hook: str | None = None
     """``module:function`` D calls with its receiver after start; what the function returns (a
     callable giving a picklable value) answers D's ``stats`` under ``hook`` (profiling stamps)."""
@@ -221,7 +224,16 @@ def _worker_config(spec: PairSpec, engine: str, model: Any) -> Any:
         request_timeout_s=spec.timeout_s,
         cuda_device=cuda,
         transport=spec.transport,
+        transport_options=nixl_transport_options(spec.transport, spec.nixl_options),
     )
+
+
+def nixl_transport_options(transport: str, nixl_options: dict[str, Any]) -> dict[str, Any]:
+    """The transport options that give kvpush's NIXL transport ``nixl_options``: as they are
+    for ``nixl``, as ``inner_options`` of ``cuda_ipc``."""
+    if not nixl_options:
+        return {}
+    return dict(nixl_options) if transport == "nixl" else {"inner_options": dict(nixl_options)}
 
 
 def _block_sums(caches: dict[str, Any], ids: Sequence[int]) -> Any:
@@ -754,6 +766,7 @@ def sweep(
     seed: int = 0,
     shapes: Sequence[str] | None = None,
     pipeline_bytes: int = 0,
+    nixl_options: dict[str, Any] | None = None,
     say: Callable[[str], None] = lambda _msg: None,
 ) -> list[dict[str, Any]]:
     """Measure every shape; one row per (block size, blocks, pattern), medians of ``reps``.
@@ -789,6 +802,7 @@ def sweep(
                 decode_device=decode_device,
                 staging_bytes=staging,
                 transport=transport,
+                nixl_options=dict(nixl_options or {}),
             )
             say(
                 f"block {size // 1024} KiB: starting P and D over {transport} "
@@ -926,6 +940,12 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
 # ------------------------------------------------------------------------------ CLI
 
 
+def _key_value(text: str) -> tuple[str, Any]:
+    from kvpush.demo.runner import _key_value as parse
+
+    return parse(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the KV caches live")
     parser.add_argument(
@@ -966,6 +986,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="also measure packed with VRAM WRITEs cut into chunks of this many MiB (packed_pipe)",
     )
+    parser.add_argument(
+        "--nixl-option",
+        action="append",
+        default=[],
+        type=_key_value,
+        metavar="KEY=VALUE",
+        help="an option of kvpush's NIXL transport (under cuda_ipc: of the NIXL transport it "
+        "wraps), e.g. progress_thread=true; VALUE read as JSON when it parses; repeatable",
+    )
     from kvpush.demo import serve
 
     serve.add_arguments(parser)
@@ -1001,6 +1030,7 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed,
             shapes=args.shape,
             pipeline_bytes=args.pipeline_mib << 20,
+            nixl_options=dict(args.nixl_option),
             say=lambda msg: print(msg, file=sys.stderr, flush=True),
         )
     except Exception as err:

@@ -82,6 +82,9 @@ class Workload:
     device: str = "cpu"
     decode_device: str | None = None
     transport: str = "nixl"
+    nixl_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    """Options of kvpush's NIXL transport (``--nixl-option``; under ``cuda_ipc``, of the NIXL
+    transport it wraps)."""
     seed: int = 0
     poll_s: float = 50e-6
     timeout_s: float = 30.0
@@ -373,6 +376,7 @@ class DeferredChecks:
 def _worker_config(w: Workload, engine: str, port: int, device: str) -> Any:
     from kvpush.core.types import ParallelConfig
     from kvpush.core.worker import WorkerConfig
+    from kvpush.demo.bench import nixl_transport_options
 
     model = w.model()
     cuda = int(device.split(":")[1]) if device.startswith("cuda:") else None
@@ -387,6 +391,7 @@ def _worker_config(w: Workload, engine: str, port: int, device: str) -> Any:
         request_timeout_s=w.timeout_s,
         cuda_device=cuda,
         transport=w.transport,
+        transport_options=nixl_transport_options(w.transport, dict(w.nixl_options)),
     )
 
 
@@ -1482,6 +1487,7 @@ def workload_from(args: argparse.Namespace) -> Workload:
         device=device,
         decode_device=args.decode_device,
         transport=args.transport or "nixl",
+        nixl_options=dict(getattr(args, "nixl_option", None) or []),
         seed=args.seed,
         switch_interval_us=args.switch_interval_us,
         prefill_pp=args.prefill_pp,

@@ -460,12 +460,15 @@ class ServeCluster:
             self.servers.append(p_server)
             d_server = start_side_channel("serve-D")
             self.servers.append(d_server)
+            from kvpush.demo.bench import nixl_transport_options
+
             common = {
                 "model": model,
                 "layout": w.layout,
                 "blocks_per_group": tuple(w.pool()),
                 "request_timeout_s": w.timeout_s,
                 "transport": w.transport,
+                "transport_options": nixl_transport_options(w.transport, dict(w.nixl_options)),
                 "worker_options": {
                     "busy_poll_s": w.poll_s,
                     "staging_bytes": max(64 << 20, 4 * w.max_request_bytes()),

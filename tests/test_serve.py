@@ -436,3 +436,26 @@ def test_kernel_ideal_on_cuda_replays_and_verifies(topology: dict) -> None:
     for method in ("kvpush", "ideal", "ideal_kernel", *(["ideal_kernel_writer"] if not topology else [])):
         s = entry[method]
         assert s["completed"] == 8 and s["verified"] == 4 and s["verify_failed"] == 0, (method, s)
+
+
+def test_nixl_options_reach_kvpushs_transport_in_both_benches() -> None:
+    """``--nixl-option`` sets kvpush's NIXL transport options (the wrapped one under cuda_ipc)
+    in the sweep's pair and in the serve bench (one pair and multi-rank)."""
+    from kvpush.cli import build_parser
+    from kvpush.demo import bench
+
+    args = build_parser().parse_args(
+        ["bench", "--nixl-option", "progress_thread=true", "--nixl-option", "num_threads=2"]
+    )
+    assert dict(args.nixl_option) == {"progress_thread": True, "num_threads": 2}
+    assert bench.nixl_transport_options("nixl", {"progress_thread": True}) == {"progress_thread": True}
+    assert bench.nixl_transport_options("cuda_ipc", {"progress_thread": True}) == {
+        "inner_options": {"progress_thread": True}
+    }
+    assert bench.nixl_transport_options("nixl", {}) == {}
+    model = serve.Workload(layers=2).model()
+    spec = bench.PairSpec(block_bytes=4096, nixl_options={"progress_thread": True})
+    assert bench._worker_config(spec, "P", model).transport_options == {"progress_thread": True}
+    w = serve.Workload(layers=2, transport="cuda_ipc", nixl_options={"progress_thread": True})
+    config = serve._worker_config(w, "P", 0, "cpu")
+    assert config.transport_options == {"inner_options": {"progress_thread": True}}
