@@ -249,7 +249,8 @@ def _conn_req(host: str, port: int) -> bytes:
 def test_a_refused_peers_connection_requests_never_arrive_and_admit_lifts_it() -> None:
     """``refuse``: the kernel drops every segment carrying a UCX connection request that names a
     refused listener, on connections accepted afterwards; other requests and other bytes pass;
-    ``admit`` lifts it for later connections."""
+    ``admit`` lifts it, also on the connections accepted meanwhile (the reload test of
+    ``test_tcp_fence.py`` waited for its bound on one of those before)."""
     listener = socket.create_server(("127.0.0.1", 0))
     own = [listener.getsockname()]
     refused, other = ("127.0.0.1", 4444), ("192.0.2.9", 5555)
@@ -279,8 +280,19 @@ def test_a_refused_peers_connection_requests_never_arrive_and_admit_lifts_it() -
         assert tcp_fence.refused(own) == {other}
         assert arrives(_conn_req(*refused)) == _conn_req(*refused)
         assert arrives(_conn_req(*other)) is None
-        tcp_fence.admit([other], own)
-        assert tcp_fence.refused(own) == set()
+        # a connection accepted while refused, its request dropped: the peer's kernel keeps
+        # retransmitting it, and once admitted it arrives on that very connection
+        with socket.create_connection(own[0]) as client:
+            server, _ = listener.accept()
+            with server:
+                client.sendall(_conn_req(*other))
+                server.settimeout(1.0)
+                with pytest.raises(TimeoutError):
+                    server.recv(1 << 16)
+                tcp_fence.admit([other], own)
+                assert tcp_fence.refused(own) == set()
+                server.settimeout(WAIT_S)
+                assert server.recv(1 << 16) == _conn_req(*other), "the retransmission arrives"
         assert arrives(_conn_req(*other)) == _conn_req(*other)
     finally:
         listener.close()

@@ -356,13 +356,15 @@ def _attach(fd: int, inode: int, prog: list[tuple[int, int, int, int]] | None) -
             os.close(dup)
 
 
-def _own_listener_sockets(own_listeners: Iterable[tuple[str, int]]) -> list[tuple[int, int]]:
-    """``(inode, fd)`` of this process's listening sockets at ``own_listeners``."""
+def _own_listener_sockets(
+    own_listeners: Iterable[tuple[str, int]], table: list[TcpSocket] | None = None
+) -> list[tuple[int, int, tuple[str, int]]]:
+    """``(inode, fd, address)`` of this process's listening sockets at ``own_listeners``."""
     wanted = set(own_listeners)
     mine = own_socket_fds()
     return [
-        (s.inode, mine[s.inode])
-        for s in sockets()
+        (s.inode, mine[s.inode], s.local)
+        for s in (sockets() if table is None else table)
         if s.state == LISTEN and s.inode in mine and s.local in wanted
     ]
 
@@ -376,23 +378,32 @@ def _refusable(peer_listeners: Iterable[tuple[str, int]] | None) -> set[tuple[st
     return out
 
 
-def _update(own_listeners: Iterable[tuple[str, int]], change: Any) -> list[tuple[str, int]]:
+def _update(own_listeners: Iterable[tuple[str, int]], change: Any, *, accepted: bool = False) -> list[int]:
+    """Apply ``change`` to the refused set of each listener; ``accepted``: give the connections
+    each one accepted (which carry the filter it had then) its new filter too."""
     done = []
     with _refusals_lock:
-        held = _own_listener_sockets(own_listeners)
+        table = sockets()
+        held = _own_listener_sockets(own_listeners, table)
         mine = own_socket_fds()
         for inode in [i for i in _refusals if i not in mine]:
             del _refusals[inode]  # a listener closed since
-        for inode, fd in held:
+        for inode, fd, address in held:
             refused = change(set(_refusals.get(inode, ())))
             if len(refused) > MAX_REFUSED:
                 continue
-            if _attach(fd, inode, _program(refused) if refused else None):
-                if refused:
-                    _refusals[inode] = refused
-                else:
-                    _refusals.pop(inode, None)
-                done.append(inode)
+            program = _program(refused) if refused else None
+            if not _attach(fd, inode, program):
+                continue
+            if refused:
+                _refusals[inode] = refused
+            else:
+                _refusals.pop(inode, None)
+            done.append(inode)
+            if accepted:
+                for row in table:
+                    if row.local == address and row.state != LISTEN and row.inode in mine:
+                        _attach(mine[row.inode], row.inode, program)
     return done
 
 
@@ -419,16 +430,18 @@ def refuse(
 
 def admit(peer_listeners: Iterable[tuple[str, int]] | None, own_listeners: Iterable[tuple[str, int]]) -> None:
     """Lift :func:`refuse` for ``peer_listeners`` on ``own_listeners`` (the peer was loaded
-    again). Connections accepted while it was refused keep refusing it."""
+    again), on the listeners and on the connections they accepted meanwhile: the peer's UCX may
+    still be retransmitting a refused connection request on one of those (its endpoint waits
+    for the acknowledgement), and that endpoint is the one its new traffic uses."""
     peer = _refusable(peer_listeners)
     if peer:
-        _update(list(own_listeners), lambda refused: refused - peer)
+        _update(list(own_listeners), lambda refused: refused - peer, accepted=True)
 
 
 def refused(own_listeners: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
     """The peer addresses this process's ``own_listeners`` refuse."""
     with _refusals_lock:
         out: set[tuple[str, int]] = set()
-        for inode, _ in _own_listener_sockets(own_listeners):
+        for inode, _, _ in _own_listener_sockets(own_listeners):
             out |= _refusals.get(inode, set())
         return out
