@@ -168,6 +168,9 @@ class _Producer:
     """While reconnecting: what the engine's agents were (to spot a P restart)."""
     refused: bool = False
     """The last handshake failed because a producer refused this rank's metadata."""
+    answering: Mapping[str, str] = attrs.field(factory=dict)
+    """The incarnations a refused handshake loaded (no producer set; see :meth:`DecodeCore.
+    connected`): while the engine has no ``info``, who answers under each agent name."""
     restarting: str = ""
     """Why a loaded incarnation ended (it said goodbye, or its process exited); "" when none
     did. Until the engine is ready again, but at most ``peer_silence_s``, a handshake that
@@ -476,11 +479,20 @@ class DecodeCore:
                 DropPeer(engine_id, "a fence went out while this handshake ran; handshaking again"),
                 Connect(engine.engine_id, engine.host, engine.port),
             ]
+        asks: list[Any] = []
+        if info is not None and error:
+            # Loaded, but no producer set this rank may register with (P's side channel names
+            # a mix, e.g. one stage restarted with another layer split, the other not yet). A
+            # producer among them that still runs the process a closing request registered
+            # with is asked for its answer now (its CANCEL needs a loaded agent, and no
+            # handshake succeeds until the mix is gone); the agents stay loaded for it.
+            asks = self._ask_closing(engine, info)
+            info = None
         if info is None and engine.restarting:
             out = self._engine_down(engine, f"handshake with P failed while a P rank restarts: {error}", now)
-            return [*out, DropPeer(engine_id, "handshake failed")]
+            return [*asks, *out] + ([] if asks else [DropPeer(engine_id, "handshake failed")])
         if info is None:
-            return self._engine_failed(engine, f"handshake with P failed: {error}", now)
+            return asks + self._engine_failed(engine, f"handshake with P failed: {error}", now)
         closed = sorted(a for a, inc in info.incarnations.items() if (a, inc) in self._closed)
         if closed:
             # P's side channel still names a worker that said goodbye (its replacement is not
@@ -534,6 +546,29 @@ class DecodeCore:
         engine.hello_pending = set(info.agents.values())
         self._timers.arm(("hello", engine_id), now + self.s.hello_timeout_s)
         return out + self._send_hellos(engine, now)
+
+    def _ask_closing(self, engine: _Producer, info: ProducerInfo) -> list[Any]:
+        """CANCELs of the engine's closing requests to their silent producers that ``info``
+        (a refused handshake's) loaded under the agent and incarnation they registered with:
+        the process that may still copy into the blocks, and the only one whose answer settles
+        a held request (:meth:`_same_incarnation` reads ``engine.answering`` meanwhile)."""
+        engine.answering = dict(info.incarnations)
+        out: list[Any] = []
+        for rid in sorted(engine.requests):
+            receive = self._requests.get(rid)
+            if receive is None or receive.phase is not _Phase.CLOSING:
+                continue
+            ranks = [
+                r
+                for r in sorted(receive.expected - receive.settled)
+                if (agent := receive.agents.get(r)) is not None
+                and info.agents.get(r) == agent
+                and info.incarnations.get(agent) == receive.incarnations.get(agent)
+            ]
+            if ranks:
+                message = wire.encode_cancel(receive.key, self._coordinates(rid, receive), self.s.tp_rank)
+                out += [Send(receive.agents[r], message) for r in ranks]
+        return out
 
     def _send_hellos(self, engine: _Producer, now: float) -> list[Any]:
         """HELLO to every agent that has not answered; resent until the HELLO timeout (a lost
@@ -860,8 +895,11 @@ class DecodeCore:
     def _same_incarnation(self, receive: _Receive, agent: str) -> bool:
         """Whether ``agent``'s loaded incarnation is the one ``receive`` registered with."""
         engine = self._engines.get(receive.engine_id)
-        info = engine.info if engine is not None else None
-        return info is not None and info.incarnations.get(agent) == receive.incarnations.get(agent)
+        if engine is None:
+            return False
+        if engine.info is not None:
+            return engine.info.incarnations.get(agent) == receive.incarnations.get(agent)
+        return agent in engine.answering and engine.answering[agent] == receive.incarnations.get(agent)
 
     @staticmethod
     def _packing_problem(receive: _Receive, producer: RankKey, manifest: PackManifest | None) -> str:
@@ -1272,6 +1310,7 @@ class DecodeCore:
         for agent in engine.info.agents.values():
             self._agent_engine.pop(agent, None)
         engine.info = None
+        engine.answering = {}
         engine.stamps.clear()
         engine.stamped.clear()
         engine.stamp_seq.clear()

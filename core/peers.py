@@ -66,6 +66,10 @@ class PeerEngine:
     ranks: dict[RankKey, PeerRank] = attrs.field(factory=dict)
     handshake_ms: float = 0.0
     last_active: float = attrs.field(factory=time.monotonic)
+    refusal: str = ""
+    """D, of its latest handshake: why the producers it loaded are no set it may register with
+    (:func:`check_producers`; "" when they are). They are loaded all the same, notif-only, so
+    that a producer still holding an earlier registration can be asked for its answer."""
 
     @property
     def tp_size(self) -> int:
@@ -194,6 +198,7 @@ class PeerRegistry:
     ) -> None:
         engine_id, ranks, _ = key
         started = time.perf_counter()
+        refusal = ""
         try:
             fetched = {}
             known: dict[RankKey, AgentMetadata] = {}
@@ -221,18 +226,24 @@ class PeerRegistry:
                 producers = {r: p.meta for r, p in fetched.items()}
                 problems = check_producers(self._pm, self._local, producers, shares=shares)
                 if problems:
-                    raise HandshakeError(
+                    # Loaded anyway (the engine comes back with ``refusal`` set): nothing may
+                    # register with this mix, but one of its producers may still hold a closing
+                    # request's registration and owe D its answer (a staggered restart).
+                    refusal = (
                         f"the producers of engine {engine_id!r} that {self._local.rank} waits for "
                         f"would not write each byte of its blocks exactly once:\n  - "
                         + "\n  - ".join(problems)
                     )
+                    logger.warning("handshake with %s refused: %s", engine_id, refusal)
                 for rank, peer_rank in fetched.items():
-                    peer_rank.share = shares.get(rank)
+                    peer_rank.share = None if refusal else shares.get(rank)
         except Exception as err:
             self._finish(key, future, error=err)
             return
         fetch_ms = (time.perf_counter() - started) * 1e3
-        self._run_on_writer(lambda: self._load(future, key, host, port, mode, fetched, started, fetch_ms))
+        self._run_on_writer(
+            lambda: self._load(future, key, host, port, mode, fetched, started, fetch_ms, refusal)
+        )
 
     def _fetch_one(self, host: str, port: int, engine_id: str, rank: RankKey) -> AgentMetadata:
         payload = fetch_metadata(host, port, rank, timeout_s=self._timeout_s, engine_id=engine_id)
@@ -259,6 +270,7 @@ class PeerRegistry:
         fetched: dict[RankKey, PeerRank],
         started: float,
         fetch_ms: float,
+        refusal: str = "",
     ) -> None:
         engine_id = key[0]
         try:
@@ -276,6 +288,7 @@ class PeerRegistry:
             engine = PeerEngine(engine_id=engine_id, host=host, port=port, mode=mode)
             self.engines[engine_id] = engine
         engine.ranks.update(fetched)
+        engine.refusal = refusal
         engine.handshake_ms = (time.perf_counter() - started) * 1e3
         self.handshake_ms[mode.value].append(engine.handshake_ms)
         logger.debug(

@@ -468,14 +468,16 @@ class PushReceiver(RankWorker):
         assert self.core is not None
         error = future.exception()
         info = None
+        refusal = ""
         if error is None:
             try:
-                info = self._producer_info(future.result())
+                engine = future.result()
+                info = self._producer_info(engine)
+                refusal = engine.refusal  # loaded, but no producer set to register with
             except Exception as err:
                 error = err
-        self._execute(
-            self.core.connected(action.engine_id, info, "" if error is None else str(error), lease_clock())
-        )
+        why = refusal if error is None else str(error)
+        self._execute(self.core.connected(action.engine_id, info, why, lease_clock()))
 
     def _producer_info(self, engine: PeerEngine) -> ProducerInfo:
         me = self.config.parallel
