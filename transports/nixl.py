@@ -333,6 +333,10 @@ class NixlTransport:
         # name, and the old process's connections (bytes its kernel still holds) must be fenced.
         earlier = self._peer_listeners.pop(name, None)
         listeners = _listeners(info)
+        if listeners and tcp_fence.supported():
+            # Loaded again: its connections are accepted again (an earlier fence refused them).
+            # Only the listeners this load publishes: a restarted peer's old ones stay refused.
+            tcp_fence.admit(listeners, self._tcp_listeners)
         if listeners is not None and earlier:
             listeners = list(dict.fromkeys(earlier + listeners))[-MAX_LISTENERS_PER_PEER:]
         self._peer_listeners[name] = listeners
@@ -369,6 +373,8 @@ class NixlTransport:
                 logger.warning(
                     "fencing %s: it published no UCX TCP listeners; shutting every inbound one", peer
                 )
+            if listeners and not tcp_fence.refuse(listeners, self._tcp_listeners):
+                logger.warning("fencing %s: its new connections could not be refused", peer)
             found = tcp_fence.peer_sockets(listeners, self._tcp_listeners)
             inodes = tcp_fence.shut_down(s.inode for s in found)
             if inodes:
