@@ -23,10 +23,9 @@ def test_soak_with_aborts_and_faults_writes_nothing_into_freed_blocks_and_leaks_
     assert report["aborted"] > 0 and report["failed_with_reason"] > 0 and report["verified"] > 0
     # bounded: the watchdog (6 s), then a quarantine of at most the freshness window (0.5 s) plus
     # twice P's WRITE deadline (2 x 1.5 s), plus slack. Typical max 6.1-6.5 s; one CI run of
-    # 2026-12-01 measured 13.4 s (not reproduced in 13 runs, loaded or not), with the fence
-    # refusing P's UCX connection requests until D loaded P again (wired then, reverted since):
-    # P's reconnection could wait out TCP's retransmission backoff. The slack went from 3 to 6 s
-    # until that is settled (an open liveness question, docs/reliability.md).
+    # 2026-12-01 measured 13.4 s (not reproduced in 13 runs, loaded or not): since a fence refuses
+    # P's UCX connection requests until D loads P again, P's reconnection may wait out TCP's
+    # retransmission backoff. The slack went from 3 to 6 s until that is settled (open).
     assert report["max_wait_s"] < 6.0 + 0.5 + 2 * 1.5 + 6.0
 
 
