@@ -743,15 +743,7 @@ class DecodeCore:
         engine.last_request = now
         if self._reserve_staging is not None:
             receive.staging_offset = self._reserve_staging(receive.meta)
-        out: list[Any] = []
-        for rank in sorted(receive.expected):
-            agent = info.agents[rank]
-            reg = self._coordinates(rid, receive, grant=engine.stamps.get(agent))
-            receive.grants[agent] = reg.grant
-            if reg.grant is not None:
-                receive.last_grant = now
-            out.append(Send(agent, wire.encode_push_reg(reg)))
-            self.stats["push_regs_sent"] += 1
+        out = self._send_push_regs(rid, receive, engine, info, sorted(receive.expected), now)
         out += self._arm_heartbeat(now)
         for agent, note in self._early.pop(rid, []):
             self._early_count[agent] = self._early_count.get(agent, 1) - 1
@@ -1229,17 +1221,8 @@ class DecodeCore:
         receive.processes, receive.writes_abortable = info.processes, info.writes_abortable
         receive.write_deadline_s = info.write_deadline_s
         receive.unknown_strikes = 0
-        out: list[Any] = []
-        for rank in ranks:
-            agent = info.agents[rank]
-            reg = self._coordinates(rid, receive, grant=engine.stamps.get(agent))
-            receive.grants[agent] = reg.grant
-            if reg.grant is not None:
-                receive.last_grant = now
-            out.append(Send(agent, wire.encode_push_reg(reg)))
-            self.stats["push_regs_sent"] += 1
-            self.stats["reregistered"] += 1
-        return out
+        self.stats["reregistered"] += len(ranks)
+        return self._send_push_regs(rid, receive, engine, info, ranks, now)
 
     def _await_fence(
         self, rid: str, receive: _Receive, producers: set[RankKey] | frozenset[RankKey], why: str, now: float
@@ -1793,6 +1776,21 @@ class DecodeCore:
             chunk = names[start : start + HEARTBEAT_KEYS_PER_MESSAGE]
             out.append(Send(agent, wire.encode_heartbeat(chunk, reg, self.s.tp_rank)))
             self.stats["heartbeats_sent"] += 1
+        return out
+
+    def _send_push_regs(
+        self, rid: str, receive: _Receive, engine: Any, info: Any, ranks: Any, now: float
+    ) -> list[Any]:
+        """A PUSH_REG of ``rid`` to each of ``ranks``, with the newest grant of its agent."""
+        out: list[Any] = []
+        for rank in ranks:
+            agent = info.agents[rank]
+            reg = self._coordinates(rid, receive, grant=engine.stamps.get(agent))
+            receive.grants[agent] = reg.grant
+            if reg.grant is not None:
+                receive.last_grant = now
+            out.append(Send(agent, wire.encode_push_reg(reg)))
+            self.stats["push_regs_sent"] += 1
         return out
 
     def _coordinates(
