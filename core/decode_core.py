@@ -245,6 +245,9 @@ class _Receive:
     """Producer agents whose acknowledgement of an earlier registration's CANCEL it waits for
     before registering (see :meth:`DecodeCore._owed_cancels`)."""
     acks_asked: bool = False
+    shares: Mapping[RankKey, frozenset[tuple[int, Any, Any]]] = attrs.field(factory=dict)
+    """Each producer's pieces of this rank when it registered (``ProducerInfo.shares``): a
+    re-registration needs the same ones (another split would leave gaps or overlaps)."""
     rereg: set[RankKey] = attrs.field(factory=set)
     """Producers whose process exited before they wrote (a P rank restarted under its name):
     registered again with the process that serves now, once the old one's connections are
@@ -316,6 +319,7 @@ class DecodeCore:
             "fences": 0,
             "exited_producers": 0,
             "reregistered": 0,
+            "reregistrations_refused": 0,
         }
 
     # ------------------------------------------------------------------ queries
@@ -521,7 +525,7 @@ class DecodeCore:
                     if not dead:
                         # Every restarted rank had written it whole (its DONE): the others
                         # carry on; nothing is asked of the new processes.
-                        receive.agents, receive.incarnations = info.agents, info.incarnations
+                        _take_agents(receive, info)
                         continue
                     if receive.writes_abortable and dead:
                         receive.unsettled |= dead
@@ -531,7 +535,7 @@ class DecodeCore:
                         rid, f"P engine {engine_id!r} restarted while this rank reconnected", now
                     )
                 else:
-                    receive.agents = info.agents
+                    _take_agents(receive, info)
         if any(isinstance(action, Fence) for action in out):
             # The old processes' connections share the agent names with the new ones: fence
             # them (the fence removes what was just loaded), then handshake afresh.
@@ -735,6 +739,7 @@ class DecodeCore:
                 return out
         receive.expected = frozenset(info.agents)
         receive.agents, receive.prefill_tp = info.agents, info.prefill_tp
+        receive.shares = info.shares
         receive.write_deadline_s = info.write_deadline_s
         receive.writes_abortable = info.writes_abortable
         receive.processes = info.processes
@@ -1216,10 +1221,42 @@ class DecodeCore:
             or engine.state is not _EngineState.READY
         ):
             return []
-        ranks, receive.rereg = sorted(receive.rereg), set()
-        receive.agents, receive.incarnations = info.agents, info.incarnations
-        receive.processes, receive.writes_abortable = info.processes, info.writes_abortable
-        receive.write_deadline_s = info.write_deadline_s
+        # The exited producers' connections were fenced (confirmed) and their processes are
+        # gone: nothing of theirs can land any more.
+        receive.settled |= receive.rereg
+        changed = _layout_change(receive, info)
+        if changed:
+            # The request counts the old producers and their windows: the new processes cannot
+            # complete it. Its silent old producers settle through their own agents (kept).
+            receive.rereg = set()
+            self.stats["reregistrations_refused"] += 1
+            return self._close(
+                rid,
+                f"P engine {receive.engine_id!r} came back with {changed}; this request was "
+                f"registered with the old layout and cannot complete",
+                now,
+            )
+        # A producer the handshake shows restarted too (its exit not seen yet) lost the
+        # registration with its old process, which the same fence covered: registered again.
+        restarted = {
+            r
+            for r in receive.expected - receive.settled - receive.reported
+            if info.incarnations.get(info.agents[r]) != receive.incarnations.get(receive.agents.get(r, ""))
+        }
+        ranks = sorted(receive.rereg | restarted)
+        receive.rereg = set()
+        receive.settled -= set(ranks)
+        new_agents = {info.agents[r] for r in ranks}
+        receive.agents = {**receive.agents, **{r: info.agents[r] for r in ranks}}
+        receive.incarnations = {
+            **receive.incarnations,
+            **{a: info.incarnations[a] for a in new_agents if a in info.incarnations},
+        }
+        kept = {a: p for a, p in receive.processes.items() if a not in new_agents}
+        receive.processes = {**kept, **{a: info.processes[a] for a in new_agents if a in info.processes}}
+        # Conservative across the incarnations the request now spans.
+        receive.writes_abortable = receive.writes_abortable and info.writes_abortable
+        receive.write_deadline_s = max(receive.write_deadline_s, info.write_deadline_s)
         receive.unknown_strikes = 0
         self.stats["reregistered"] += len(ranks)
         return self._send_push_regs(rid, receive, engine, info, ranks, now)
@@ -1814,6 +1851,36 @@ class DecodeCore:
             block_start=receive.meta.block_start if receive is not None else None,
             num_tokens=receive.meta.num_tokens if receive is not None else None,
         )
+
+
+def _take_agents(receive: _Receive, info: ProducerInfo) -> None:
+    """Record ``info``'s agents and incarnations for ``receive``'s producers that ``info``
+    names; a producer it does not name (P came back with another layout) keeps its old
+    agent, the one its cancel, exit probe or fence must reach."""
+    mine = {r: a for r, a in info.agents.items() if r in receive.expected}
+    receive.agents = {**receive.agents, **mine}
+    receive.incarnations = {
+        **receive.incarnations,
+        **{a: info.incarnations[a] for a in mine.values() if a in info.incarnations},
+    }
+
+
+def _layout_change(receive: _Receive, info: ProducerInfo) -> str:
+    """How ``info``'s producers differ from those ``receive`` registered with ("" when they
+    are the same ranks writing the same pieces of this rank)."""
+
+    def names(ranks: Iterable[RankKey]) -> str:
+        return ", ".join(str(r) for r in sorted(ranks)) or "none"
+
+    if frozenset(info.agents) != receive.expected:
+        return (
+            f"producers {names(info.agents)} (PP {info.prefill_pp}, TP {info.prefill_tp}) where it "
+            f"registered with {names(receive.expected)}"
+        )
+    moved = [r for r in sorted(receive.expected) if info.shares.get(r) != receive.shares.get(r)]
+    if moved:
+        return f"another split of this rank's layers or heads among {names(moved)}"
+    return ""
 
 
 def _pieces(regions: Iterable[int], part: tuple[int, int]) -> set[tuple[int, Any, Any]]:
