@@ -302,16 +302,6 @@ SLOW = pytest.mark.slow
 ``-m slow``; one case of each family stays in the default run."""
 
 
-HELD = (
-    "open (liveness, found by the last CI run of 2026-12-01): after a PP2 P restart, a request "
-    "that failed at its watchdog ('1 of 2 producer notifications arrived; missing (pp=1, "
-    "tp=0)') kept its blocks past the test's 20 s bound. Reproduces locally; it fails with and "
-    "without the refused-handshake cancel (10c353b), the NIXL refusal and the FIONREAD check, "
-    "and passed on the merged tree at 21:00: cause not found yet"
-)
-OPEN_HELD = pytest.mark.xfail(strict=False, reason=HELD)
-
-
 def _tail(*values: Any, **kw: Any) -> Any:
     return pytest.param(*values, marks=SLOW, **kw)
 
@@ -435,7 +425,7 @@ def test_d_restarted_with_another_tp_size(p_tp: int, d_before: int, d_after: int
 @pytest.mark.parametrize(
     ("before", "after", "d_tp"),
     [
-        pytest.param(Side(pp=2), Side(pp=1), 1, id="pp2->pp1", marks=OPEN_HELD),
+        pytest.param(Side(pp=2), Side(pp=1), 1, id="pp2->pp1"),
         _tail(Side(pp=1), Side(pp=2), 1, id="pp1->pp2"),
         _tail(Side(pp=2), Side(pp=1), 2, id="pp2->pp1 dtp2"),
         _tail(Side(tp=1), Side(tp=2), 2, id="tp1->tp2 dtp2"),
@@ -531,7 +521,7 @@ def test_d_restarted_on_a_clock_behind_is_served() -> None:
 
 @pytest.mark.parametrize(
     "idle",
-    [pytest.param(False, marks=OPEN_HELD), _tail(True, id="idle")],
+    [False, _tail(True, id="idle")],
     ids=["registered", "idle"],
 )
 def test_p_restarted_on_a_clock_behind_is_found(idle: bool) -> None:
