@@ -53,7 +53,15 @@ from kvpush.core.types import (
     read_only,
 )
 from kvpush.core.wire import RESERVED_REQUEST_IDS
-from kvpush.core.worker import PROCESS_KEY, WRITE_DEADLINE_KEY, WRITES_ABORTABLE_KEY, RankWorker, lease_clock
+from kvpush.core.worker import (
+    BLOCK_PAIRING,
+    BLOCK_PAIRING_KEY,
+    PROCESS_KEY,
+    WRITE_DEADLINE_KEY,
+    WRITES_ABORTABLE_KEY,
+    RankWorker,
+    lease_clock,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -491,6 +499,17 @@ class PushReceiver(RankWorker):
             raise HandshakeError(
                 f"P engine {engine.engine_id!r} publishes no WRITE deadline ({WRITE_DEADLINE_KEY!r}); "
                 f"run the same kvpush release on both sides"
+            )
+        unpaired = sorted(
+            str(r) for r in wanted if engine.ranks[r].meta.extensions.get(BLOCK_PAIRING_KEY) != BLOCK_PAIRING
+        )
+        if unpaired:
+            raise HandshakeError(
+                f"P engine {engine.engine_id!r} rank(s) {', '.join(unpaired)} do not state that they pair "
+                f"blocks by the start D states ({BLOCK_PAIRING_KEY!r}: {BLOCK_PAIRING!r}): an older kvpush "
+                f"release pairs from the end of its block table and ignores D's block_start, so a P "
+                f"table longer than the prompt or a D prefix hit would put another position's KV in "
+                f"D's blocks. Run the same kvpush release on both sides"
             )
         processes = {
             engine.ranks[r].agent: identity

@@ -305,7 +305,7 @@ def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
     can be aborted (a bool), P's process identity (D gives held blocks back once that process
     exited: a pid that is not a positive int would read as exited) and D's staging area."""
     from kvpush.core.packing import staging_area
-    from kvpush.core.worker import PROCESS_KEY, WRITE_DEADLINE_KEY, WRITES_ABORTABLE_KEY
+    from kvpush.core.worker import BLOCK_PAIRING_KEY, PROCESS_KEY, WRITE_DEADLINE_KEY, WRITES_ABORTABLE_KEY
 
     deadline = extensions.get(WRITE_DEADLINE_KEY)
     if deadline is not None and (
@@ -321,6 +321,11 @@ def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
     if abortable is not None and not isinstance(abortable, bool):
         raise WireError(
             f"{what}: extension {WRITES_ABORTABLE_KEY!r} must be a bool, got {str(abortable)[:80]!r}"
+        )
+    pairing = extensions.get(BLOCK_PAIRING_KEY)
+    if pairing is not None and not (isinstance(pairing, str) and len(pairing) <= 32):
+        raise WireError(
+            f"{what}: extension {BLOCK_PAIRING_KEY!r} must be a short string, got {str(pairing)[:80]!r}"
         )
     process = extensions.get(PROCESS_KEY)
     if process is not None and not (

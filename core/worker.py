@@ -270,6 +270,7 @@ class RankWorker:
         core_fields = {
             WRITE_DEADLINE_KEY: self.config.write_deadline_s,
             WRITES_ABORTABLE_KEY: bool(getattr(self.transport, "writes_abortable", True)),
+            BLOCK_PAIRING_KEY: BLOCK_PAIRING,
             PROCESS_KEY: this_process(),
             **staging,
         }
@@ -630,6 +631,12 @@ WRITES_ABORTABLE_KEY = "writes_abortable"
 (False for kernel copies, ``cuda_ipc``): D holds such a P's failed requests until it
 acknowledges or its process exited, instead of fencing and releasing (a fence does not stop a
 launched copy)."""
+BLOCK_PAIRING_KEY = "block_pairing"
+"""Metadata extension where a rank states how it pairs a request's blocks with D's:
+``BLOCK_PAIRING`` (by the start D states in its PUSH_REG, notification format 2.2). A P that
+does not state it is an older release that pairs from the end of its block table and ignores
+D's start: D refuses its handshake rather than let it write another position's KV."""
+BLOCK_PAIRING = "start"
 PROCESS_KEY = "process"
 """Metadata extension with the rank's process identity (:func:`kvpush.core.process_identity.this_process`):
 a D on the same host can tell when the process that could launch a copy has exited."""
