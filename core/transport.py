@@ -40,8 +40,6 @@ class TransportCounters:
     remote_lists_prepared: int = 0
     writes_posted: int = 0
     writes_failed: int = 0
-    writes_merged: int = 0
-    """WRITEs posted as contiguous runs (one descriptor per run) instead of per block."""
     notifs_sent: int = 0
     notifs_received: int = 0
     handles_released: int = 0

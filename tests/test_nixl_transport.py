@@ -29,19 +29,15 @@ BLOCKS = 8
 WAIT_S = 60.0
 
 
-def _peer_main(conn: Connection, agent_name: str, split: bool = False) -> None:
-    """A NIXL agent with one registered buffer of BLOCKS blocks, driven over ``conn``
-    (``split``: registered as two halves, two registrations that touch)."""
+def _peer_main(conn: Connection, agent_name: str) -> None:
+    """A NIXL agent with one registered buffer of BLOCKS blocks, driven over ``conn``."""
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     try:
         from kvpush.transports.nixl import NixlTransport
 
         transport = NixlTransport(TransportConfig(agent_name=agent_name))
         buf = torch.zeros(BLOCK * BLOCKS, dtype=torch.uint8)
-        half = buf.numel() // 2 if split else buf.numel()
-        transport.register_buffer(buf.data_ptr(), half, "DRAM", 0)
-        if split:
-            transport.register_buffer(buf.data_ptr() + half, buf.numel() - half, "DRAM", 0)
+        transport.register_buffer(buf.data_ptr(), buf.numel(), "DRAM", 0)
         conn.send(("ok", (transport.metadata(), buf.data_ptr())))
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -78,11 +74,11 @@ def _peer_main(conn: Connection, agent_name: str, split: bool = False) -> None:
 class Peer:
     """The parent's handle on a peer process."""
 
-    def __init__(self, name: str, split: bool = False) -> None:
+    def __init__(self, name: str) -> None:
         ctx = mp.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_peer_main, args=(child, name, split), daemon=True)
+        self.process = ctx.Process(target=_peer_main, args=(child, name), daemon=True)
         self.process.start()
         child.close()
         self.blob, self.addr = self._reply("start", WAIT_S)
@@ -209,7 +205,6 @@ def test_write_lands_bytes_and_notifies_the_peer(local: tuple[Transport, Any], p
         "remote_lists_prepared": 1,
         "writes_posted": 1,
         "writes_failed": 0,
-        "writes_merged": 0,
         "notifs_sent": 0,
         "notifs_received": 1,
         "handles_released": 1,

@@ -86,36 +86,6 @@ def _merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]
     return merged
 
 
-MERGE_MIN_DESCRIPTORS = 64
-"""A WRITE of fewer descriptors is posted from the prepared lists as it is."""
-MERGE_MAX_FRACTION = 0.25
-"""Runs are posted merged only when they are at most this fraction of the descriptors."""
-
-
-def merge_runs(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Paired Nx3 ``(addr, len, device)`` descriptors merged into runs: descriptor ``i + 1``
-    joins ``i``'s run when it starts where ``i`` ends on both sides and on the same devices.
-    Each run moves exactly the bytes of its pieces, in the same places. None when the runs
-    would be more than ``MERGE_MAX_FRACTION`` of the descriptors (scattered blocks)."""
-    n = len(local)
-    if not np.array_equal(local[:, 1], remote[:, 1]):
-        return None  # pieces of unequal lengths: NIXL refuses them as they are
-    joins = (
-        (local[1:, 0] == local[:-1, 0] + local[:-1, 1])
-        & (remote[1:, 0] == remote[:-1, 0] + remote[:-1, 1])
-        & (local[1:, 2] == local[:-1, 2])
-        & (remote[1:, 2] == remote[:-1, 2])
-    )
-    starts = np.flatnonzero(~joins) + 1
-    if len(starts) + 1 > n * MERGE_MAX_FRACTION:
-        return None
-    starts = np.concatenate(([0], starts))
-    lengths = np.add.reduceat(local[:, 1], starts)
-    merged_local = np.column_stack((local[starts, 0], lengths, local[starts, 2]))
-    merged_remote = np.column_stack((remote[starts, 0], lengths, remote[starts, 2]))
-    return merged_local, merged_remote
-
-
 ERROR_MODES = ("none", "peer")
 KNOWN_OPTIONS = (
     "backends",
@@ -310,12 +280,6 @@ class NixlTransport:
         self._registrations: list[Any] = []
         self._lists: set[int] = set()
         self._remote_lists: dict[str, set[int]] = {}
-        self._list_descs: dict[int, tuple[np.ndarray, str, str]] = {}
-        """Prepared list -> its descriptors, memory type and agent (LOCAL_AGENT or the peer's),
-        for posting a WRITE's contiguous runs merged (``merge_runs``)."""
-        self._unmergeable: set[int] = set()
-        """Remote lists NIXL refused a merged WRITE for (a run across two of the peer's
-        registrations): their WRITEs go as prepared."""
         self._peers: set[str] = set()
         self._handles: set[int] = set()
         self.counters = TransportCounters()
@@ -353,7 +317,6 @@ class NixlTransport:
     def prepare_local(self, descriptors: np.ndarray, mem_type: MemType) -> int:
         handle = self._agent.prep_xfer_dlist(LOCAL_AGENT, descriptors, mem_type)
         self._lists.add(handle)
-        self._list_descs[handle] = (descriptors, mem_type, LOCAL_AGENT)
         self.counters.local_lists_prepared += 1
         return handle
 
@@ -479,7 +442,6 @@ class NixlTransport:
                 f"NIXL could not prepare {len(descriptors)} descriptors of peer {peer}: {err}"
             ) from err
         self._lists.add(handle)
-        self._list_descs[handle] = (descriptors, mem_type, peer)
         self._remote_lists.setdefault(peer, set()).add(handle)
         self.counters.remote_lists_prepared += 1
         return handle
@@ -487,8 +449,6 @@ class NixlTransport:
     def release_list(self, handle: int) -> None:
         if handle in self._lists:
             self._lists.discard(handle)
-            self._list_descs.pop(handle, None)
-            self._unmergeable.discard(handle)
             for lists in self._remote_lists.values():  # forget it: released lists must not pile up
                 lists.discard(handle)
             try:
@@ -506,9 +466,7 @@ class NixlTransport:
         remote_ids: np.ndarray,
         notif: bytes,
     ) -> int:
-        handle = self._post_merged(local_list, local_ids, remote_list, remote_ids, notif)
-        if handle is not None:
-            return handle
+        handle = None
         try:
             handle = self._agent.make_prepped_xfer(
                 "WRITE", local_list, local_ids, remote_list, remote_ids, notif
@@ -528,58 +486,6 @@ class NixlTransport:
             self.counters.writes_failed += 1
             self.release(handle)
             raise TransferError(f"NIXL WRITE of {len(local_ids)} descriptors was refused (ERR)")
-        return handle
-
-    def _post_merged(
-        self,
-        local_list: int,
-        local_ids: np.ndarray,
-        remote_list: int,
-        remote_ids: np.ndarray,
-        notif: bytes,
-    ) -> int | None:
-        """Post the WRITE as its contiguous runs (one descriptor per run), or None to post it
-        from the prepared lists: too few descriptors, scattered blocks, lists this transport
-        did not prepare, or a merged list NIXL refused before anything was sent.
-
-        NIXL walks every index of a prepared WRITE on the writer thread (~60 ns each: ~0.5 ms
-        for 64 regions x 128 blocks) even where it merges them; blocks that are contiguous on
-        both sides make a few long runs, built here with a few numpy passes."""
-        n = len(local_ids)
-        if n < MERGE_MIN_DESCRIPTORS or n != len(remote_ids) or remote_list in self._unmergeable:
-            return None
-        local_side, remote_side = self._list_descs.get(local_list), self._list_descs.get(remote_list)
-        if local_side is None or remote_side is None or remote_side[2] == LOCAL_AGENT:
-            return None
-        runs = merge_runs(local_side[0][local_ids], remote_side[0][remote_ids])
-        if runs is None:
-            return None
-        handle = None
-        try:
-            local = self._agent.get_xfer_descs(runs[0], local_side[1])
-            remote = self._agent.get_xfer_descs(runs[1], remote_side[1])
-            handle = self._agent.initialize_xfer("WRITE", local, remote, remote_side[2], notif)
-        except Exception as err:  # nothing was sent: a run NIXL finds in no registration
-            if handle is not None:
-                self._release_quietly(handle)
-            self._unmergeable.add(remote_list)
-            logger.info("NIXL refused a merged WRITE (%s); this list's WRITEs go as prepared", err)
-            return None
-        try:
-            state = self._agent.transfer(handle)
-        except Exception as err:
-            self._release_quietly(handle)
-            self.counters.writes_failed += 1
-            raise TransferError(
-                f"NIXL WRITE of {n} descriptors ({len(runs[0])} runs) failed: {err}", maybe_sent=True
-            ) from err
-        self._handles.add(handle)
-        self.counters.writes_posted += 1
-        self.counters.writes_merged += 1
-        if state == "ERR":
-            self.counters.writes_failed += 1
-            self.release(handle)
-            raise TransferError(f"NIXL WRITE of {n} descriptors ({len(runs[0])} runs) was refused (ERR)")
         return handle
 
     def poll(self, handle: int) -> TransferState:
