@@ -1238,10 +1238,13 @@ class DecodeCore:
             )
         # A producer the handshake shows restarted too (its exit not seen yet) lost the
         # registration with its old process, which the same fence covered: registered again.
+        # Not where a fence does not stop the old process's copies (kernel copies): that one
+        # waits for its exit or answer, as any silent producer, and the request fails.
         restarted = {
             r
             for r in receive.expected - receive.settled - receive.reported
-            if info.incarnations.get(info.agents[r]) != receive.incarnations.get(receive.agents.get(r, ""))
+            if receive.writes_abortable
+            and info.incarnations.get(info.agents[r]) != receive.incarnations.get(receive.agents.get(r, ""))
         }
         ranks = sorted(receive.rereg | restarted)
         receive.rereg = set()

@@ -11,7 +11,8 @@ test: ``tests/test_probe_reconfig_restart.py::test_p_restarted_with_other_parall
 
 Now the request fails at the re-registration, naming both layouts, and settles stage 1
 through its old agent: a fence (WRITEs a fence stops) or its process's exit (kernel copies).
-A stage that restarted too but was not yet seen exiting is registered again as well.
+A stage that restarted too but was not yet seen exiting is registered again as well, where a
+fence stops its old process's WRITEs (not for kernel copies: that process may still copy).
 
 The core is driven directly (no transport, an injected clock).
 """
@@ -102,7 +103,7 @@ def _run_until_released(d: DecodeCore, t: float, exited: set[str]) -> float:
     for _ in range(400):
         t += 0.25
         out = d.handle_timer(t)
-        for action in out:
+        for action in list(out):
             if isinstance(action, ProbeExit):
                 gone = [agent for agent, _ in action.processes if agent in exited]
                 out += d.producers_exited(action.request_id, gone, t)
@@ -141,3 +142,22 @@ def test_a_stage_restarted_but_not_yet_seen_exiting_is_registered_again() -> Non
     out += d.notification(A1, _note(wire.encode_heartbeat_answer(P1, 1.2, "b2")), 1.2)
     assert sorted(s for s in _sent(out) if s[1] == "push_reg") == [(A0, "push_reg"), (A1, "push_reg")], out
     assert not [a for a in out if isinstance(a, Report)], out
+
+
+def test_with_kernel_copies_a_stage_not_seen_exiting_is_not_registered_again() -> None:
+    """The old stage 1 may still run a copy no fence stops: registering the request with the
+    new stage 1 would let that copy land after D counted the new one's DONE. Only stage 0,
+    seen exiting, is registered again; the request waits for stage 1's old process."""
+    d = _registered(abortable=False)
+    out = d.connected("P", _pp2(False, stage1="b2", stage0="a2"), "", 1.2)
+    out += d.notification(A0, _note(wire.encode_heartbeat_answer(P0, 1.2, "a2")), 1.2)
+    out += d.notification(A1, _note(wire.encode_heartbeat_answer(P1, 1.2, "b2")), 1.2)
+    assert [s for s in _sent(out) if s[1] == "push_reg"] == [(A0, "push_reg")], out
+    out = d.notification(A0, _note(wire.encode_done("r1", P0, 1)), 1.5)  # the new stage 0 wrote
+    assert not [a for a in out if isinstance(a, Report)], out
+    # It fails (P goes silent here, or at its watchdog) and is held while stage 1's old
+    # process runs, then released once it exited.
+    with pytest.raises(AssertionError, match="not released"):
+        _run_until_released(d, 1.5, exited=set())
+    assert d.stats["held_for_kernel_copies"] == 1, d.stats
+    _run_until_released(d, 101.5, exited={A1})
