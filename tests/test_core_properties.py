@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from fractions import Fraction
 from typing import Any
 
 import attrs
@@ -77,6 +78,9 @@ POOL_BLOCKS = 12
 WRITE_DEADLINE_S = 10.0
 TOPOLOGIES = [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2), (2, 2, 2), (2, 2, 1)]
 """(P PP, P TP, D TP)."""
+LAYERS = 4
+SPLITS = {1: [((0, LAYERS),)], 2: [((0, 2), (2, LAYERS)), ((0, 1), (1, LAYERS)), ((0, 3), (3, LAYERS))]}
+"""P's layer windows per PP stage: the PP size's splits (a restarted P may use another)."""
 IDX = st.integers(min_value=0, max_value=63)
 MAX_DRAIN_ROUNDS = 5_000
 MAX_BUSY_ROUNDS = 100
@@ -94,6 +98,8 @@ FAULTS = [
     "prefill_rank_restarts_behind",
     "prefill_rank_closes",
     "prefill_rank_recreated",
+    "prefill_engine_reconfigured",
+    "prefill_stage_resplit",
     "prefill_abandoned",
     "decode_rank_dies",
     "decode_rank_restarts",
@@ -144,6 +150,8 @@ class PProc(Proc):
     process: str = ""
     """The OS process it runs in ("": its own); a worker re-created in a live process shares
     it, so D's probe never sees the closed worker's process exit."""
+    layers: tuple[int, int] = (0, LAYERS)
+    """The layer window its WRITEs cover (its PP stage's, in the split it started with)."""
 
 
 @attrs.define(eq=False)
@@ -157,8 +165,11 @@ class DReq:
     freed: bool = False
     cancel_calls: int = 0
     cancel_after_failed: bool = False
-    landed: dict[RankKey, set[int]] = attrs.field(factory=dict)
-    chunks: dict[RankKey, int] = attrs.field(factory=dict)
+    landed: dict[str, set[int]] = attrs.field(factory=dict)
+    """Producer incarnation -> the chunks of its WRITEs that landed whole."""
+    chunks: dict[str, int] = attrs.field(factory=dict)
+    pieces: dict[str, frozenset[tuple[int, int]]] = attrs.field(factory=dict)
+    """Producer incarnation -> the (layer, P TP rank) pieces its WRITEs cover."""
 
 
 @attrs.define(eq=False)
@@ -241,6 +252,8 @@ class CoreCluster(RuleBasedStateMachine):
         self.writes: dict[str, Write] = {}
         self.requests: list[Request] = []
         self.p_pp = self.p_tp = self.d_tp = 1
+        self.windows: tuple[tuple[int, int], ...] = SPLITS[1][0]
+        """The layer split P's engine runs now (a restarted rank takes its stage's window)."""
         self.ready = False
         self.scatter_error = ""
         """The next packed scatter on D fails with this error (a kernel or torch raising)."""
@@ -252,6 +265,7 @@ class CoreCluster(RuleBasedStateMachine):
     @initialize(topology=st.sampled_from(TOPOLOGIES))
     def start(self, topology: tuple[int, int, int]) -> None:
         self.p_pp, self.p_tp, self.d_tp = topology
+        self.windows = SPLITS[self.p_pp][0]
         for pp in range(self.p_pp):
             for tp in range(self.p_tp):
                 self.p_procs.append(self._new_p(RankKey(pp, tp), offset=1000.0 * (len(self.p_procs) + 1)))
@@ -268,6 +282,7 @@ class CoreCluster(RuleBasedStateMachine):
             born=n,
             rank=rank,
             process=process,
+            layers=self.windows[rank.pp_rank],
         )
         proc.core = PrefillCore(
             PrefillSettings(
@@ -319,6 +334,18 @@ class CoreCluster(RuleBasedStateMachine):
             ReadSpec(dst_tp_rank=d, local_block_ids=blocks, remote_block_ids=reg.block_ids)
             for d in destinations(proc.rank.tp_rank, self.p_tp, reg.decode_tp_size)
         ]
+
+    def _part(self, p: PProc) -> tuple[int, int]:
+        """The slice of each D block a P rank writes: its heads of D's (P TP above D TP)."""
+        count = self.p_tp // self.d_tp if self.p_tp > self.d_tp else 1
+        return (p.rank.tp_rank % count, count)
+
+    def _share(self, p: PProc) -> frozenset[tuple[int, Any, Any]]:
+        """What P rank ``p``'s handshake states it writes into a D rank (``ProducerInfo.shares``):
+        D region = layer here, each a slice of the blocks."""
+        index, count = self._part(p)
+        start, end = Fraction(index, count), Fraction(index + 1, count)
+        return frozenset((layer, start, end) for layer in range(*p.layers))
 
     def _reserve(self, proc: DProc, meta: RequestMetadata) -> int:
         if not proc.next_packed:
@@ -486,17 +513,22 @@ class CoreCluster(RuleBasedStateMachine):
         if report.outcome == "cancelled" and not req.cancel_calls:
             raise Violation(f"D {d.agent} reported {req.rid} cancelled, but the engine never cancelled it")
         if report.outcome == "done":
-            want = expected_producers(
-                prefill_pp=self.p_pp, prefill_tp=self.p_tp, decode_tp_rank=d.tp_rank, decode_tp_size=self.d_tp
-            )
-            for producer in sorted(want, key=lambda r: (r.pp_rank, r.tp_rank)):
-                need = req.chunks.get(producer)
-                got = req.landed.get(producer, set())
-                if need is None or len(got) < need:
-                    raise Violation(
-                        f"D {d.agent} reported {req.rid} done, but producer {producer} landed "
-                        f"{sorted(got)} of {need} WRITE(s)"
-                    )
+            # Every (layer, P TP rank) piece this D rank needs, each from a producer whose
+            # WRITEs landed whole (P may have restarted with another layer split meanwhile).
+            tps = {
+                r.tp_rank
+                for r in expected_producers(
+                    prefill_pp=1, prefill_tp=self.p_tp, decode_tp_rank=d.tp_rank, decode_tp_size=self.d_tp
+                )
+            }
+            need = {(layer, tp) for layer in range(LAYERS) for tp in tps}
+            whole = [inc for inc, got in req.landed.items() if len(got) >= req.chunks[inc]]
+            covered = set().union(*(req.pieces[inc] for inc in whole))
+            if not need <= covered:
+                raise Violation(
+                    f"D {d.agent} reported {req.rid} done, but pieces {sorted(need - covered)} "
+                    f"(layer, P TP rank) were not written whole (landed: {req.landed} of {req.chunks})"
+                )
             self._free_blocks(d, req)  # the engine owns them now: nothing may land any more
         elif report.outcome not in ("failed", "cancelled"):
             raise Violation(f"D reported {req.rid} with outcome {report.outcome!r}")
@@ -637,13 +669,20 @@ class CoreCluster(RuleBasedStateMachine):
             return
         reg = post.registration
         packed = reg.staging_offset >= 0
-        n = chunks if packed else 1
+        window = tuple(range(*p.layers))
+        n = min(chunks, len(window)) if packed else 1
         blocks = tuple(b for group in post.spec.remote_block_ids for b in group)
         handles = []
         attempt = p.core._requests[post.key].request_id  # the prefill the core posts for
         for c in range(n):
             manifest = (
-                PackManifest(staging_offset=reg.staging_offset, regions=(0,), chunk=c, chunks=n)
+                PackManifest(
+                    staging_offset=reg.staging_offset,
+                    regions=window[c::n],
+                    part=self._part(p),
+                    chunk=c,
+                    chunks=n,
+                )
                 if packed
                 else None
             )
@@ -685,8 +724,9 @@ class CoreCluster(RuleBasedStateMachine):
         w.state, w.ok = ("landed", True) if ok else ("failed", False)
         if ok:
             req = d.requests[w.d_rid]
-            req.landed.setdefault(w.p.rank, set()).add(w.chunk)
-            req.chunks[w.p.rank] = w.chunks
+            req.landed.setdefault(w.p.inc, set()).add(w.chunk)
+            req.chunks[w.p.inc] = w.chunks
+            req.pieces[w.p.inc] = frozenset((layer, w.p.rank.tp_rank) for layer in range(*w.p.layers))
             self.net.append(Msg(w.p.agent, d.agent, d.inc, w.notif))
 
     def _check_landing(self, d: DProc, w: Write) -> None:
@@ -809,8 +849,17 @@ class CoreCluster(RuleBasedStateMachine):
             write_deadline_s=WRITE_DEADLINE_S,
             writes_abortable=not self.kernel_copies,
             processes={p.agent: {"inc": p.process or p.inc} for p in live.values()},
+            shares={r: self._share(p) for r, p in live.items()},
         )
-        self._run_d(proc, proc.core.connected(action.engine_id, info, "", now))
+        # D's producer check: the stages' windows must tile the layers (a stage restarted
+        # with another split beside one that did not is refused, its agents loaded).
+        tiled = all(
+            sorted(layer for p in live.values() if p.rank.tp_rank == tp for layer in range(*p.layers))
+            == list(range(LAYERS))
+            for tp in {r.tp_rank for r in live}
+        )
+        why = "" if tiled else "refused: P ranks publish layer windows that overlap"
+        self._run_d(proc, proc.core.connected(action.engine_id, info, why, now))
 
     # ------------------------------------------------------------------ time, death, restarts
 
@@ -863,6 +912,26 @@ class CoreCluster(RuleBasedStateMachine):
             self._run_p(p, p.core.goodbye(self.now(p)))
             p.alive = False  # its agent is gone; an aborted WRITE of it may still land
             self.p_procs.append(self._new_p(p.rank, offset=p.offset, process=p.process or p.inc))
+        elif kind == "prefill_engine_reconfigured" and ps:
+            # Every P rank is killed and P starts again under the same names with another PP
+            # size or layer split (same TP): D's registered requests count the old producers.
+            for p in ps:
+                self._kill_p(p)
+            self.p_pp = 3 - self.p_pp if j % 2 else self.p_pp
+            self.windows = SPLITS[self.p_pp][j % len(SPLITS[self.p_pp])]
+            for pp in range(self.p_pp):
+                for tp in range(self.p_tp):
+                    old = next((p for p in ps if p.rank == RankKey(pp, tp)), None)
+                    offset = old.offset + 7.0 if old is not None else 1000.0 * (pp + 1) + 10 * tp
+                    self.p_procs.append(self._new_p(RankKey(pp, tp), offset=offset))
+        elif kind == "prefill_stage_resplit" and ps and self.p_pp == 2:
+            # One stage restarts with its window of another split; the other stage keeps the
+            # old one until it restarts too (a staggered rollout): the windows overlap or gap.
+            others = [w for w in SPLITS[2] if w != self.windows]
+            self.windows = others[j % len(others)]
+            p = ps[i % len(ps)]
+            self._kill_p(p)
+            self.p_procs.append(self._new_p(p.rank, offset=p.offset + 7.0))
         elif kind.startswith("prefill_rank_") and ps:
             p = ps[j % len(ps)]
             p.alive = False
@@ -881,6 +950,14 @@ class CoreCluster(RuleBasedStateMachine):
             d.alive = False
             if kind == "decode_rank_restarts":
                 self.d_procs.append(self._new_d(d.tp_rank, offset=d.offset + 3.0))
+
+    def _kill_p(self, p: PProc) -> None:
+        p.alive = False
+        # Its pending WRITEs stay pending: its kernel may still deliver what it queued. Kernel
+        # copies end with the process (its CUDA context is destroyed).
+        for w in self.writes.values() if self.kernel_copies else ():
+            if w.p is p and w.state == "pending":
+                w.state = "failed"
 
     @precondition(lambda self: self.fences)
     @rule(i=IDX)
@@ -1034,7 +1111,7 @@ class KernelCopyCluster(CoreCluster):
         if self.ready:
             alive = {p.rank for p in self.live_p()}
             for p in list(self.p_procs):
-                if not p.alive and p.rank not in alive:
+                if not p.alive and p.rank not in alive and p.rank.pp_rank < self.p_pp:
                     self.p_procs.append(self._new_p(p.rank, offset=p.offset + 11.0))
                     alive.add(p.rank)
         super().teardown()
@@ -1049,6 +1126,39 @@ KernelCopyCluster.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestKernelCopyCluster = pytest.mark.timeout(600)(KernelCopyCluster.TestCase)
+
+RESTARTS = [
+    "prefill_engine_reconfigured",
+    "prefill_stage_resplit",
+    "prefill_rank_restarts",
+    "prefill_rank_dies",
+]
+
+
+class ReconfigCluster(KernelCopyCluster):
+    """P restarted often, with another PP size or layer split (whole engine or one stage at a
+    time), while D holds registered requests; WRITEs as kernel copies or not. D must never
+    count a request done short of a layer, and never register it with producers of another
+    split (its pieces would leave a gap or overlap)."""
+
+    kernel_copies = False
+
+    @precondition(lambda self: self.ready)
+    @rule(kind=st.sampled_from(RESTARTS), i=IDX, j=IDX, copies=st.booleans())
+    def restart_prefill(self, kind: str, i: int, j: int, copies: bool) -> None:
+        self.kernel_copies = copies and not self.writes  # fixed once a WRITE exists
+        self.fault(kind=kind, i=i, j=j)
+
+
+ReconfigCluster.TestCase.settings = settings(
+    max_examples=max(50, EXAMPLES // 4),
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=not os.environ.get("KVPUSH_CORE_RANDOM"),
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestReconfigCluster = pytest.mark.timeout(600)(ReconfigCluster.TestCase)
 
 
 # ------------------------------------------------------------------------------ regressions
