@@ -111,21 +111,15 @@ def _busy_cpus(count: int) -> Iterator[None]:
             spinner.wait(timeout=10)
 
 
-FULL_WRITE_LANDS = (
-    "open: with NixlTransport refusing a fenced peer's connection requests (UCX's reconnect after "
-    "the shutdown, the mechanism found and closed), a second mode remains: P's whole WRITE "
-    "completes ('done', its notification delivered) and ~60 MiB land after the fence was "
-    "confirmed; seen in 2 of ~10 file runs on the 2-core box, idle and loaded, no instrumented "
-    "run caught it yet (docs/reliability.md, residual risks)"
-)
-
-
 @pytest.mark.parametrize(
     "busy",
     # idle: no spinners of its own (a busy box or suite run may load it anyway). Before
     # NixlTransport refused a fenced peer's connection requests the loaded case failed in 2 of
-    # 3 runs (2 of 5 after the FIONREAD check); with the refusal, in 2 of ~10 (FULL_WRITE_LANDS)
-    [pytest.param(n, marks=pytest.mark.xfail(strict=False, reason=FULL_WRITE_LANDS)) for n in (0, 2)],
+    # 3 runs (2 of 5 after the FIONREAD check); with the refusal, in 2 of ~10 file runs, idle
+    # and loaded: D's own UCX reopened its connection to P after the fence and P sent its WRITE
+    # on it (test_a_connection_d_reopens_to_p_after_the_fence_is_fenced_too); the fence now
+    # shuts D's outbound connections to P opened before its confirmation too
+    [0, 2],
     ids=["idle", "two-busy-cores"],
 )
 @pytest.mark.parametrize("options", [{"ucx_tls": "tcp"}], ids=["tcp"])
@@ -194,9 +188,10 @@ def test_a_connection_d_reopens_to_p_after_the_fence_is_fenced_too() -> None:
     D's address being the lower (``uct_tcp_cm_handle_simult_conn``; the port ranges make it
     so), answers ``ACK|REQ`` on it and sends its queued WRITE: the whole 64 MiB and the
     notification landed after a confirmed fence, in every run. Packet captures of the
-    accept-queue probes' intermittent failures (``FULL_WRITE_LANDS``) show the same: right
-    after the fence, D's new connections to P's listeners, P's ``ACK|REQ``, then ~60 MiB from
-    P on them; there P was merely slow to answer, and D's address the lower by chance."""
+    accept-queue probes' intermittent failures (2 of ~10 file runs, then xfails) show the same:
+    right after the fence, D's new connections to P's listeners, P's ``ACK|REQ``, then ~60 MiB
+    from P on them; there P was merely slow to answer, and D's address the lower by chance. Now
+    the fence shuts D's outbound connections to P opened before its confirmation too."""
     from kvpush.transports.nixl import NixlTransport
 
     suffix = os.urandom(3).hex()
