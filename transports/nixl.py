@@ -32,9 +32,10 @@ its configuration then) and restored afterwards, so agents in one process can di
 Fencing (:meth:`NixlTransport.fence_peer`): removing a NIXL agent does not close UCX's TCP
 connection to it, and UCX over TCP copies a WRITE's bytes into memory as it reads them. So the
 metadata carries this agent's UCX TCP listeners, and a fence shuts down every connection to the
-peer's listeners and from its addresses into ours (:mod:`kvpush.transports.tcp_fence`); bytes
-the peer queued before are then refused by the kernel. Over RDMA (untested here), destroying
-the endpoint is the fence (there are no sockets to shut).
+peer's listeners and from its addresses into ours (:mod:`kvpush.transports.tcp_fence`), and
+every one opened until it is confirmed (the peer's UCX and ours both reconnect); bytes the peer
+queued before are then refused by the kernel. Over RDMA (untested here), destroying the endpoint
+is the fence (there are no sockets to shut).
 
 NIXL is imported only when a transport is created, never at plugin import.
 """
@@ -395,8 +396,17 @@ class NixlTransport:
         then, so the fence could not shut it, and the peer's WRITE goes out on it once UCX
         accepted it. Until the fence is confirmed, such connections hold it, and each inbound
         connection of the peer accepted since is shut as well (the cost: a connection the peer
-        opens for new work meanwhile is shut too, and it reconnects). Once confirmed, new
-        connections are not the fence's business."""
+        opens for new work meanwhile is shut too, and it reconnects).
+
+        This process's own UCX reconnects too: an endpoint to the peer that was still setting up
+        its connection when the fence shut it opens a new one to the peer's listener at once
+        (outbound: no refusal sees it), whether or not the peer's agent is loaded, and a peer
+        still waiting for our acknowledgement takes it as a simultaneous connection and sends
+        its queued WRITE on it (where our address is the lower; the whole 64 MiB landed after a
+        confirmed fence, ``test_a_connection_d_reopens_to_p_after_the_fence_is_fenced_too``). So
+        each connection to the peer's listeners opened since is shut as well, and the fence is
+        confirmed only once this process holds no connection to or from the peer but the shut
+        ones, drained, after UCX progressed: no endpoint of ours is then left setting one up."""
         entry = self._fences.get(peer)
         if entry is None:
             return peer not in self._peers
@@ -409,12 +419,12 @@ class NixlTransport:
             table = tcp_fence.sockets()
             late = [
                 s.inode
-                for s in tcp_fence.peer_sockets(listeners, self._tcp_listeners, table, inbound_only=True)
+                for s in tcp_fence.peer_sockets(listeners, self._tcp_listeners, table)
                 if s.inode not in entry.inodes
             ]
             if late:
                 shut = tcp_fence.shut_down(late)
-                logger.info("fence of %s: shut down %d connection(s) accepted since", peer, len(shut))
+                logger.info("fence of %s: shut down %d connection(s) opened since", peer, len(shut))
                 entry.inodes.extend(late)
                 entry.drains = self._drains  # UCX must progress once more after these
                 return False
