@@ -24,9 +24,9 @@ D  ``post -> D drained DONE``  posted -> D's drain returned the DONE (D's poll i
 plus the time inside each plugin hook, planning and descriptor-id building per request, and on
 CUDA P's kernel launches (how many skipped Triton's JIT entry). Shapes: ``small`` (8 regions x
 16 x 4 KiB contiguous, direct) and ``large`` (32 x 512 x 4 KiB scattered, direct) on the CPU;
-``direct32m`` and ``direct256m`` (64 x 16 and 64 x 128 x 32 KiB contiguous, direct over NIXL), ``ipc256m`` (64 x 128 x 32
-KiB scattered, ``cuda_ipc``) and ``ipc70b`` (160 x 256 x 4 KiB scattered, ``cuda_ipc``) with
-``--device cuda``. Run::
+``direct32m`` and ``direct256m`` (64 x 16 and 64 x 128 x 32 KiB contiguous, direct over NIXL),
+``ipc256m`` (64 x 128 x 32 KiB scattered, ``cuda_ipc``) and ``ipc70b`` (160 x 256 x 4 KiB
+scattered, ``cuda_ipc``) with ``--device cuda``. Run::
 
     .venv/bin/python benchmarks/profile_host_path.py                    # small and large
     .venv/bin/python benchmarks/profile_host_path.py --device cuda      # direct32m and ipc256m
