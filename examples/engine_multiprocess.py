@@ -72,9 +72,14 @@ def prefill_rank(pp_rank: int, port: int, conn: Connection) -> None:
             results = sender.get_finished()
             if request_id in results.sent or request_id in results.failed:
                 conn.send(results.failed.get(request_id, "sent"))
-                return
+                break
             time.sleep(0.01)
-        conn.send(f"not reported sent or failed within 60s: {request_id}")
+        else:
+            conn.send(f"not reported sent or failed within 60s: {request_id}")
+        # A P engine keeps serving: it closes when the deployment stops, here once D has
+        # checked its bytes (a worker closing at once says goodbye, which may reach D before
+        # the DONE of its last WRITE: docs/reliability.md, "Goodbye").
+        conn.poll(90)
     finally:
         sender.close()
 
@@ -145,6 +150,8 @@ def main() -> int:
         outcomes = []
         for conn in [*p_ranks, *d_ranks]:
             outcomes.append(conn.recv() if conn.poll(90) else "no answer within 90s")
+        for conn in p_ranks:  # the deployment stops: P's workers close
+            conn.send("stop")
         print("P:", outcomes[:PREFILL_PP], "D:", outcomes[PREFILL_PP:])
         return 0 if outcomes == ["sent"] * PREFILL_PP + ["verified"] * DECODE_TP else 1
     finally:
