@@ -934,12 +934,7 @@ class CoreCluster(RuleBasedStateMachine):
             self.p_procs.append(self._new_p(p.rank, offset=p.offset + 7.0))
         elif kind.startswith("prefill_rank_") and ps:
             p = ps[j % len(ps)]
-            p.alive = False
-            # Its pending WRITEs stay pending: its kernel may still deliver what it queued.
-            # Kernel copies end with the process (its CUDA context is destroyed).
-            for w in self.writes.values() if self.kernel_copies else ():
-                if w.p is p and w.state == "pending":
-                    w.state = "failed"
+            self._kill_p(p)
             if kind != "prefill_rank_dies":  # same agent name, new incarnation
                 behind = kind == "prefill_rank_restarts_behind"  # another host: its clock is behind
                 self.p_procs.append(self._new_p(p.rank, offset=0.0 if behind else p.offset + 7.0))
@@ -1086,14 +1081,20 @@ EXAMPLES = int(os.environ.get("KVPUSH_CORE_EXAMPLES", "400"))
 """CI explores 400 derandomized runs of up to 40 steps; set KVPUSH_CORE_EXAMPLES=5000 and
 KVPUSH_CORE_RANDOM=1 for a deeper search with fresh randomness."""
 
-CoreCluster.TestCase.settings = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=40,
-    deadline=None,
-    derandomize=not os.environ.get("KVPUSH_CORE_RANDOM"),
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+
+def _machine_settings(examples: int) -> Any:
+    """The machines' hypothesis settings: ``examples`` runs of up to 40 steps."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=40,
+        deadline=None,
+        derandomize=not os.environ.get("KVPUSH_CORE_RANDOM"),
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
+CoreCluster.TestCase.settings = _machine_settings(EXAMPLES)
 TestCoreCluster = CoreCluster.TestCase
 TestCoreCluster = pytest.mark.timeout(600)(TestCoreCluster)
 
@@ -1117,14 +1118,7 @@ class KernelCopyCluster(CoreCluster):
         super().teardown()
 
 
-KernelCopyCluster.TestCase.settings = settings(
-    max_examples=max(50, EXAMPLES // 4),
-    stateful_step_count=40,
-    deadline=None,
-    derandomize=not os.environ.get("KVPUSH_CORE_RANDOM"),
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+KernelCopyCluster.TestCase.settings = _machine_settings(max(50, EXAMPLES // 4))
 TestKernelCopyCluster = pytest.mark.timeout(600)(KernelCopyCluster.TestCase)
 
 RESTARTS = [
@@ -1150,14 +1144,7 @@ class ReconfigCluster(KernelCopyCluster):
         self.fault(kind=kind, i=i, j=j)
 
 
-ReconfigCluster.TestCase.settings = settings(
-    max_examples=max(50, EXAMPLES // 4),
-    stateful_step_count=40,
-    deadline=None,
-    derandomize=not os.environ.get("KVPUSH_CORE_RANDOM"),
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+ReconfigCluster.TestCase.settings = _machine_settings(max(50, EXAMPLES // 4))
 TestReconfigCluster = pytest.mark.timeout(600)(ReconfigCluster.TestCase)
 
 
