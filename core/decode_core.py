@@ -1477,7 +1477,9 @@ class DecodeCore:
         no request waiting for it; a handshake that loads the closed incarnation again (P's side
         channel still serves it) waits for the next attempt (:meth:`_engine_down`)."""
         producer, incarnation = note.producer, note.incarnation
+        delivered = set(note.delivered)
         out: list[Any] = []
+        kept: set[str] = set()  # registered requests whose DONE from it arrived or is on its way
         for rid in sorted(self._requests):
             receive = self._requests.get(rid)
             if (
@@ -1489,6 +1491,8 @@ class DecodeCore:
                 continue
             receive.acks.discard(agent)
             receive.awaiting.discard(agent)
+            if receive.phase is _Phase.REGISTERED and (producer in receive.reported or rid in delivered):
+                kept.add(rid)
             if receive.phase is _Phase.WAITING or producer in receive.settled:
                 continue
             receive.unanswered.discard(agent)
@@ -1496,6 +1500,8 @@ class DecodeCore:
             receive.settle_seq = self._fence_seq
             if note.unsettled:
                 receive.unsettled.add(producer)
+            if rid in kept:
+                continue  # its DONE was sent before the BYE: counted when it arrives (or the watchdog)
             if receive.phase is _Phase.REGISTERED:
                 out += self._close(rid, f"P rank {producer} closed (its worker ended) before it pushed", now)
             else:
@@ -1519,7 +1525,8 @@ class DecodeCore:
             )
             # Its requests with that incarnation were settled above; those still waiting wait
             # for a handshake afresh (at once: P's side channel names the worker that serves now).
-            out += self._engine_down(engine, f"P agent {agent} closed (incarnation {incarnation} ended)", now)
+            reason = f"P agent {agent} closed (incarnation {incarnation} ended)"
+            out += self._engine_down(engine, reason, now, keep=kept)
             engine.failed_at = float("-inf")
             if engine.waiting:
                 self._timers.arm(("retry", engine.engine_id), now)
@@ -1540,11 +1547,15 @@ class DecodeCore:
         self.stats["dead_peers"] += 1
         return self._engine_failed(engine, reason, now)
 
-    def _engine_down(self, engine: _Producer, reason: str, now: float) -> list[Any]:
+    def _engine_down(
+        self, engine: _Producer, reason: str, now: float, *, keep: set[str] | frozenset[str] = frozenset()
+    ) -> list[Any]:
         """The engine's loaded agents are no P worker any more (one closed or exited): drop
         them and handshake afresh after the backoff, failing no request waiting for it (unlike
         :meth:`_engine_failed`; bounded by the restart timeout, :meth:`_restarting`). Requests
-        registered with those agents fail, except those to be registered again."""
+        registered with those agents fail, except those to be registered again and ``keep``
+        (a closed producer's DONE of theirs is on its way: their other producers' DONEs, their
+        BYEs or the watchdog end them)."""
         engine.state = _EngineState.FAILED
         engine.error = reason
         engine.refused = False
@@ -1556,7 +1567,9 @@ class DecodeCore:
         out: list[Any] = []
         for rid in sorted(engine.requests):  # registered with the agents dropped below
             receive = self._requests.get(rid)
-            if receive is not None and receive.phase is _Phase.REGISTERED and not receive.rereg:
+            if rid in keep or receive is None or receive.rereg:
+                continue
+            if receive.phase is _Phase.REGISTERED:
                 out += self._close(rid, reason, now)
         if engine.waiting or any(self._requests[r].rereg for r in engine.requests):
             self._timers.arm(("retry", engine.engine_id), self._retry_at(engine))

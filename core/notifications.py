@@ -32,12 +32,15 @@ Direction and meaning (docs/reliability.md):
 - ``CANCEL`` D → P and ``CANCEL_ACK`` P → D: see docs/reliability.md, "Cancel".
 - ``BYE`` P → D (since 2.3): a P worker closed (its producer rank and incarnation): it posts nothing more
   and every WRITE it posted to this D rank ended (``unsettled``: one ended without completing).
+  Since 2.4 optionally ``done``: the D request ids whose WRITE (and so its DONE) to this D rank
+  completed lately (at most ``MAX_KEYS``): their DONE may still be on its way, since UCX can
+  deliver the BYE first (absent: none named).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -55,7 +58,7 @@ from kvpush.core.types import (
 from kvpush.core.wire import MAX_PARALLEL as WIRE_MAX_PARALLEL
 from kvpush.core.wire import pack, unpack
 
-NOTIF_VERSION = (2, 3)
+NOTIF_VERSION = (2, 4)
 """(major, minor) of the notification format; only the major must match."""
 MAX_BLOCK_ID = (1 << 31) - 1
 MAX_PARALLEL = WIRE_MAX_PARALLEL
@@ -227,13 +230,18 @@ def encode_hello(reg: PushRegistration, decode_tp_rank: int) -> bytes:
     return _msg(HELLO_PREFIX, _coordinates(reg, decode_tp_rank))
 
 
-def encode_goodbye(producer: RankKey, incarnation: str, unsettled: bool = True) -> bytes:
+def encode_goodbye(
+    producer: RankKey, incarnation: str, unsettled: bool = True, *, delivered: Sequence[str] = ()
+) -> bytes:
     """P → D once a closing P worker has nothing in flight: ``incarnation`` ended. ``unsettled``:
-    a WRITE it posted to this D rank ended without completing (bytes may follow: D fences)."""
-    return _msg(
-        GOODBYE_PREFIX,
-        {"pp": producer.pp_rank, "tp": producer.tp_rank, "inc": incarnation, "unsettled": unsettled},
-    )
+    a WRITE it posted to this D rank ended without completing (bytes may follow: D fences).
+    ``delivered``: D request ids whose WRITE to this D rank completed lately (the newest
+    ``MAX_KEYS``): their DONE may arrive after this BYE."""
+    body: dict[str, Any] = {"pp": producer.pp_rank, "tp": producer.tp_rank, "inc": incarnation}
+    body["unsettled"] = unsettled
+    if delivered:
+        body["done"] = list(delivered)[-MAX_KEYS:]
+    return _msg(GOODBYE_PREFIX, body)
 
 
 # ------------------------------------------------------------------------------ field checks
@@ -509,6 +517,7 @@ def decode_notification(message: bytes) -> Notification | None:
             producer=_producer(body, what),
             incarnation=_str_field(body, "inc", what),
             unsettled=body.get("unsettled", True) is not False,
+            delivered=_str_list(body, "done", what),
         )
     request_id = _str_field(body, "request_id", what)
     if kind is NotificationKind.CANCEL:

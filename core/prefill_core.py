@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -58,6 +59,8 @@ MAX_DISPLACED = 16
 """Registrations of another prompt a key keeps (replaced on their D rank before the finish)."""
 MAX_OWED = 256
 """FAILs per D engine held until P loads their D rank (refused registrations of unloaded ranks)."""
+MAX_DELIVERED = 1024
+"""D request ids per D rank whose completed WRITE a goodbye names (the newest ones)."""
 MAX_DEFERRED = 1024
 """Messages of a restarted D engine held while its old agents' WRITEs settle (a kernel copy
 that does not end can hold them long); past it the oldest is dropped, as a lost message."""
@@ -215,6 +218,10 @@ class _Decode:
     """Per D rank: (agent, incarnation, FAIL or CANCEL_ACK) for registrations answered before P
     loaded that rank, sent once it is loaded from that agent and incarnation (never to a later
     start, which may use the request id again)."""
+    delivered: dict[int, tuple[str, deque[str]]] = attrs.field(factory=dict)
+    """Per D rank: its agent and the D request ids whose WRITE to it completed lately (at most
+    ``MAX_DELIVERED``). The goodbye names them: UCX may deliver the goodbye before a WRITE's
+    DONE, and D must not fail a request whose DONE is on its way."""
 
 
 MAX_REPLACED = 4096
@@ -502,7 +509,10 @@ class PrefillCore:
         for engine in self._engines.values():
             for rank, agent in sorted(engine.agents.items()):
                 unsettled = (engine.engine_id, rank) in self._unsettled_to
-                out.append(Send(agent, wire.encode_goodbye(self.s.rank, self.s.incarnation, unsettled)))
+                sent_to, ids = engine.delivered.get(rank, ("", ()))
+                delivered = list(ids) if sent_to == agent else []
+                message = wire.encode_goodbye(self.s.rank, self.s.incarnation, unsettled, delivered=delivered)
+                out.append(Send(agent, message))
         return out
 
     def _fail_held(self, request: _Request, reason: str) -> list[Any]:
@@ -1608,11 +1618,23 @@ class PrefillCore:
                 out.append(Send(entry.agent, message))
         else:
             dest.state = _Dest.DONE
+            entry = request.regs.get(rank)
+            if engine is not None and entry is not None:
+                self._delivered(engine, rank, entry.agent, entry.reg.request_id)
         if engine is not None and rank in engine.replacing:
             out += self._maybe_drop_rank(engine, rank, now)
         if engine is not None and engine.drop_when_idle and not engine.inflight:
             out += self._drop_engine(engine, engine.drop_when_idle, now)
         return out + self._maybe_end(request, now)
+
+    @staticmethod
+    def _delivered(engine: _Decode, rank: int, agent: str, request_id: str) -> None:
+        """A WRITE, and so its DONE, to D rank ``rank`` (through ``agent``) completed."""
+        sent_to, ids = engine.delivered.get(rank, ("", None))
+        if ids is None or sent_to != agent:
+            ids = deque(maxlen=MAX_DELIVERED)
+            engine.delivered[rank] = (agent, ids)
+        ids.append(request_id)
 
     def _fail_request(self, request: _Request, reason: str, now: float, *, untold: int = -1) -> list[Any]:
         """Stop posting for a request; report it once nothing of it is in flight (D rank

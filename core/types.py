@@ -652,6 +652,9 @@ class Notification:
     """P → D heartbeat answer: keys D asked about that P knows failed."""
     unknown_keys: tuple[str, ...] = field(default=(), converter=tuple)
     """P → D heartbeat answer: keys D asked about that P has never heard of."""
+    delivered: tuple[str, ...] = field(default=(), converter=tuple)
+    """P → D goodbye: D request ids whose WRITE to this D rank completed lately; their DONE may
+    arrive after the goodbye (UCX can deliver a later notification first)."""
 
 
 @frozen(kw_only=True)

@@ -77,8 +77,7 @@ def prefill_rank(pp_rank: int, port: int, conn: Connection) -> None:
         else:
             conn.send(f"not reported sent or failed within 60s: {request_id}")
         # A P engine keeps serving: it closes when the deployment stops, here once D has
-        # checked its bytes (a worker closing at once says goodbye, which may reach D before
-        # the DONE of its last WRITE: docs/reliability.md, "Goodbye").
+        # checked its bytes.
         conn.poll(90)
     finally:
         sender.close()

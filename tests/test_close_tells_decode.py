@@ -218,3 +218,23 @@ def test_p_forgets_a_decode_it_cannot_send_to_and_handshakes_again_at_its_hello(
     again = core.notification("D-agent", _note(wire.encode_hello(_registration(), 0)), 100.2)
     assert any(isinstance(a, Connect) for a in again)
     assert core.unreachable("someone-else", "gone", 100.3) == []
+
+
+def test_a_goodbye_that_overtakes_the_last_done_does_not_fail_the_request() -> None:
+    """UCX may deliver P's ``BYE`` before the DONE of its last WRITE (different lanes; a CI run
+    of examples/engine_multiprocess.py saw it). Here D reads every DONE 0.5 s late, so the BYE
+    of a P closed right after its WRITE completed always comes first: it names the request
+    (``delivered``), and D counts the DONE when it arrives instead of failing a request whose
+    bytes landed (tests/test_goodbye_overtakes_done.py has the orderings on the core)."""
+    options = {"inner": "nixl", "delay_notifs": 1.0, "delay_prefixes": ["DONE:"], "delay_s": 0.5}
+    with Cluster(transport="faulty", transport_options=options, **SLOW_SILENCE) as cluster:
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[3, 4]], "x-1")
+        cluster.finish("p-1", [[5, 6]], "x-1")
+        assert cluster.wait_prefill("p-1") == {P0: None}  # P's WRITE completed: its DONE is on its way
+        sender.close()  # says goodbye at once: nothing is in flight
+        assert cluster.wait_decode("d-1", timeout_s=5) == {0: None}
+        assert cluster.receivers[0].transport.injected["delay"] >= 1
+        for layer, tensor in cluster.d_caches[0].items():
+            src = kv_bytes(cluster.p_caches[P0][layer])
+            assert torch.equal(kv_bytes(tensor)[:, [3, 4]], src[:, [5, 6]]), layer

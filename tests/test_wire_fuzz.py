@@ -320,14 +320,17 @@ def test_fail_and_cancel_ack_round_trip(
 
 
 @FUZZ
-@given(producers(), names, st.booleans())
-def test_goodbye_round_trips(producer: tuple[RankKey, int], incarnation: str, unsettled: bool) -> None:
-    bye = decode(notes.encode_goodbye(producer[0], incarnation, unsettled))
-    assert bye is not None and (bye.kind, bye.producer, bye.incarnation, bye.unsettled) == (
+@given(producers(), names, st.booleans(), st.lists(names, max_size=8))
+def test_goodbye_round_trips(
+    producer: tuple[RankKey, int], incarnation: str, unsettled: bool, delivered: list[str]
+) -> None:
+    bye = decode(notes.encode_goodbye(producer[0], incarnation, unsettled, delivered=delivered))
+    assert bye is not None and (bye.kind, bye.producer, bye.incarnation, bye.unsettled, bye.delivered) == (
         NotificationKind.GOODBYE,
         producer[0],
         incarnation,
         unsettled,
+        tuple(delivered),
     )
 
 
