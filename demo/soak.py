@@ -340,7 +340,7 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
                     rank.call(("cancel", rid))
             elif plan["abort"] == "late":
                 late.append((dispatched[rid] + plan["abort_after_s"], rid))
-        return _collect(cfg, tracker, say)
+        return _collect(cfg, tracker, say, {p["rid"]: p["abort"] for p in plans})
     finally:
         for timer in _PAUSED:
             timer.cancel()
@@ -364,6 +364,8 @@ class _Tracker:
     d_outcome: dict[str, dict[RankKey, tuple[str, Any]]] = attrs.field(factory=dict)
     p_outcome: dict[str, dict[RankKey, str | None]] = attrs.field(factory=dict)
     resolved_at: dict[str, float] = attrs.field(factory=dict)
+    reported_at: dict[str, float] = attrs.field(factory=dict)
+    """When every D rank had reported the request (its blocks may be released later)."""
     released: dict[str, set[RankKey]] = attrs.field(factory=dict)
     """D ranks that released a failed or cancelled request's blocks."""
     restarted_at: dict[int, float] = attrs.field(factory=dict)
@@ -397,12 +399,15 @@ class _Tracker:
         now = time.monotonic()
         for rid, per_rank in self.d_outcome.items():
             if rid not in self.resolved_at and len(per_rank) == len(self.d_ranks):
+                self.reported_at.setdefault(rid, now)
                 freed = self.released.get(rid, set())
                 if all(kind == "done" or key in freed for key, (kind, _) in per_rank.items()):
                     self.resolved_at[rid] = now  # reported, and any blocks to free released
 
 
-def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> dict[str, Any]:
+def _collect(
+    cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None], plans_abort: dict[str, str | None]
+) -> dict[str, Any]:
     rids, late, dispatched, resolved_at = tracker.rids, tracker.late, tracker.dispatched, tracker.resolved_at
     p_ranks, d_ranks = tracker.p_ranks, tracker.d_ranks
     for rid in rids:
@@ -474,6 +479,7 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
         "leaked_handles": leaked_handles,
         "leaked_blocks": held + p_unreported + unresolved,
         "max_wait_s": round(max(waits), 3) if waits else None,
+        "slowest": _slowest(tracker, plans_abort),
         "cancels_racing_a_write": sum(h["stats"].get("cancels_during_write", 0) for h in health.values()),
         "unresolved": unresolved,
         "after_restart": _after_restart(tracker, verified_rids),
@@ -489,6 +495,26 @@ def _collect(cfg: SoakConfig, tracker: _Tracker, say: Callable[[str], None]) -> 
         },
         "health": health,
         "config": attrs.asdict(cfg),
+    }
+
+
+def _slowest(tracker: _Tracker, aborts: dict[str, str | None]) -> dict[str, Any] | None:
+    """The request that waited longest: when D reported it and released its blocks, and what
+    each rank said (the liveness bound's diagnosis)."""
+    if not tracker.resolved_at:
+        return None
+    rid = max(tracker.resolved_at, key=lambda r: tracker.resolved_at[r] - tracker.dispatched[r])
+    start = tracker.dispatched[rid]
+    return {
+        "rid": rid,
+        "abort": aborts.get(rid),
+        "reported_after_s": round(tracker.reported_at.get(rid, float("nan")) - start, 3),
+        "resolved_after_s": round(tracker.resolved_at[rid] - start, 3),
+        "decode": {
+            str(key): kind if kind != "failed" else f"failed: {value}"
+            for key, (kind, value) in tracker.d_outcome.get(rid, {}).items()
+        },
+        "prefill": {str(key): reason or "sent" for key, reason in tracker.p_outcome.get(rid, {}).items()},
     }
 
 
@@ -551,7 +577,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ok": ok, **{k: report[k] for k in KEYS}, "details": report}, indent=2))
     else:
-        for key in (*KEYS, "cancels_racing_a_write", "failure_reasons", "elapsed_s"):
+        for key in (*KEYS, "slowest", "cancels_racing_a_write", "failure_reasons", "elapsed_s"):
             print(f"{key:>26}: {report[key]}")
         for rid, what in report["examples"].items():
             print(f"  {rid}: {what}")
