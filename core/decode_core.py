@@ -121,6 +121,10 @@ class ProducerInfo:
     """Per producer, the ``(D region, block slice start, end)`` pieces (fractions of a block)
     its plan writes into this rank, as the handshake checked them: its packed DONEs must name
     exactly these (a producer missing here is not checked)."""
+    ended: Mapping[str, Mapping[str, bool]] = attrs.field(factory=dict)
+    """Per producer agent, earlier incarnations of it that ended in its process with nothing
+    in flight (each said goodbye) -> whether a WRITE of it ever ended unsettled (published by
+    P; a goodbye's ``BYE`` may have been lost)."""
 
 
 class _EngineState(enum.Enum):
@@ -422,8 +426,19 @@ class DecodeCore:
             self.forget_engine(engine.engine_id)
             moved.append(DropPeer(params.remote_engine_id, why))
             engine = None
-        silent = self._silent_agents(engine, now) if engine is not None and not engine.requests else []
-        if silent:
+        silent = self._silent_agents(engine, now) if engine is not None and self._only_closing(engine) else []
+        if silent and engine is not None and engine.requests:
+            # Its requests all closing, held for producers that answered nothing (keepalive or
+            # CANCEL) for longer than peer_silence_s: a worker may have been re-created under
+            # their names. Handshake afresh: P's side channel names the process that serves
+            # now, and its handshake states which incarnations ended there
+            # (:meth:`_ended_in_process`). Fails nothing (every request is closing already).
+            why = (
+                f"P agent(s) {silent} of engine {engine.engine_id!r} answered nothing for "
+                f"{self.s.peer_silence_s:g}s while it held requests for them; handshaking afresh"
+            )
+            moved += self._engine_failed(engine, why, now)
+        elif silent:
             # Idle, and its keepalives went unanswered for longer than peer_silence_s: P may
             # have restarted under the same agent names. Handshake afresh (P's side channel
             # names the process that serves now) instead of registering with what was loaded.
@@ -438,7 +453,7 @@ class DecodeCore:
             engine = None
         retry = engine is not None and engine.state is _EngineState.FAILED and engine.info is None
         if engine is not None and not (retry and now >= self._retry_at(engine)):
-            return []
+            return moved
         failed = engine
         engine = _Producer(params.remote_engine_id, params.remote_host, params.remote_port)
         if failed is not None:
@@ -474,6 +489,13 @@ class DecodeCore:
 
     def connected(self, engine_id: str, info: ProducerInfo | None, error: str, now: float) -> list[Any]:
         """D's notif-only handshake with P ended (``info`` or ``error``)."""
+        out = self._connected(engine_id, info, error, now)
+        engine = self._engines.get(engine_id)
+        if info is not None and info.ended and engine is not None:
+            out += self._ended_in_process(engine, info, now)
+        return out
+
+    def _connected(self, engine_id: str, info: ProducerInfo | None, error: str, now: float) -> list[Any]:
         engine = self._engines.get(engine_id)
         if engine is None or engine.state is not _EngineState.CONNECTING:
             return [DropPeer(engine_id, "handshake result for an engine no longer wanted")] if info else []
@@ -1116,6 +1138,8 @@ class DecodeCore:
         engine = self._engines[receive.engine_id]
         if engine.state is _EngineState.READY:
             out += self._cancels(rid, receive, engine, silent)
+            for agent in silent_agents:  # answered by any message of theirs (``notification``)
+                engine.asked.setdefault(agent, now)
         return out
 
     def _cancels(
@@ -1477,43 +1501,9 @@ class DecodeCore:
         no request waiting for it; a handshake that loads the closed incarnation again (P's side
         channel still serves it) waits for the next attempt (:meth:`_engine_down`)."""
         producer, incarnation = note.producer, note.incarnation
-        delivered = set(note.delivered)
-        out: list[Any] = []
-        kept: set[str] = set()  # registered requests whose DONE from it arrived or is on its way
-        for rid in sorted(self._requests):
-            receive = self._requests.get(rid)
-            if (
-                receive is None
-                or producer is None
-                or receive.agents.get(producer) != agent
-                or receive.incarnations.get(agent) != incarnation
-            ):
-                continue
-            receive.acks.discard(agent)
-            receive.awaiting.discard(agent)
-            if receive.phase is _Phase.REGISTERED and (producer in receive.reported or rid in delivered):
-                kept.add(rid)
-            if receive.phase is _Phase.WAITING or producer in receive.settled:
-                continue
-            receive.unanswered.discard(agent)
-            receive.settled.add(producer)
-            receive.settle_seq = self._fence_seq
-            if note.unsettled:
-                receive.unsettled.add(producer)
-            if rid in kept:
-                continue  # its DONE was sent before the BYE: counted when it arrives (or the watchdog)
-            if receive.phase is _Phase.REGISTERED:
-                out += self._close(rid, f"P rank {producer} closed (its worker ended) before it pushed", now)
-            else:
-                out += self._maybe_release(rid, receive, now)
-        for where, owed in list(self._unanswered.items()):  # nothing of it is held any more
-            entry = owed.get(agent)
-            if entry is not None and entry[0] == incarnation:
-                del owed[agent]
-                if not any(r == entry[1] for _, r, _ in owed.values()):
-                    self._unanswered_ids.pop(entry[1], None)
-                if not owed:
-                    del self._unanswered[where]
+        if producer is None:
+            return []
+        out, kept = self._settle_ended(agent, producer, incarnation, note.unsettled, set(note.delivered), now)
         self._mark_closed(agent, incarnation)
         info = engine.info if engine is not None else None
         if engine is not None and info is not None and info.incarnations.get(agent) == incarnation:
@@ -1530,6 +1520,82 @@ class DecodeCore:
             engine.failed_at = float("-inf")
             if engine.waiting:
                 self._timers.arm(("retry", engine.engine_id), now)
+        return out
+
+    def _settle_ended(
+        self,
+        agent: str,
+        producer: RankKey,
+        incarnation: str,
+        unsettled: bool,
+        delivered: set[str],
+        now: float,
+    ) -> tuple[list[Any], set[str]]:
+        """Producer ``producer``'s incarnation ``incarnation`` (through ``agent``) ended with
+        nothing in flight: settle it for every request registered with it. A registered one
+        fails at once, unless its DONE arrived or is on its way (``delivered``: kept, and
+        returned); a closing or held one is released (after a fence when ``unsettled``)."""
+        out: list[Any] = []
+        kept: set[str] = set()  # registered requests whose DONE from it arrived or is on its way
+        for rid in sorted(self._requests):
+            receive = self._requests.get(rid)
+            if (
+                receive is None
+                or receive.agents.get(producer) != agent
+                or receive.incarnations.get(agent) != incarnation
+            ):
+                continue
+            receive.acks.discard(agent)
+            receive.awaiting.discard(agent)
+            if receive.phase is _Phase.REGISTERED and (producer in receive.reported or rid in delivered):
+                kept.add(rid)
+            if receive.phase is _Phase.WAITING or producer in receive.settled:
+                continue
+            receive.unanswered.discard(agent)
+            receive.settled.add(producer)
+            receive.settle_seq = self._fence_seq
+            if unsettled:
+                receive.unsettled.add(producer)
+            if rid in kept:
+                continue  # its DONE was sent before the BYE: counted when it arrives (or the watchdog)
+            if receive.phase is _Phase.REGISTERED:
+                out += self._close(rid, f"P rank {producer} closed (its worker ended) before it pushed", now)
+            else:
+                out += self._maybe_release(rid, receive, now)
+        for where, owed in list(self._unanswered.items()):  # nothing of it is held any more
+            entry = owed.get(agent)
+            if entry is not None and entry[0] == incarnation:
+                del owed[agent]
+                if not any(r == entry[1] for _, r, _ in owed.values()):
+                    self._unanswered_ids.pop(entry[1], None)
+                if not owed:
+                    del self._unanswered[where]
+        return out, kept
+
+    def _ended_in_process(self, engine: _Producer, info: ProducerInfo, now: float) -> list[Any]:
+        """P's handshake states, per producer agent, the earlier incarnations that ended in the
+        same process with nothing in flight (``ProducerInfo.ended``: each said goodbye, but
+        that ``BYE`` may have been lost). The process D registered a request with says so
+        itself, so it settles that incarnation as its ``BYE`` would: a worker re-created in a
+        live process would otherwise leave a request held for the closed one's copies (which
+        no fence stops) until a process exit that never comes."""
+        out: list[Any] = []
+        for producer, agent in sorted(info.agents.items()):
+            process = info.processes.get(agent)
+            for incarnation, unsettled in sorted(info.ended.get(agent, {}).items()):
+                if not process or (agent, incarnation) in self._closed:
+                    continue
+                for rid in sorted(engine.requests):
+                    receive = self._requests.get(rid)
+                    if (
+                        receive is not None
+                        and receive.incarnations.get(agent) == incarnation
+                        and receive.processes.get(agent) != process
+                    ):
+                        break  # another process ran it: only that one can vouch for its copies
+                else:
+                    self._mark_closed(agent, incarnation)
+                    out += self._settle_ended(agent, producer, incarnation, unsettled, set(), now)[0]
         return out
 
     def _restarting(self, engine: _Producer, reason: str, now: float) -> None:
@@ -1709,6 +1775,12 @@ class DecodeCore:
             return []
         self._forget_agents(engine)
         return [DropPeer(engine.engine_id, engine.error)]
+
+    def _only_closing(self, engine: _Producer) -> bool:
+        """Every request of ``engine`` is closing (or it has none)."""
+        return all(
+            (r := self._requests.get(rid)) is None or r.phase is _Phase.CLOSING for rid in engine.requests
+        )
 
     def _silent_agents(self, engine: _Producer, now: float) -> list[str]:
         """The agents of a ready engine that answered no keepalive for ``peer_silence_s``."""

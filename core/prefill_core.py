@@ -496,6 +496,16 @@ class PrefillCore:
             out += self._fail_request(request, reason, now)
         return out
 
+    @property
+    def said_goodbye(self) -> bool:
+        """:meth:`goodbye` ran with nothing in flight: this incarnation posts nothing more."""
+        return self._said_goodbye
+
+    @property
+    def wrote_unsettled(self) -> bool:
+        """A WRITE of this incarnation ended without completing (to any D rank)."""
+        return bool(self._unsettled_to)
+
     def goodbye(self, now: float) -> list[Any]:
         """After :meth:`shutdown`, once no WRITE is in flight: tell every loaded D rank that this
         incarnation ended (``BYE``): it posts nothing more and every WRITE it posted ended, so D

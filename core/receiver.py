@@ -38,6 +38,7 @@ from kvpush.core.actions import (
 )
 from kvpush.core.block_claims import BlockClaims
 from kvpush.core.decode_core import DecodeCore, DecodeSettings, ProducerInfo
+from kvpush.core.ended_workers import ENDED_KEY
 from kvpush.core.errors import ConfigError, HandshakeError, WaitTimeout
 from kvpush.core.notifications import MAX_ID_CHARS
 from kvpush.core.peers import PeerEngine
@@ -526,6 +527,11 @@ class PushReceiver(RankWorker):
             writes_abortable=self._writes_abortable(first.extensions, agents, processes),
             processes=processes,
             shares={r: share for r in wanted if (share := engine.ranks[r].share)},
+            ended={
+                engine.ranks[r].agent: dict(ended)
+                for r in wanted
+                if isinstance(ended := engine.ranks[r].meta.extensions.get(ENDED_KEY), Mapping)
+            },
         )
 
     def _writes_abortable(

@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from kvpush.core import ended_workers
 from kvpush.core import notifications as wire
 from kvpush.core.actions import Abort, Connect, DropPeer, Post, Report, Send
 from kvpush.core.errors import ConfigError, KvpushError, TransferError, WaitTimeout
@@ -792,9 +793,19 @@ class PushSender(RankWorker):
                 time.sleep(0.002)
             # Nothing of this incarnation is in flight any more: D may let go of what it still
             # holds for it (a worker re-created in this process is a new incarnation).
-            self.call_on_writer(lambda: self._execute(core.goodbye(lease_clock())))
+            self.call_on_writer(self._say_goodbye)
         except WaitTimeout as err:
             logger.warning("%s could not tell D it is closing: %s", self.agent_name, err)
+
+    def _say_goodbye(self) -> None:
+        """``BYE`` to every loaded D rank, and remember in this process that the incarnation
+        ended (a worker created here later tells D in its handshake, should a ``BYE`` be lost)."""
+        core = self.core
+        assert core is not None
+        actions = core.goodbye(lease_clock())
+        if core.said_goodbye:
+            ended_workers.record(self.agent_name, self.incarnation, core.wrote_unsettled)
+        self._execute(actions)
 
     def _release_resources(self) -> None:
         if self._telling is not None:

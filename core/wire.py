@@ -303,7 +303,10 @@ def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
     """kvpush's own metadata extensions, which a peer's safety decisions rest on: P's WRITE
     deadline (D's quarantine: NaN or inf would end it at once, or never), whether P's WRITEs
     can be aborted (a bool), P's process identity (D gives held blocks back once that process
-    exited: a pid that is not a positive int would read as exited) and D's staging area."""
+    exited: a pid that is not a positive int would read as exited), the incarnations that ended
+    in P's process (D settles what it held for them) and D's staging area."""
+    from kvpush.core.ended_workers import ENDED_KEY
+    from kvpush.core.ended_workers import MAX_PER_AGENT as MAX_ENDED
     from kvpush.core.packing import staging_area
     from kvpush.core.worker import BLOCK_PAIRING_KEY, PROCESS_KEY, WRITE_DEADLINE_KEY, WRITES_ABORTABLE_KEY
 
@@ -338,6 +341,16 @@ def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
         raise WireError(
             f"{what}: extension {PROCESS_KEY!r} must be a map of host and pidns strings, a pid in "
             f"[1, 2**31] and a start time (int), got {str(process)[:120]!r}"
+        )
+    ended = extensions.get(ENDED_KEY)
+    if ended is not None and not (
+        isinstance(ended, Mapping)
+        and len(ended) <= MAX_ENDED
+        and all(isinstance(i, str) and 0 < len(i) <= 256 and isinstance(u, bool) for i, u in ended.items())
+    ):
+        raise WireError(
+            f"{what}: extension {ENDED_KEY!r} must map at most {MAX_ENDED} incarnations (strings of "
+            f"at most 256 chars) to bools, got {str(ended)[:120]!r}"
         )
     staging_area(extensions, what)
 

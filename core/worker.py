@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from kvpush.core import notif_auth, wire
+from kvpush.core import ended_workers, notif_auth, wire
 from kvpush.core.errors import ConfigError, WaitTimeout, WireError
 from kvpush.core.manager import KvpushPluginManager, get_plugin_manager
 from kvpush.core.peers import PeerRegistry
@@ -274,6 +274,9 @@ class RankWorker:
             PROCESS_KEY: this_process(),
             **staging,
         }
+        ended = ended_workers.ended_here(self.transport.agent_name)
+        if ended:
+            core_fields[ended_workers.ENDED_KEY] = ended
         self.metadata = attrs.evolve(meta, extensions={**self.pm.metadata_extensions(meta), **core_fields})
         self.peers = PeerRegistry(
             pm=self.pm,

@@ -238,3 +238,30 @@ def test_a_goodbye_that_overtakes_the_last_done_does_not_fail_the_request() -> N
         for layer, tensor in cluster.d_caches[0].items():
             src = kv_bytes(cluster.p_caches[P0][layer])
             assert torch.equal(kv_bytes(tensor)[:, [3, 4]], src[:, [5, 6]]), layer
+
+
+def test_a_worker_recreated_after_its_goodbye_was_lost_lets_d_release_what_it_held() -> None:
+    """P and D share a host, so D cannot fence P's copies: a cancelled request whose
+    acknowledgement was lost is held until the incarnation it registered with answers or its
+    process exits. That worker closes and its ``BYE`` is lost too; a new worker is created in
+    the same (live) process. D used to hold the blocks until that process exited, i.e. for
+    ever. The new worker's handshake states the incarnations that ended in its process with
+    nothing in flight, and D releases."""
+    from kvpush.engine import PushSender
+
+    options = {"inner": "nixl", "drop_notifs": 1.0, "drop_prefixes": ["CANCEL_ACK:", "BYE:"]}
+    fast = {"write_deadline_s": 1.0, "heartbeat_interval_s": 0.5, "request_timeout_s": 60}
+    with Cluster(transport="faulty", transport_options=options, **fast) as cluster:
+        _connected(cluster)
+        old, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[3]], "x-1")  # P never finishes it
+        wait_until(lambda: receiver.stats["push_regs_sent"] == 2, what="D's PUSH_REG")
+        receiver.cancel("d-1")
+        wait_until(lambda: receiver.stats["held_for_kernel_copies"] == 1, timeout_s=15, what="D's hold")
+        old.close()  # its BYE is lost
+        new = PushSender(old.config, cluster.p_caches[P0], pm=cluster.pm)
+        new.start()
+        cluster.senders[P0] = new
+        cluster.p_server.publish(P0, new.handshake_payload())
+        cluster.wait_released("d-1", timeout_s=15)
+        assert receiver.transport.injected["drop"] >= 2  # the acknowledgement and the BYE

@@ -259,6 +259,10 @@ class CoreCluster(RuleBasedStateMachine):
         """The next packed scatter on D fails with this error (a kernel or torch raising)."""
         self.fences: list[tuple[DProc, int]] = []
         """Fences D asked for that its transport has not confirmed yet."""
+        self.ended: dict[tuple[str, str], dict[str, bool]] = {}
+        """(process, agent) -> incarnations of that agent that said goodbye in that process (and
+        whether a WRITE of theirs ended unsettled): what a worker created there later publishes
+        (``kvpush.core.ended_workers``)."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -850,6 +854,11 @@ class CoreCluster(RuleBasedStateMachine):
             writes_abortable=not self.kernel_copies,
             processes={p.agent: {"inc": p.process or p.inc} for p in live.values()},
             shares={r: self._share(p) for r, p in live.items()},
+            ended={
+                p.agent: ended
+                for p in live.values()
+                if (ended := self.ended.get((p.process or p.inc, p.agent)))
+            },
         )
         # D's producer check: the stages' windows must tile the layers (a stage restarted
         # with another split beside one that did not is refused, its agents loaded).
@@ -910,6 +919,7 @@ class CoreCluster(RuleBasedStateMachine):
             if p.core.inflight_handles():
                 return  # still closing: its WRITEs settle (or close() gives up: no goodbye)
             self._run_p(p, p.core.goodbye(self.now(p)))
+            self.ended.setdefault((p.process or p.inc, p.agent), {})[p.inc] = p.core.wrote_unsettled
             p.alive = False  # its agent is gone; an aborted WRITE of it may still land
             self.p_procs.append(self._new_p(p.rank, offset=p.offset, process=p.process or p.inc))
         elif kind == "prefill_engine_reconfigured" and ps:
@@ -1631,3 +1641,23 @@ def test_a_worker_recreated_in_its_live_process_lets_d_release_what_it_held_for_
             break
     assert req.outcomes == ["cancelled"] and req.released
     machine.teardown()
+
+
+def test_a_lost_goodbye_of_a_worker_recreated_in_its_process_does_not_hold_blocks_for_ever() -> None:
+    """Kernel copies; a P worker closed and was re-created in its live process, and its ``BYE``
+    was lost. D held a request's blocks for the closed incarnation (no fence stops its copies)
+    until that process exited, which never happens, and dropped the new worker's answers (not
+    the incarnation that could copy): the cluster never quiesced (a random search of
+    2026-12-02). The new worker now publishes the incarnations that ended in its process with
+    nothing in flight, and D settles them as their ``BYE`` would."""
+    state = KernelCopyCluster()
+    state.start(topology=(1, 1, 1))
+    state.pump(rounds=8, stall_writes=False)
+    state.new_request(first_rank_only=False, nblocks=1, packed=True, prefill_first=False, sizes="absent")
+    state.pump(rounds=8, stall_writes=True)
+    state.fault(i=13, j=45, kind="prefill_rank_recreated")
+    state.new_request(first_rank_only=False, nblocks=3, packed=True, prefill_first=False, sizes="absent")
+    state.retry(finish_first=False, i=0)
+    state.network(how="drop", i=47)
+    state.new_request(first_rank_only=False, nblocks=1, packed=False, prefill_first=False, sizes="absent")
+    state.teardown()  # drains: every request ends and every block is released
