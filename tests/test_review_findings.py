@@ -1,0 +1,288 @@
+"""Review findings on D's and P's cores (goodbye ``delivered``, re-registration, shares).
+
+Each test drives the cores directly (no transport, an injected clock), as
+``tests/test_goodbye_overtakes_done.py`` and ``tests/test_reregister_after_layout_change.py``
+do. A test here fails until the fix it names lands (see the review report).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+from kvpush.core import notifications as wire
+from kvpush.core.actions import Connect, Fence, Release, Report, Scatter, Send
+from kvpush.core.decode_core import ENGINE_PROBE, DecodeCore, DecodeSettings, ProducerInfo
+from kvpush.core.types import Notification, PackManifest, RankKey, RequestMetadata, TransferParams
+
+P0, P1 = RankKey(0, 0), RankKey(1, 0)
+A0, A1 = "P-prefill-pp0-tp0", "P-prefill-pp1-tp0"
+TIMEOUT_S = 12.0
+STAGING = 4096
+WHOLE = (Fraction(0), Fraction(1))
+
+
+def _note(message: bytes) -> Notification:
+    note = wire.decode_notification(message)
+    assert note is not None
+    return note
+
+
+def _settings(tp_size: int = 1) -> DecodeSettings:
+    return DecodeSettings(
+        engine_id="D",
+        incarnation="d1",
+        tp_rank=0,
+        tp_size=tp_size,
+        host="d.example",
+        port=5700,
+        heartbeat_interval_s=0.25,
+        fresh_s=0.5,
+        peer_silence_s=3.0,
+        request_timeout_s=TIMEOUT_S,
+    )
+
+
+def _info(
+    shares: dict[RankKey, list[int]] | None = None,
+    *,
+    stages: int = 1,
+    prefill_tp: int = 1,
+    incarnation: str = "a",
+) -> ProducerInfo:
+    """P's producers for D rank 0; ``shares``: the D regions each producer writes whole."""
+    agents = {r: a for r, a in [(P0, A0), (P1, A1)][:stages]}
+    return ProducerInfo(
+        prefill_pp=stages,
+        prefill_tp=prefill_tp,
+        agents=agents,
+        incarnations={a: f"{incarnation}-{a}" for a in agents.values()},
+        write_deadline_s=1.0,
+        processes={a: {"host": "h", "pid": 10 + r.pp_rank} for r, a in agents.items()},
+        shares={r: frozenset((j, *WHOLE) for j in regions) for r, regions in (shares or {}).items()},
+    )
+
+
+def _registered(info: ProducerInfo, *rids: str, tp_size: int = 1) -> DecodeCore:
+    """D with each of ``rids`` registered with ``info``'s producers (packed bytes reserved)."""
+    d = DecodeCore(_settings(tp_size), reserve_staging=lambda _: STAGING)
+    params = {"remote_engine_id": "P", "remote_host": "p", "remote_port": 5600}
+    for n, rid in enumerate(rids):
+        meta = RequestMetadata(
+            request_id=rid,
+            block_ids=((n + 1,),),
+            params=TransferParams.from_dict({**params, "transfer_id": f"k-{rid}"}),
+        )
+        d.add(meta, 0.0)
+    d.connected("P", info, "", 0.0)
+    for rank, agent in info.agents.items():
+        d.notification(agent, _note(wire.encode_heartbeat_answer(rank, 0.0, info.incarnations[agent])), 0.0)
+    assert d.stats["push_regs_sent"] == len(rids) * len(info.agents)
+    return d
+
+
+def _bye(rank: RankKey, agent: str, incarnation: str, delivered: list[str]) -> Notification:
+    return _note(wire.encode_goodbye(rank, incarnation, False, delivered=delivered))
+
+
+def _reports(actions: list[Any]) -> list[tuple[str, str]]:
+    return [(a.request_id, a.outcome) for a in actions if isinstance(a, Report)]
+
+
+def _packed_done(d: DecodeCore, rid: str, producer: RankKey, agent: str, regions: tuple[int, ...], t: float):
+    """``producer``'s one packed chunk of ``rid`` naming D ``regions``: its DONE, then (when D
+    asks for it) its scatter."""
+    manifest = PackManifest(staging_offset=STAGING, regions=regions, part=(0, 1), chunk=0, chunks=1)
+    out = d.notification(agent, _note(wire.encode_done(rid, producer, 1, manifest)), t)
+    if any(isinstance(a, Scatter) for a in out):
+        out += d.scattered(rid, producer, 0, 1, "", t)
+    return out
+
+
+# ------------------------------------------------------------------ 1. shares after a goodbye
+
+
+def test_control_a_packed_done_leaving_a_region_of_the_share_out_fails_the_request() -> None:
+    """The handshake's share check (tests/test_packed_share.py), with P's engine loaded."""
+    d = _registered(_info({P0: [0, 1]}), "r1")
+    out = _packed_done(d, "r1", P0, A0, (0,), 1.0)
+    assert _reports(out) == [("r1", "failed")], out
+
+
+def test_a_packed_done_the_goodbye_overtook_is_still_checked_against_the_share() -> None:
+    """The BYE names r1 (its WRITE completed), so D keeps it registered; the BYE also drops the
+    engine's agents, and with them ``engine.info``, which ``_share`` reads the share from. The
+    packed DONE that arrives next is then checked against nothing: a packer that left region 1
+    out gets r1 reported done with region 1 never written."""
+    d = _registered(_info({P0: [0, 1]}), "r1")
+    assert _reports(d.notification(A0, _bye(P0, A0, f"a-{A0}", ["r1"]), 1.0)) == []
+    out = _packed_done(d, "r1", P0, A0, (0,), 1.001)
+    assert _reports(out) != [("r1", "done")], "done with D region 1 never written"
+    assert _reports(out) == [("r1", "failed")], out
+
+
+def test_a_packed_done_the_goodbye_overtook_may_not_scatter_over_another_stages_layers() -> None:
+    """PP2: stage 0 writes region 0, stage 1 region 1. Stage 0's overtaken DONE names region 1
+    too; once the BYE dropped the engine's info it is scattered over stage 1's layers."""
+    d = _registered(_info({P0: [0], P1: [1]}, stages=2), "r1")
+    assert _reports(d.notification(A0, _bye(P0, A0, f"a-{A0}", ["r1"]), 1.0)) == []
+    manifest = PackManifest(staging_offset=STAGING, regions=(0, 1))
+    out = d.notification(A0, _note(wire.encode_done("r1", P0, 1, manifest)), 1.001)
+    assert not [a for a in out if isinstance(a, Scatter)], "stage 0's bytes scattered over stage 1's region"
+    assert _reports(out) == [("r1", "failed")], out
+
+
+# ------------------------------------------------------------------ 2. re-registration, P's TP size
+
+
+def _restarted_under_its_name(d: DecodeCore, new: ProducerInfo, t: float) -> list[Any]:
+    """P rank 0's process exits (D's probe sees it), its fence is confirmed and D handshakes
+    afresh with ``new`` (P back under the same agent name)."""
+    out = d.producers_exited(ENGINE_PROBE + "P", [A0], t)
+    (fence,) = [a for a in out if isinstance(a, Fence)]
+    assert any(isinstance(a, Connect) for a in out)
+    out = d.fenced(fence.fence_id, t + 0.1)
+    out += d.connected("P", new, "", t + 0.2)
+    for rank, agent in new.agents.items():
+        answer = wire.encode_heartbeat_answer(rank, t + 0.2, new.incarnations[agent])
+        out += d.notification(agent, _note(answer), t + 0.2)
+    return out
+
+
+def test_a_request_registered_again_with_p_at_another_tp_size_counts_the_new_done() -> None:
+    """D TP4, rank 0. P ran TP2 and comes back TP4 (an operator resized it): D rank 0's
+    producer is P rank (0, 0) in both, writing the same pieces of rank 0 (the same D heads),
+    so ``_layout_change`` sees no change and r1 is registered again with the new process. Its
+    DONE states P TP 4, but ``_reregister`` kept the TP size r1 registered with (2), so the
+    DONE is dropped as from another layout ("DONE states P TP 4, P published 2"): r1 waits
+    for a completion that arrived, then fails at its watchdog (its blocks held till then).
+    Either it counts (P's new TP size recorded) or r1 fails at once naming both layouts."""
+    d = _registered(_info({P0: [0, 1]}, prefill_tp=2), "r1", tp_size=4)
+    out = _restarted_under_its_name(d, _info({P0: [0, 1]}, prefill_tp=4, incarnation="b"), 1.0)
+    pushed = [a for a in out if isinstance(a, Send) and _note(a.message).kind.value == "push_reg"]
+    if not pushed:  # refused as another layout: fine, if it fails at once
+        assert _reports(out) == [("r1", "failed")], out
+        return
+    out = d.notification(A0, _note(wire.encode_done("r1", P0, 4)), 1.5)  # the new P rank wrote it
+    assert d.stats["rejected_notifications"] == 0, "the new process's DONE was dropped"
+    assert _reports(out) == [("r1", "done")], out
+
+
+# ------------------------------------------------------------------ 3. a goodbye and owed cancels
+
+
+def _add(d: DecodeCore, rid: str, key: str, block: int, t: float) -> list[Any]:
+    params = {"remote_engine_id": "P", "remote_host": "p", "remote_port": 5600, "transfer_id": key}
+    meta = RequestMetadata(request_id=rid, block_ids=((block,),), params=TransferParams.from_dict(params))
+    return d.add(meta, t)
+
+
+def test_a_request_waiting_for_a_closed_workers_cancel_ack_is_registered_not_failed() -> None:
+    """r0 (key k) is cancelled; P rank 0 never answers, so r0's blocks go back on a fence and
+    its CANCEL is owed. r1 retries key k: D first asks P rank 0 (the same incarnation) to
+    acknowledge r0's CANCEL. That worker then closes: its BYE says it holds nothing any more,
+    and D drops the owed CANCEL, but r1 keeps waiting for the acknowledgement (``_on_goodbye``
+    discards it only from requests registered with that incarnation, and r1 registered with
+    none yet), and nothing puts it in the engine's queue: no handshake is started (the BYE
+    retries at once only for ``engine.waiting``), and r1 fails at the restart timeout ("no new
+    worker of it answered", none was asked) or the acks timeout (``hello_timeout_s``, "retry
+    under a fresh transfer_id"), although nothing holds k any more and a new worker serves."""
+    info = _info({P0: [0]})
+    d = DecodeCore(_settings())
+    _add(d, "r0", "k", 1, 0.0)
+    d.connected("P", info, "", 0.0)
+    d.notification(A0, _note(wire.encode_heartbeat_answer(P0, 0.0, f"a-{A0}")), 0.0)
+    d.cancel("r0", 0.1)
+    out: list[Any] = []
+    t = 0.1
+    while not any(isinstance(a, Release) for a in out):  # P silent: quarantine, fence, release
+        t += 0.25
+        assert t < 20.0, d.stats
+        out = d.handle_timer(t)
+        for fence in [a for a in out if isinstance(a, Fence)]:
+            out += d.fenced(fence.fence_id, t)
+    d.connected("P", info, "", t)  # the fence reset the engine: handshaken again (same worker)
+    d.notification(A0, _note(wire.encode_heartbeat_answer(P0, t, f"a-{A0}")), t)
+    out = _add(d, "r1", "k", 2, t)
+    assert [_note(a.message).kind.value for a in out if isinstance(a, Send)] == ["cancel"], out
+    # The worker closes: nothing of it is held any more; a new worker serves under its name.
+    out = d.notification(A0, _bye(P0, A0, f"a-{A0}", []), t + 0.1)
+    new = _info({P0: [0]}, incarnation="b")
+    for _ in range(80):
+        t += 0.25
+        for action in out:
+            if isinstance(action, Connect):
+                out += d.connected("P", new, "", t)
+                out += d.notification(A0, _note(wire.encode_heartbeat_answer(P0, t, f"b-{A0}")), t)
+        if any(isinstance(a, Send) and _note(a.message).kind.value == "push_reg" for a in out):
+            break
+        assert _reports(out) == [], out
+        out = d.handle_timer(t)
+    else:
+        raise AssertionError("r1 never registered with the worker that serves now")
+
+
+# ------------------------------------------------------------------ 4. P's goodbye after a D rank restart
+
+
+def _prefill_core_for_d_tp2():
+    from kvpush.core.prefill_core import PrefillCore, PrefillSettings
+    from kvpush.core.types import ReadSpec
+
+    def plan(blocks, reg):
+        return [ReadSpec(dst_tp_rank=0, local_block_ids=blocks, remote_block_ids=reg.block_ids)]
+
+    return PrefillCore(PrefillSettings(engine_id="P", incarnation="p1", rank=P0, tp_size=1), plan=plan)
+
+
+def _d_reg(rank: int, incarnation: str, **fields: Any):
+    from kvpush.core.types import PushRegistration
+
+    base = {
+        "request_id": "d-1",
+        "match_key": "x-1",
+        "decode_engine_id": "D",
+        "decode_host": "127.0.0.1",
+        "decode_port": 5601,
+        "decode_tp_size": 2,
+        "decode_tp_rank": rank,
+        "block_ids": [[3]],
+        "remote_engine_id": "P",
+        "decode_incarnation": incarnation,
+        "grant": 100.0,
+        "fresh_s": 10.0,
+    }
+    return PushRegistration(**{**base, **fields})
+
+
+def test_p_goodbye_names_no_request_id_of_a_d_rank_start_that_is_gone() -> None:
+    """D runs TP2. P wrote D request d-1 to rank 0 (``delivered``). Rank 0 restarts under the
+    same agent name (a new incarnation; rank 1 lives on, so P keeps the D engine and with it
+    ``delivered[0]``, keyed by the agent name alone). P then closes: its BYE to the new start
+    names d-1, an id of the old start. The new start's ids begin afresh (d-1 again, or an
+    alias counter from 1): a request of it that P never wrote is kept registered on the BYE's
+    word, instead of failing at once, until its watchdog (120 s by default) fails it with
+    'no completion'."""
+    from kvpush.core.actions import Post
+
+    p = _prefill_core_for_d_tp2()
+    for rank in (0, 1):
+        p.notification(f"D-r{rank}", _note(wire.encode_hello(_d_reg(rank, "d1"), rank)), 100.0)
+        p.connected("D", rank, f"D-r{rank}", "d1", 2, "", 100.0)
+    p.notification("D-r0", _note(wire.encode_push_reg(_d_reg(0, "d1"))), 100.0)
+    (post,) = [a for a in p.finished("x-1", "p-1", ((5,),), "", 100.0) if isinstance(a, Post)]
+    assert p.confirm_post(post.key, post.dst, 100.0)
+    p.posted(post.key, post.dst, ["h1"], 64, 100.0)
+    p.write_settled("x-1", 0, "h1", True, 100.1)  # delivered to rank 0's first start
+    # Rank 0 restarts (incarnation d2 sorts after d1) and P loads the new start.
+    p.notification("D-r0", _note(wire.encode_hello(_d_reg(0, "d2"), 0)), 101.0)
+    p.connected("D", 0, "D-r0", "d2", 2, "", 101.0)
+    assert p._engines["D"].incarnations == {0: "d2", 1: "d1"}
+    p.shutdown("closing", 102.0)
+    byes = {
+        a.agent: note
+        for a in p.goodbye(102.0)
+        if isinstance(a, Send) and (note := _note(a.message)).kind.value == "goodbye"
+    }
+    assert set(byes) == {"D-r0", "D-r1"}, byes
+    assert byes["D-r0"].delivered == (), "the new start is told d-1 (the old start's) was delivered"
