@@ -10,6 +10,8 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
+import attrs
+
 from kvpush.core import notifications as wire
 from kvpush.core.actions import Connect, Fence, Release, Report, Scatter, Send
 from kvpush.core.decode_core import ENGINE_PROBE, DecodeCore, DecodeSettings, ProducerInfo
@@ -286,3 +288,68 @@ def test_p_goodbye_names_no_request_id_of_a_d_rank_start_that_is_gone() -> None:
     }
     assert set(byes) == {"D-r0", "D-r1"}, byes
     assert byes["D-r0"].delivered == (), "the new start is told d-1 (the old start's) was delivered"
+
+
+# ------------------------------------------------------------------ 5. a goodbye after a re-registration
+
+
+def test_a_goodbye_of_a_stage_that_already_wrote_keeps_a_request_registered_again_elsewhere() -> None:
+    """PP2. Stage 0 wrote r1 (its DONE counted). Stage 1's process exits; D fences, handshakes
+    afresh (both stages restarted: new incarnations) and registers r1 again with the new
+    stage 1 only (stage 0 had reported, so r1 keeps stage 0's old incarnation). The new stage
+    0 worker later closes (BYE). Since b3a7ace a request whose closed producer had already
+    reported stays registered (its other stage ends it), but r1 is matched against the BYE by
+    the incarnation it registered stage 0 with (the old one), so the BYE's ``_engine_down``
+    fails it: the new stage 1, which is writing it, is told to cancel."""
+    d = _registered(_info({P0: [0], P1: [1]}, stages=2), "r1")
+    assert _reports(d.notification(A0, _note(wire.encode_done("r1", P0, 1)), 0.5)) == []
+    out = d.producers_exited(ENGINE_PROBE + "P", [A1], 1.0)
+    (fence,) = [a for a in out if isinstance(a, Fence)]
+    out = d.fenced(fence.fence_id, 1.1)
+    new = _info({P0: [0], P1: [1]}, stages=2, incarnation="b")
+    out += d.connected("P", new, "", 1.2)
+    for rank, agent in new.agents.items():
+        out += d.notification(agent, _note(wire.encode_heartbeat_answer(rank, 1.2, f"b-{agent}")), 1.2)
+    pushed = [a.agent for a in out if isinstance(a, Send) and _note(a.message).kind.value == "push_reg"]
+    assert pushed == [A1], out
+    out = d.notification(A0, _bye(P0, A0, f"b-{A0}", []), 2.0)  # the new stage 0 closes
+    assert _reports(out) == [], "failed although stage 0 had written it and stage 1 is writing it"
+    out = d.notification(A1, _note(wire.encode_done("r1", P1, 1)), 2.1)
+    assert _reports(out) == [("r1", "done")], out
+
+
+# ------------------------------------------------------------------ 6. a kept request, the handshake
+
+
+def test_a_request_kept_after_a_goodbye_gets_the_engine_handshaken_again() -> None:
+    """PP2. Stage 0 wrote r1 and its worker closes (BYE; r1 kept: stage 1 still computes its
+    layers). reliability.md: at a BYE D "drops its agents ... and handshakes afresh at once".
+    It does so only for requests in ``engine.waiting``; r1 is registered, so no handshake is
+    started, stage 1 gets no heartbeat (its lease on r1 runs out) and no fresh grant (its
+    ``want`` is dropped: no agent loaded), and at ``peer_silence_s`` r1 fails as "no new worker
+    of it answered", though none was asked. Here stage 0's new worker would have answered at
+    once, and stage 1's DONE comes 3.5 s after the BYE (within r1's watchdog)."""
+    d = _registered(_info({P0: [0], P1: [1]}, stages=2), "r1")
+    out = d.notification(A0, _note(wire.encode_done("r1", P0, 1)), 0.5)
+    out += d.notification(A0, _bye(P0, A0, f"a-{A0}", ["r1"]), 1.0)
+    new = _info({P0: [0], P1: [1]}, stages=2, incarnation="b")
+    new = attrs.evolve(new, incarnations={A0: f"b-{A0}", A1: f"a-{A1}"})
+    ranks = {a: r for r, a in new.agents.items()}
+    t = 1.0
+    while t < 4.5:
+        for action in list(out):  # P answers: stage 0's new worker, stage 1's old one
+            if isinstance(action, Connect):
+                out += d.connected("P", new, "", t)
+                for rank, agent in new.agents.items():
+                    answer = wire.encode_heartbeat_answer(rank, t, new.incarnations[agent])
+                    out += d.notification(agent, _note(answer), t)
+            elif isinstance(action, Send) and _note(action.message).kind.value == "heartbeat":
+                agent = action.agent
+                answer = wire.encode_heartbeat_answer(ranks[agent], t, new.incarnations[agent])
+                out += d.notification(agent, _note(answer), t)
+        assert _reports(out) == [], out
+        t += 0.25
+        out = d.handle_timer(t)
+    assert _reports(out) == [], out
+    out = d.notification(A1, _note(wire.encode_done("r1", P1, 1)), 4.5)
+    assert _reports(out) == [("r1", "done")], out
