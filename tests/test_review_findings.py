@@ -353,3 +353,42 @@ def test_a_request_kept_after_a_goodbye_gets_the_engine_handshaken_again() -> No
     assert _reports(out) == [], out
     out = d.notification(A1, _note(wire.encode_done("r1", P1, 1)), 4.5)
     assert _reports(out) == [("r1", "done")], out
+
+
+# ------------------------------------------------------------------ 7. packed chunks across a re-registration
+
+
+def test_a_stage_registered_again_starts_its_packed_chunks_afresh() -> None:
+    """PP2, stage 0 packs its share in two chunks. Its old process's chunk 0 arrived and was
+    scattered; then P restarted: D's probe sees stage 1's process exit, and the handshake
+    shows stage 0 restarted too (exit not seen yet), so ``_reregister`` registers r1 again
+    with both new processes. ``_agents_exited`` forgets the packed chunks of the producers it
+    saw exit (a packed push starts again from its first chunk), but ``_reregister`` keeps
+    those of a producer it finds restarted: the new stage 0's chunk 1 then completes it with
+    the old process's chunk 0, and r1 is reported done (its staging range freed) while the
+    new process's chunk 0 may still be landing in that range, where the next request's packed
+    bytes go."""
+    d = _registered(_info({P0: [0, 1], P1: [2]}, stages=2), "r1")
+
+    def chunk(n: int, t: float) -> list[Any]:
+        manifest = PackManifest(staging_offset=STAGING, regions=(n,), part=(0, 1), chunk=n, chunks=2)
+        out = d.notification(A0, _note(wire.encode_done("r1", P0, 1, manifest)), t)
+        if any(isinstance(a, Scatter) for a in out):
+            out += d.scattered("r1", P0, n, 2, "", t)
+        return out
+
+    assert _reports(chunk(0, 0.5)) == []  # the old stage 0's first chunk, scattered
+    out = d.producers_exited(ENGINE_PROBE + "P", [A1], 1.0)
+    (fence,) = [a for a in out if isinstance(a, Fence)]
+    out = d.fenced(fence.fence_id, 1.1)
+    new = _info({P0: [0, 1], P1: [2]}, stages=2, incarnation="b")
+    out += d.connected("P", new, "", 1.2)
+    for rank, agent in new.agents.items():
+        out += d.notification(agent, _note(wire.encode_heartbeat_answer(rank, 1.2, f"b-{agent}")), 1.2)
+    pushed = sorted(a.agent for a in out if isinstance(a, Send) and _note(a.message).kind.value == "push_reg")
+    assert pushed == [A0, A1], out
+    out = d.notification(A1, _note(wire.encode_done("r1", P1, 1)), 1.5)  # the new stage 1 wrote
+    out += chunk(1, 1.6)  # the new stage 0's second chunk lands first
+    assert _reports(out) == [], "done (staging freed) before the new stage 0's first chunk arrived"
+    out = chunk(0, 1.7)
+    assert _reports(out) == [("r1", "done")], out
