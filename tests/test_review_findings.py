@@ -392,3 +392,24 @@ def test_a_stage_registered_again_starts_its_packed_chunks_afresh() -> None:
     assert _reports(out) == [], "done (staging freed) before the new stage 0's first chunk arrived"
     out = chunk(0, 1.7)
     assert _reports(out) == [("r1", "done")], out
+
+
+# ------------------------------------------------------------------ 8. a kept request and the next handshake
+
+
+def test_a_request_kept_at_a_goodbye_survives_the_next_handshake_finding_the_closed_worker() -> None:
+    """The BYE names r1 (its DONE is on its way), so D keeps it. The next request r2 comes at
+    once and D handshakes afresh; P's side channel still names the closed worker (its
+    replacement is not published yet), so ``connected`` calls ``_engine_down``, which fails
+    every registered request but those to be registered again: r1 fails after all, although
+    its bytes landed and its DONE arrives a moment later (what b3a7ace set out to fix, under
+    load: any request arriving between the BYE and the DONE does it)."""
+    info = _info({P0: [0]})
+    d = _registered(info, "r1")
+    assert _reports(d.notification(A0, _bye(P0, A0, f"a-{A0}", ["r1"]), 1.0)) == []
+    out = _add(d, "r2", "k-r2", 2, 1.001)
+    assert any(isinstance(a, Connect) for a in out), out
+    out = d.connected("P", info, "", 1.002)  # still the closed worker: "not published afresh yet"
+    assert _reports(out) == [], "the kept request failed at the next handshake"
+    out = d.notification(A0, _note(wire.encode_done("r1", P0, 1)), 1.003)  # the overtaken DONE
+    assert _reports(out) == [("r1", "done")], out
