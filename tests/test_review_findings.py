@@ -413,3 +413,32 @@ def test_a_request_kept_at_a_goodbye_survives_the_next_handshake_finding_the_clo
     assert _reports(out) == [], "the kept request failed at the next handshake"
     out = d.notification(A0, _note(wire.encode_done("r1", P0, 1)), 1.003)  # the overtaken DONE
     assert _reports(out) == [("r1", "done")], out
+
+
+def test_an_exited_stages_chunk_read_before_its_fence_is_confirmed_does_not_count_afterwards() -> None:
+    """Stage 0 (one stage) packs its share in two chunks. D's probe sees its process exit;
+    ``_agents_exited`` forgets its packed chunks and fences. The DONE of the old process's
+    chunk 0 (its WRITE completed before the process died) is read before the fence is
+    confirmed, and scattered: chunk 0 is recorded again. ``_reregister`` does not forget it,
+    so the new process's chunk 1 completes r1: done, staging freed, while the new chunk 0
+    may still be landing in that range."""
+    d = _registered(_info({P0: [0, 1]}), "r1")
+
+    def chunk(n: int, t: float) -> list[Any]:
+        manifest = PackManifest(staging_offset=STAGING, regions=(n,), part=(0, 1), chunk=n, chunks=2)
+        out = d.notification(A0, _note(wire.encode_done("r1", P0, 1, manifest)), t)
+        if any(isinstance(a, Scatter) for a in out):
+            out += d.scattered("r1", P0, n, 2, "", t)
+        return out
+
+    out = d.producers_exited(ENGINE_PROBE + "P", [A0], 1.0)
+    (fence,) = [a for a in out if isinstance(a, Fence)]
+    assert _reports(chunk(0, 1.05)) == []  # the old process's chunk 0, read before the fence ends
+    out = d.fenced(fence.fence_id, 1.1)
+    new = _info({P0: [0, 1]}, incarnation="b")
+    out += d.connected("P", new, "", 1.2)
+    out += d.notification(A0, _note(wire.encode_heartbeat_answer(P0, 1.2, f"b-{A0}")), 1.2)
+    assert [a.agent for a in out if isinstance(a, Send) and _note(a.message).kind.value == "push_reg"] == [A0]
+    out = chunk(1, 1.6)  # the new process's second chunk lands first
+    assert _reports(out) == [], "done (staging freed) before the new process's first chunk arrived"
+    assert _reports(chunk(0, 1.7)) == [("r1", "done")]
