@@ -252,6 +252,10 @@ class _Receive:
     shares: Mapping[RankKey, frozenset[tuple[int, Any, Any]]] = attrs.field(factory=dict)
     """Each producer's pieces of this rank when it registered (``ProducerInfo.shares``): a
     re-registration needs the same ones (another split would leave gaps or overlaps)."""
+    done_coming: bool = False
+    """A producer that closed said its DONE was sent (its ``BYE`` named the request, or the DONE
+    arrived): the request waits for its DONEs or the watchdog, also when the engine's agents
+    are dropped afterwards (:meth:`DecodeCore._engine_down`)."""
     rereg: set[RankKey] = attrs.field(factory=set)
     """Producers whose process exited before they wrote (a P rank restarted under its name):
     registered again with the process that serves now, once the old one's connections are
@@ -696,8 +700,8 @@ class DecodeCore:
             elif kind == "retry":
                 engine = self._engines.get(name)
                 waiting = [r for r in engine.waiting if r in self._requests] if engine is not None else []
-                if engine is not None:  # registered requests waiting to register again too
-                    waiting += sorted(r for r in engine.requests if self._requests[r].rereg)
+                if engine is not None:  # registered requests (to register again, or kept at a BYE)
+                    waiting += sorted(r for r in engine.requests if _needs_agents(self._requests[r]))
                 if engine is not None and engine.state is _EngineState.FAILED and waiting:
                     out += self._engine_wanted(self._requests[waiting[0]].meta, now)
             elif kind == "hello_resend":
@@ -940,11 +944,12 @@ class DecodeCore:
         receive.manifests.setdefault(producer, []).append(manifest)
         return ""
 
-    def _share(self, receive: _Receive, producer: RankKey) -> frozenset[tuple[int, Any, Any]] | None:
-        """The pieces ``producer`` agreed at the handshake to write into this rank (None: unknown)."""
-        engine = self._engines.get(receive.engine_id)
-        info = engine.info if engine is not None else None
-        return info.shares.get(producer) if info is not None else None
+    @staticmethod
+    def _share(receive: _Receive, producer: RankKey) -> frozenset[tuple[int, Any, Any]] | None:
+        """The pieces ``producer`` agreed at the handshake to write into this rank (None: unknown).
+        The request's own record (``_Receive.shares``, kept by a re-registration): the engine's
+        info is gone while it reconnects or after a BYE, and may be a later layout's."""
+        return receive.shares.get(producer)
 
     def _share_problem(self, receive: _Receive, producer: RankKey, manifest: PackManifest | None) -> str:
         """Why a packed DONE writes outside its producer's share ("" when it does not): a D
@@ -1273,6 +1278,12 @@ class DecodeCore:
         ranks = sorted(receive.rereg | restarted)
         receive.rereg = set()
         receive.settled -= set(ranks)
+        for r in ranks:  # a packed push starts again from its first chunk: an old chunk read
+            # since the exit was seen (before the fence was confirmed) or one of a producer found
+            # restarted only now must not count with the new process's
+            receive.arrived.pop(r, None)
+            receive.chunks.pop(r, None)
+            receive.manifests.pop(r, None)
         new_agents = {info.agents[r] for r in ranks}
         receive.agents = {**receive.agents, **{r: info.agents[r] for r in ranks}}
         receive.incarnations = {
@@ -1503,7 +1514,7 @@ class DecodeCore:
         producer, incarnation = note.producer, note.incarnation
         if producer is None:
             return []
-        out, kept = self._settle_ended(agent, producer, incarnation, note.unsettled, set(note.delivered), now)
+        out = self._settle_ended(agent, producer, incarnation, note.unsettled, set(note.delivered), now)
         self._mark_closed(agent, incarnation)
         info = engine.info if engine is not None else None
         if engine is not None and info is not None and info.incarnations.get(agent) == incarnation:
@@ -1516,9 +1527,9 @@ class DecodeCore:
             # Its requests with that incarnation were settled above; those still waiting wait
             # for a handshake afresh (at once: P's side channel names the worker that serves now).
             reason = f"P agent {agent} closed (incarnation {incarnation} ended)"
-            out += self._engine_down(engine, reason, now, keep=kept)
+            out += self._engine_down(engine, reason, now)
             engine.failed_at = float("-inf")
-            if engine.waiting:
+            if engine.waiting or any(_needs_agents(self._requests[r]) for r in engine.requests):
                 self._timers.arm(("retry", engine.engine_id), now)
         return out
 
@@ -1530,25 +1541,27 @@ class DecodeCore:
         unsettled: bool,
         delivered: set[str],
         now: float,
-    ) -> tuple[list[Any], set[str]]:
+    ) -> list[Any]:
         """Producer ``producer``'s incarnation ``incarnation`` (through ``agent``) ended with
         nothing in flight: settle it for every request registered with it. A registered one
-        fails at once, unless its DONE arrived or is on its way (``delivered``: kept, and
-        returned); a closing or held one is released (after a fence when ``unsettled``)."""
+        fails at once, unless its DONE arrived or is on its way (``delivered``: it waits for
+        its DONEs, ``done_coming``); a closing or held one is released (after a fence when
+        ``unsettled``)."""
         out: list[Any] = []
-        kept: set[str] = set()  # registered requests whose DONE from it arrived or is on its way
         for rid in sorted(self._requests):
             receive = self._requests.get(rid)
-            if (
-                receive is None
-                or receive.agents.get(producer) != agent
-                or receive.incarnations.get(agent) != incarnation
-            ):
+            if receive is None or receive.agents.get(producer) != agent:
+                continue
+            registered = receive.phase is _Phase.REGISTERED
+            # Written whole (by this or an earlier incarnation): nothing is owed, whoever ended.
+            coming = registered and producer in receive.reported
+            receive.done_coming |= coming
+            if receive.incarnations.get(agent) != incarnation:
                 continue
             receive.acks.discard(agent)
             receive.awaiting.discard(agent)
-            if receive.phase is _Phase.REGISTERED and (producer in receive.reported or rid in delivered):
-                kept.add(rid)
+            coming = coming or (registered and rid in delivered)
+            receive.done_coming |= coming
             if receive.phase is _Phase.WAITING or producer in receive.settled:
                 continue
             receive.unanswered.discard(agent)
@@ -1556,7 +1569,7 @@ class DecodeCore:
             receive.settle_seq = self._fence_seq
             if unsettled:
                 receive.unsettled.add(producer)
-            if rid in kept:
+            if coming:
                 continue  # its DONE was sent before the BYE: counted when it arrives (or the watchdog)
             if receive.phase is _Phase.REGISTERED:
                 out += self._close(rid, f"P rank {producer} closed (its worker ended) before it pushed", now)
@@ -1570,7 +1583,31 @@ class DecodeCore:
                     self._unanswered_ids.pop(entry[1], None)
                 if not owed:
                     del self._unanswered[where]
-        return out, kept
+                out += self._acks_moot(where, agent, incarnation, now)
+        return out
+
+    def _acks_moot(self, where: tuple[str, str], agent: str, incarnation: str, now: float) -> list[Any]:
+        """Requests of P engine and match key ``where`` waiting for ``agent``'s acknowledgement
+        of an earlier CANCEL, whose incarnation ended: they wait for the engine instead, to
+        register with the worker that serves now (never the closed one)."""
+        out: list[Any] = []
+        engine = self._engines.get(where[0])
+        for rid in sorted(engine.requests if engine is not None else ()):
+            receive = self._requests[rid]
+            if receive.key != where[1] or agent not in receive.acks:
+                continue
+            receive.acks.discard(agent)
+            if receive.acks or receive.phase is not _Phase.WAITING:
+                continue
+            assert engine is not None
+            self._timers.disarm(("acks", rid))
+            loaded = engine.info.incarnations.get(agent) if engine.info is not None else None
+            if engine.state is _EngineState.READY and loaded not in (None, incarnation):
+                out += self._register(rid, now)
+            elif rid not in engine.waiting:
+                engine.waiting.append(rid)
+                self._timers.arm(("retry", engine.engine_id), now)
+        return out
 
     def _ended_in_process(self, engine: _Producer, info: ProducerInfo, now: float) -> list[Any]:
         """P's handshake states, per producer agent, the earlier incarnations that ended in the
@@ -1595,7 +1632,7 @@ class DecodeCore:
                         break  # another process ran it: only that one can vouch for its copies
                 else:
                     self._mark_closed(agent, incarnation)
-                    out += self._settle_ended(agent, producer, incarnation, unsettled, set(), now)[0]
+                    out += self._settle_ended(agent, producer, incarnation, unsettled, set(), now)
         return out
 
     def _restarting(self, engine: _Producer, reason: str, now: float) -> None:
@@ -1613,15 +1650,13 @@ class DecodeCore:
         self.stats["dead_peers"] += 1
         return self._engine_failed(engine, reason, now)
 
-    def _engine_down(
-        self, engine: _Producer, reason: str, now: float, *, keep: set[str] | frozenset[str] = frozenset()
-    ) -> list[Any]:
+    def _engine_down(self, engine: _Producer, reason: str, now: float) -> list[Any]:
         """The engine's loaded agents are no P worker any more (one closed or exited): drop
         them and handshake afresh after the backoff, failing no request waiting for it (unlike
         :meth:`_engine_failed`; bounded by the restart timeout, :meth:`_restarting`). Requests
-        registered with those agents fail, except those to be registered again and ``keep``
-        (a closed producer's DONE of theirs is on its way: their other producers' DONEs, their
-        BYEs or the watchdog end them)."""
+        registered with those agents fail, except those to be registered again and those a
+        closed producer's DONE of theirs is on its way to (``done_coming``: their other
+        producers' DONEs, their BYEs or the watchdog end them)."""
         engine.state = _EngineState.FAILED
         engine.error = reason
         engine.refused = False
@@ -1633,11 +1668,11 @@ class DecodeCore:
         out: list[Any] = []
         for rid in sorted(engine.requests):  # registered with the agents dropped below
             receive = self._requests.get(rid)
-            if rid in keep or receive is None or receive.rereg:
+            if receive is None or receive.rereg or receive.done_coming:
                 continue
             if receive.phase is _Phase.REGISTERED:
                 out += self._close(rid, reason, now)
-        if engine.waiting or any(self._requests[r].rereg for r in engine.requests):
+        if engine.waiting or any(_needs_agents(self._requests[r]) for r in engine.requests):
             self._timers.arm(("retry", engine.engine_id), self._retry_at(engine))
         return out + self._maybe_forget(engine)
 
@@ -1941,6 +1976,12 @@ class DecodeCore:
         )
 
 
+def _needs_agents(receive: _Receive) -> bool:
+    """Whether a request of a failed engine needs its agents loaded again: one to register
+    again, or one kept registered at a BYE (its live producers are renewed through them)."""
+    return bool(receive.rereg) or receive.phase is _Phase.REGISTERED
+
+
 def _take_agents(receive: _Receive, info: ProducerInfo) -> None:
     """Record ``info``'s agents and incarnations for ``receive``'s producers that ``info``
     names; a producer it does not name (P came back with another layout) keeps its old
@@ -1965,6 +2006,10 @@ def _layout_change(receive: _Receive, info: ProducerInfo) -> str:
             f"producers {names(info.agents)} (PP {info.prefill_pp}, TP {info.prefill_tp}) where it "
             f"registered with {names(receive.expected)}"
         )
+    if info.prefill_tp != receive.prefill_tp:
+        # The same producers and pieces (D TP >= both sizes), but their DONEs state P's new TP
+        # size, which the request's check (``prefill_tp``) would drop.
+        return f"P TP {info.prefill_tp} where it registered with P TP {receive.prefill_tp}"
     moved = [r for r in sorted(receive.expected) if info.shares.get(r) != receive.shares.get(r)]
     if moved:
         return f"another split of this rank's layers or heads among {names(moved)}"

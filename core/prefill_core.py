@@ -1288,6 +1288,7 @@ class PrefillCore:
         engine.hellos.pop(rank, None)
         engine.hello_incarnations.pop(rank, None)
         engine.owed.pop(rank, None)  # as when the whole engine is dropped
+        engine.delivered.pop(rank, None)  # the old start's ids: a new start may use them again
         if agent is not None:
             engine.last_want.pop(agent, None)
             engine.want_pending.pop(agent, None)
