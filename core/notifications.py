@@ -68,6 +68,8 @@ MAX_CLOCK_S = float(1 << 40)
 MAX_KEYS = 4096
 """Most match keys one heartbeat may carry."""
 MAX_ID_CHARS = 1024
+MAX_GOODBYE_ID_CHARS = 64 * 1024
+"""Most characters of request ids one goodbye names (the newest ones first)."""
 MAX_REASON = 2000
 MAX_STAGING_OFFSET = 1 << 48
 MAX_TOKENS = 1 << 40
@@ -235,12 +237,20 @@ def encode_goodbye(
 ) -> bytes:
     """P → D once a closing P worker has nothing in flight: ``incarnation`` ended. ``unsettled``:
     a WRITE it posted to this D rank ended without completing (bytes may follow: D fences).
-    ``delivered``: D request ids whose WRITE to this D rank completed lately (the newest
-    ``MAX_KEYS``): their DONE may arrive after this BYE."""
+    ``delivered``: D request ids whose WRITE to this D rank completed lately (the newest, at
+    most ``MAX_KEYS`` of them and ``MAX_GOODBYE_ID_CHARS`` characters in all): their DONE may
+    arrive after this BYE."""
     body: dict[str, Any] = {"pp": producer.pp_rank, "tp": producer.tp_rank, "inc": incarnation}
     body["unsettled"] = unsettled
-    if delivered:
-        body["done"] = list(delivered)[-MAX_KEYS:]
+    newest: list[str] = []
+    chars = 0
+    for rid in reversed(delivered):
+        chars += len(rid)
+        if len(newest) == MAX_KEYS or chars > MAX_GOODBYE_ID_CHARS:
+            break
+        newest.append(rid)
+    if newest:
+        body["done"] = newest[::-1]
     return _msg(GOODBYE_PREFIX, body)
 
 

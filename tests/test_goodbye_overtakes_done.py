@@ -184,3 +184,10 @@ def test_p_names_in_its_goodbye_the_requests_whose_write_completed() -> None:
     core.shutdown("closing", 100.2)
     bye = _bye_of(core.goodbye(100.2))
     assert sorted(bye.delivered) == ["d-1", "d-3"] and bye.unsettled
+
+
+def test_a_goodbye_names_the_newest_ids_within_its_size_bound() -> None:
+    ids = [f"{n:04d}-" + "x" * 995 for n in range(200)]  # 1000 chars each: 200 kB in all
+    bye = _note(wire.encode_goodbye(P0, "inc", False, delivered=ids))
+    assert len(bye.delivered) == wire.MAX_GOODBYE_ID_CHARS // 1000
+    assert list(bye.delivered) == ids[-len(bye.delivered) :]  # the newest, in order
