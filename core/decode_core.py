@@ -609,13 +609,25 @@ class DecodeCore:
         return [Send(agent, hello) for agent in sorted(engine.hello_pending)]
 
     def unreachable(self, agent: str, error: str, now: float) -> list[Any]:
-        """Sending to ``agent`` raised: its engine is dead to this rank."""
+        """Sending to ``agent`` raised: its engine is dead to this rank. A registered request
+        whose producers there all reported is not failed with it (a closing worker's agent goes
+        away right after its ``BYE``, which this rank may not have read yet): it waits for its
+        other producers' DONEs, through a handshake afresh, or its watchdog."""
         engine_id = self._agent_engine.get(agent)
         engine = self._engines.get(engine_id) if engine_id else None
         if engine is None:
             return []
         self.stats["dead_peers"] += 1
-        return self._engine_failed(engine, f"P agent {agent} is unreachable: {error}", now)
+        spare = set()
+        for rid in sorted(engine.requests):
+            receive = self._requests.get(rid)
+            if receive is None or receive.phase is not _Phase.REGISTERED:
+                continue
+            there = {r for r in receive.expected if receive.agents.get(r) == agent}
+            if there and there <= receive.settled:  # reported, or its BYE said the DONE is coming
+                receive.done_coming = True
+                spare.add(rid)
+        return self._engine_failed(engine, f"P agent {agent} is unreachable: {error}", now, spare=spare)
 
     # ------------------------------------------------------------------ notifications
 
@@ -1778,8 +1790,11 @@ class DecodeCore:
             now,
         )
 
-    def _engine_failed(self, engine: _Producer, reason: str, now: float) -> list[Any]:
-        """An engine failed or died: fail its requests now, forget its agents, back off."""
+    def _engine_failed(
+        self, engine: _Producer, reason: str, now: float, *, spare: set[str] | frozenset[str] = frozenset()
+    ) -> list[Any]:
+        """An engine failed or died: fail its requests now (but ``spare``: registered ones that
+        wait for the DONEs of live producers, handshaken afresh), forget its agents, back off."""
         out: list[Any] = []
         had_agents = engine.info is not None
         engine.state = _EngineState.FAILED
@@ -1799,6 +1814,9 @@ class DecodeCore:
                 continue
             if receive.phase is _Phase.CLOSING:
                 continue  # quarantine runs its course (bounded)
+            if rid in spare:
+                self._timers.arm(("retry", engine.engine_id), self._retry_at(engine))
+                continue
             out += self._close(rid, reason, now)  # CANCELs go out before the agents are dropped
         # Tear the connection down now, before any quarantined block is released: a WRITE stuck
         # in the network (TCP retransmitting through a partition) must find no connection here.

@@ -268,6 +268,9 @@ class _Tomb:
     registration expired): the next finish (or abandon) is that attempt's own prefill."""
     overflow: bool = False
     """More than ``MAX_SEEN`` registrations: every new D request id is taken for an old one."""
+    asked: dict[_Ident, float] = attrs.field(factory=dict)
+    """D registrations P asked for a fresh grant (:meth:`renewable`) -> the stamp it sent: a
+    renewal granted that stamp or later proves D still holds it (the next attempt's)."""
 
     def covers(self, reg: PushRegistration, now: float) -> bool:
         """Is ``reg`` (possibly) a registration of an ended attempt? Yes when an ended attempt
@@ -277,11 +280,33 @@ class _Tomb:
         ident = _ident(reg)
         if self.overflow or ident in self.seen:
             return True
+        grant = reg.grant
+        asked = self.asked.get(ident)
+        if asked is not None and grant is not None and asked <= grant <= now:
+            return False  # renewed after P asked for it: D holds it now
         if not any(seen[0] == ident[0] and seen[2] == ident[2] for seen in self.seen):
             return True
-        grant = reg.grant
         told = self.told.get((reg.decode_engine_id, reg.decode_tp_rank), float("-inf"))
         return grant is None or grant <= self.ended_at or grant < told or grant > now
+
+    def renewable(self, reg: PushRegistration, now: float) -> bool:
+        """Is ``reg`` covered by a pushed attempt only because its grant is not newer than the
+        end on P? D registers a key again once a stamp *reached* it after the end on D, and
+        P's writer may poll the last WRITE complete after issuing that stamp (or the stamp may
+        reach D after the DONE): a grant fresh on D's side may be older than ``ended_at``.
+        Such a registration is asked for a fresh grant instead of being dropped: D renews
+        only a registration it still holds, so the renewal is the next attempt's."""
+        ident = _ident(reg)
+        grant = reg.grant
+        return (
+            self.outcome == "sent"
+            and not self.overflow
+            and ident not in self.seen
+            and ident not in self.asked
+            and len(self.asked) < MAX_SEEN
+            and grant is not None
+            and grant <= self.ended_at <= now
+        )
 
 
 @attrs.define(eq=False)
@@ -342,6 +367,7 @@ class PrefillCore:
             "registration_renewals": 0,
             "stale_registrations": 0,
             "grants_before_load": 0,
+            "grants_asked_after_end": 0,
             "write_deadline_expiries": 0,
             "overdue_kernel_writes": 0,
             "dead_engines": 0,
@@ -801,11 +827,15 @@ class PrefillCore:
         for a failed one, now or once P loaded that D rank; dropped for one pushed, unless it
         states another prompt), never written."""
         key, rank = reg.match_key, reg.decode_tp_rank
+        loaded = self._engines.get(reg.decode_engine_id)
+        if tomb.renewable(reg, now) and loaded and loaded.agents.get(rank) == agent:
+            self.stats["grants_asked_after_end"] += 1
+            tomb.asked[_ident(reg)] = now
+            return [Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, [key]))]
         if len(tomb.seen) < MAX_SEEN:  # that D rank now took part: its next request may retry
             tomb.seen.add(_ident(reg))
         else:
             tomb.overflow = True
-        loaded = self._engines.get(reg.decode_engine_id)
         if _differs(tomb.fingerprint, reg) and loaded and loaded.agents.get(rank) == agent:
             self.stats["prompt_mismatches"] += 1
             ended = "pushed" if tomb.outcome == "sent" else "failed"
