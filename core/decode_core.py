@@ -227,8 +227,9 @@ class _Receive:
     settle_seq: int = -1
     """The fence sequence number when one of its producers last settled: only a fence issued
     after that covers the WRITEs they may have posted until then."""
-    unknown_strikes: int = 0
-    """Heartbeat answers in which a producer said it never heard of the request."""
+    unknown_strikes: dict[str, int] = attrs.field(factory=dict)
+    """Per producer agent, heartbeat answers in which it said it never heard of the request
+    (two from one agent: its PUSH_REG was lost)."""
     reason: str = ""
     """Why the request is closing (the cancel report names it once the blocks are released)."""
     unsettled: set[RankKey] = attrs.field(factory=set)
@@ -1307,7 +1308,7 @@ class DecodeCore:
         # Conservative across the incarnations the request now spans.
         receive.writes_abortable = receive.writes_abortable and info.writes_abortable
         receive.write_deadline_s = max(receive.write_deadline_s, info.write_deadline_s)
-        receive.unknown_strikes = 0
+        receive.unknown_strikes = {}
         self.stats["reregistered"] += len(ranks)
         return self._send_push_regs(rid, receive, engine, info, ranks, now)
 
@@ -1734,7 +1735,8 @@ class DecodeCore:
 
     def _on_unknown(self, engine: _Producer, agent: str, keys: set[str], now: float) -> list[Any]:
         """A producer never heard of these registered requests. Once could be a PUSH_REG still
-        on its way; twice (a heartbeat interval apart) means it was lost: fail at once."""
+        on its way; twice from one agent (a heartbeat interval apart) means it was lost: fail
+        at once."""
         out: list[Any] = []
         assert engine.info is not None
         ranks = {r for r, a in engine.info.agents.items() if a == agent}
@@ -1744,8 +1746,8 @@ class DecodeCore:
                 continue
             if not (receive.expected - receive.settled) & ranks or receive.rereg:
                 continue  # (a rank that wrote it whole may have restarted since)
-            receive.unknown_strikes += 1
-            if receive.unknown_strikes >= 2:
+            strikes = receive.unknown_strikes[agent] = receive.unknown_strikes.get(agent, 0) + 1
+            if strikes >= 2:
                 out += self._close(
                     rid, f"P agent {agent} does not hold this request (its PUSH_REG was lost)", now
                 )
