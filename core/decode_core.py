@@ -253,6 +253,9 @@ class _Receive:
     shares: Mapping[RankKey, frozenset[tuple[int, Any, Any]]] = attrs.field(factory=dict)
     """Each producer's pieces of this rank when it registered (``ProducerInfo.shares``): a
     re-registration needs the same ones (another split would leave gaps or overlaps)."""
+    gone: dict[str, str] = attrs.field(factory=dict)
+    """Producer agents a send to raised (:meth:`DecodeCore.unreachable`) -> why: unless their
+    DONE or ``BYE`` settles them within a heartbeat interval, the request fails."""
     done_coming: bool = False
     """A producer that closed said its DONE was sent (its ``BYE`` named the request, or the DONE
     arrived): the request waits for its DONEs or the watchdog, also when the engine's agents
@@ -610,25 +613,47 @@ class DecodeCore:
         return [Send(agent, hello) for agent in sorted(engine.hello_pending)]
 
     def unreachable(self, agent: str, error: str, now: float) -> list[Any]:
-        """Sending to ``agent`` raised: its engine is dead to this rank. A registered request
-        whose producers there all reported is not failed with it (a closing worker's agent goes
-        away right after its ``BYE``, which this rank may not have read yet): it waits for its
-        other producers' DONEs, through a handshake afresh, or its watchdog."""
+        """Sending to ``agent`` raised: its engine is dead to this rank. A closing worker's
+        agent goes away right after its ``BYE``, which may still be on its way with DONEs it
+        overtook, so a registered request is not failed with the engine: one whose producers
+        there all reported (or were named by their ``BYE``) waits for its other producers'
+        DONEs, through a handshake afresh, or its watchdog; one that still waits for a producer
+        there gets a heartbeat interval for that producer's DONE or ``BYE`` (then it fails)."""
         engine_id = self._agent_engine.get(agent)
         engine = self._engines.get(engine_id) if engine_id else None
         if engine is None:
             return []
         self.stats["dead_peers"] += 1
+        reason = f"P agent {agent} is unreachable: {error}"
         spare = set()
         for rid in sorted(engine.requests):
             receive = self._requests.get(rid)
             if receive is None or receive.phase is not _Phase.REGISTERED:
                 continue
             there = {r for r in receive.expected if receive.agents.get(r) == agent}
-            if there and there <= receive.settled:  # reported, or its BYE said the DONE is coming
+            if not there:
+                continue
+            spare.add(rid)
+            if there <= receive.settled:  # reported, or its BYE said the DONE is coming
                 receive.done_coming = True
-                spare.add(rid)
-        return self._engine_failed(engine, f"P agent {agent} is unreachable: {error}", now, spare=spare)
+            else:
+                receive.gone[agent] = reason
+                self._timers.arm(("gone", rid), now + self.s.heartbeat_interval_s)
+        return self._engine_failed(engine, reason, now, spare=spare)
+
+    def _on_gone(self, rid: str, now: float) -> list[Any]:
+        """A registered request's producer agent went away (:meth:`unreachable`) a heartbeat
+        interval ago: fail it unless that producer's DONE or ``BYE`` settled it meanwhile."""
+        receive = self._requests.get(rid)
+        if receive is None or receive.phase is not _Phase.REGISTERED:
+            return []
+        owed = [
+            reason
+            for agent, reason in sorted(receive.gone.items())
+            if any(receive.agents.get(r) == agent for r in receive.expected - receive.settled)
+        ]
+        receive.gone = {}
+        return self._close(rid, owed[0], now) if owed else []
 
     # ------------------------------------------------------------------ notifications
 
@@ -708,6 +733,8 @@ class DecodeCore:
                 out += self._stamp_awaited(name, None, now)
             elif kind == "acks":
                 out += self._on_acks_timeout(name, now)
+            elif kind == "gone":
+                out += self._on_gone(name, now)
             elif kind == "restart":
                 out += self._on_restart_timeout(name, now)
             elif kind == "retry":
@@ -1405,7 +1432,7 @@ class DecodeCore:
         """Forget a request: the one place request state is deleted."""
         del self._requests[rid]
         self._ended.add(rid)
-        for kind in ("watchdog", "quarantine", "stamp", "acks"):
+        for kind in ("watchdog", "quarantine", "stamp", "acks", "gone"):
             self._timers.disarm((kind, rid))
         ended = (receive.engine_id, receive.key)
         self._seq += 1
