@@ -1513,7 +1513,7 @@ class DecodeCore:
             engine.hello_pending.discard(agent)
             if not engine.hello_pending:
                 out += self._engine_ready(engine, now)
-        failed = set(note.failed_keys)
+        failed, settled = set(note.failed_keys), set(note.settled_keys)
         if failed:
             ranks = {r for r, a in engine.info.agents.items() if a == agent}
             for rid in sorted(r for r in engine.requests if self._requests[r].key in failed):
@@ -1523,11 +1523,13 @@ class DecodeCore:
                 grant = receive.grants.get(agent)
                 older = grant is None or grant < note.stamp  # else P holds it as a new attempt's
                 if receive.phase is _Phase.REGISTERED and ranks & receive.expected and older:
-                    # P stopped, but the answer does not say whether a WRITE of it ended
-                    # unsettled (aborted at its deadline, with bytes still on the way; its FAIL,
-                    # which says so, was lost): fenced before the blocks go back, as any P that
-                    # does not state it. (The fence may reset the engine: see below.)
-                    receive.unsettled.update(ranks & (receive.expected - receive.settled))
+                    # P stopped; unless the answer says no WRITE of the key ended unsettled
+                    # (``settled``; an older P does not say), one may have (aborted at its
+                    # deadline, with bytes still on the way; its FAIL, which says so, was lost):
+                    # fenced before the blocks go back. (The fence may reset the engine: see
+                    # below; it cuts the other producers' WRITEs on it too.)
+                    if receive.key not in settled:
+                        receive.unsettled.update(ranks & (receive.expected - receive.settled))
                     receive.settled.update(ranks)
                     receive.settle_seq = self._fence_seq
                     out += self._close(

@@ -24,7 +24,8 @@ Direction and meaning (docs/reliability.md):
   their leases and answers, but a heartbeat renews no grant (D sends a registration's PUSH_REG
   again when P wants its key).
   ``HB`` P → D (answer): P's ``stamp`` (its clock), incarnation, the keys it ``want``s a fresh
-  grant for, and the keys it no longer holds (``failed``).
+  grant for, and the keys it no longer holds (``failed``); since 2.4 optionally ``fs``, those of
+  them no WRITE of which ended unsettled (absent: not stated, D fences before it releases).
 - ``HELLO`` D → P: sent once after D's notif-only handshake; P answers with an ``HB`` stamp,
   which proves the notification path works both ways before any request depends on it.
 - ``DONE`` / ``FAIL`` P → D: one producer ``(pp, tp)`` (and its TP size) finished or failed a
@@ -209,22 +210,24 @@ def encode_heartbeat_answer(
     want: list[str] = (),  # type: ignore[assignment]
     failed: list[str] = (),  # type: ignore[assignment]
     unknown: list[str] = (),  # type: ignore[assignment]
+    settled: list[str] = (),  # type: ignore[assignment]
 ) -> bytes:
     """P → D: P's stamp (its clock), the keys it needs a fresh grant for, the keys it knows
-    failed, and the keys it has never heard of (D fails one reported unknown twice)."""
-    return _msg(
-        HEARTBEAT_PREFIX,
-        {
-            "request_ids": [],
-            "pp": producer.pp_rank,
-            "tp": producer.tp_rank,
-            "stamp": stamp,
-            "inc": incarnation,
-            "want": list(want)[:MAX_KEYS],
-            "failed": list(failed)[:MAX_KEYS],
-            "unknown": list(unknown)[:MAX_KEYS],
-        },
-    )
+    failed (``settled``: those of them no WRITE of which ended unsettled, so D need not fence),
+    and the keys it has never heard of (D fails one reported unknown twice)."""
+    body: dict[str, Any] = {
+        "request_ids": [],
+        "pp": producer.pp_rank,
+        "tp": producer.tp_rank,
+        "stamp": stamp,
+        "inc": incarnation,
+        "want": list(want)[:MAX_KEYS],
+        "failed": list(failed)[:MAX_KEYS],
+        "unknown": list(unknown)[:MAX_KEYS],
+    }
+    if settled:
+        body["fs"] = list(settled)[:MAX_KEYS]
+    return _msg(HEARTBEAT_PREFIX, body)
 
 
 def encode_hello(reg: PushRegistration, decode_tp_rank: int) -> bytes:
@@ -501,6 +504,7 @@ def decode_notification(message: bytes) -> Notification | None:
                 incarnation=_str_field(body, "inc", what, optional=True),
                 want=_str_list(body, "want", what),
                 failed_keys=_str_list(body, "failed", what),
+                settled_keys=_str_list(body, "fs", what),
                 unknown_keys=_str_list(body, "unknown", what),
             )
         if "decode_engine_id" not in body:

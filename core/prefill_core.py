@@ -895,7 +895,7 @@ class PrefillCore:
             return []
         if self._restarted(engine, reg):
             return self._decode_restarted(engine, reg, agent, note, now)
-        failed, want, unknown = [], [], []
+        failed, want, unknown, settled = [], [], [], []
         for key in note.request_ids:
             request = self._requests.get(key)
             if request is None:
@@ -906,6 +906,8 @@ class PrefillCore:
                     unknown.append(key)
                 elif tomb.outcome == "failed" or tomb.engine_id != engine.engine_id:
                     failed.append(key)
+                    if not tomb.unsettled:  # no WRITE of any attempt of it ended unsettled
+                        settled.append(key)
                     tomb.told[(engine.engine_id, rank)] = now  # D ends older registrations
                 continue
             if request.engine_id != engine.engine_id:
@@ -931,7 +933,9 @@ class PrefillCore:
             waiting = dest is not None and dest.state is _Dest.WAIT_FRESH
             if waiting and entry is not None and self._loaded_from(engine, rank, entry):
                 want.append(key)
-        answer = wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, want, failed, unknown)
+        answer = wire.encode_heartbeat_answer(
+            self.s.rank, now, self.s.incarnation, want, failed, unknown, settled
+        )
         return [Send(agent, answer)]
 
     def _on_hello(self, agent: str, note: Notification, now: float) -> list[Any]:

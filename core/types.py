@@ -650,6 +650,8 @@ class Notification:
     """P → D heartbeat answer: match keys P needs a fresh grant for before it may post."""
     failed_keys: tuple[str, ...] = field(default=(), converter=tuple)
     """P → D heartbeat answer: keys D asked about that P knows failed."""
+    settled_keys: tuple[str, ...] = field(default=(), converter=tuple)
+    """P → D heartbeat answer: those of ``failed_keys`` no WRITE of which ended unsettled."""
     unknown_keys: tuple[str, ...] = field(default=(), converter=tuple)
     """P → D heartbeat answer: keys D asked about that P has never heard of."""
     delivered: tuple[str, ...] = field(default=(), converter=tuple)
