@@ -98,6 +98,8 @@ class BenignCluster(CoreCluster):
         """P incarnation -> (the worker shut down, how it is re-created: "", "same", "new")."""
         self.ticked: dict[int, float] = {}
         self.closes = 0
+        self.byes: list[Any] = []
+        """The BYEs the closed workers sent (a request created while one is unread may fail)."""
 
     # ------------------------------------------------------------------ inherited rules off
     # (plain methods shadow CoreCluster's rules; the harness helpers stay)
@@ -153,11 +155,22 @@ class BenignCluster(CoreCluster):
 
     # ------------------------------------------------------------------ set-up
 
-    @initialize(topology=TOPOLOGY, packed=st.booleans(), d_first=st.integers(0, 3), p_first=st.integers(0, 3))
-    def begin(self, topology: tuple[int, int, int, bool], packed: bool, d_first: int, p_first: int) -> None:
-        """The engines start; the first request comes at once (D handshakes for it)."""
+    @initialize(
+        topology=TOPOLOGY,
+        packed=st.booleans(),
+        d_first=st.integers(0, 3),
+        p_first=st.integers(0, 3),
+        hb=st.sampled_from([5.0, 2.5]),
+    )
+    def begin(
+        self, topology: tuple[int, int, int, bool], packed: bool, d_first: int, p_first: int, hb: float = 5.0
+    ) -> None:
+        """The engines start; the first request comes at once (D handshakes for it). ``hb``:
+        D's heartbeat interval (2.5 s: stamps more often, still above twice ``MSG_MAX_S``)."""
         *sizes, self.mla = topology
         super().start(topology=tuple(sizes))  # type: ignore[arg-type]
+        for d in self.d_procs:
+            d.core.s = attrs.evolve(d.core.s, heartbeat_interval_s=hb)
         self._stamp()
         self.make_request(
             nblocks=1, packed=packed, sizes="right", d_first=d_first, p_first=p_first, bind=True
@@ -235,6 +248,10 @@ class BenignCluster(CoreCluster):
         self.created[req.rid] = self.t
         if not self._ranks_served():
             self.exempt[req.rid] = "created while a P worker was closed and not replaced"
+        if self.closing or any(m in self.net for m in self.byes):
+            # D may register it with the closing worker before it reads the BYE: the brief
+            # protects what that worker posted before the close, not requests it never had
+            self.exempt[req.rid] = "created while a P worker closed, its BYE unread"
         i = len(self.requests) - 1
         ps, ds = self._serving(), self.live_d()
         for p in ps[: [0, 1, 1, len(ps)][p_first]] if p_first % 2 == 0 else ():
@@ -289,11 +306,16 @@ class BenignCluster(CoreCluster):
     @precondition(lambda self: self.requests and self.t < ACTIVE_S)
     @rule(i=IDX, finish_first=st.booleans(), bind=st.booleans())
     def retry_done(self, i: int, finish_first: bool, bind: bool) -> None:
-        """The engines use a match key again after its request was done everywhere."""
+        """The engines use a match key again after its request was done everywhere: on every D
+        rank, and every P rank's prefill of it reported (sent); one request of a key at a time."""
         old = self.requests[i % len(self.requests)]
-        if not self._ended(old) or any(
-            p.finished.get(old.key) and (p.inc, p.finished[old.key]) not in self.outcome
-            for p in self.live_p()
+        pid = f"p-{old.rid}"
+        if (
+            old is not [r for r in self.requests if r.key == old.key][-1]
+            or not all(
+                old.rid in d.requests and d.requests[old.rid].outcomes == ["done"] for d in self.live_d()
+            )
+            or any(self.outcome.get((p.inc, pid)) != "sent" for p in self._serving() if old.seq > p.born)
         ):
             return
         n = next(self.seq)
@@ -368,7 +390,9 @@ class BenignCluster(CoreCluster):
         for inc, (p, then) in list(self.closing.items()):
             if not p.alive or p.posts or p.core.inflight_handles():
                 continue
+            before = list(self.net)
             self._run_p(p, p.core.goodbye(self.now(p)))
+            self.byes += [m for m in self.net if all(m is not b for b in before)]
             p.alive = False
             del self.closing[inc]
             if then:
@@ -743,3 +767,75 @@ def test_machine_a_stage_finishing_late_after_the_other_closed_ends_done() -> No
             m.deliver(i=0)
     m.finish_late(i=0, j=0, bind=False)  # stage 1: its grant of t=0 is stale, it asks for one
     m.teardown()  # before a fix: r3 fails at D's restart timeout (t=20 s)
+
+
+@pytest.mark.parametrize("then", ["same", "new", ""])
+def test_machine_a_goodbye_overtaking_the_last_done_fails_nothing(then: str) -> None:
+    """The bug b3a7ace fixed, on this machine (fails on a89b8ce): P's worker polls its last
+    WRITE complete, closes and says goodbye; D reads the BYE before that WRITE's DONE."""
+    m = BenignCluster()
+    m.begin(topology=(1, 1, 1, False), packed=False, d_first=3, p_first=3)
+    for _ in range(8):
+        m._settle_once(land=False)  # registered, P's WRITE posted
+    m.land(i=0)  # its DONE is on the way
+    m.poll_p(j=0)  # P: sent
+    m.close_worker(j=0, then=then, now=0)  # nothing in flight: shutdown and goodbye at once
+    kinds = [wire.decode_notification(x.data).kind.value for x in m.net]  # type: ignore[union-attr]
+    assert kinds == ["done", "goodbye"], kinds
+    m.deliver(i=1)  # the BYE overtakes the DONE
+    m.teardown()
+
+
+def test_one_heartbeat_round_answered_unknown_by_two_producers_is_one_strike_each() -> None:
+    """Found by the machine (PP2 x TP2 -> TP1, D heartbeat every 2.5 s; with 5 s it is rarer,
+    not gone): a request registers just before D's heartbeat; its PUSH_REGs to two producers
+    are still on their way when the heartbeat (which names its key) reaches them, and both
+    answer "unknown". ``_on_unknown`` counts strikes per request, not per producer, so the two
+    answers to one round are "twice" and D fails it at once ("its PUSH_REG was lost"), though
+    each producer said so once and both PUSH_REGs arrive a moment later."""
+    d = _registered("r1", stages=2)  # r1's PUSH_REGs are on their way to both stages
+    out: list[Any] = []
+    for rank, agent in [(P0, A0), (P1, A1)]:  # both answer D's heartbeat before the PUSH_REG
+        answer = wire.encode_heartbeat_answer(rank, 0.3, f"inc-{agent}", [], [], ["k-r1"])
+        out += d.notification(agent, _note(answer), 0.3)
+    assert _reports(out) == [], f"one heartbeat round failed r1: {out}"
+    out = d.notification(A0, _note(wire.encode_done("r1", P0, 1)), 0.5)
+    out += d.notification(A1, _note(wire.encode_done("r1", P1, 1)), 0.6)
+    assert _reports(out) == [("r1", "done")], out
+
+
+def test_machine_shrunk_a_key_used_again_in_pp2_ends_done() -> None:
+    """The machine's own shrunk sequence for the key-reuse finding (PP2 -> TP1, D heartbeat 2.5 s;
+    on the code before a fix the retry fails at P's 30 s lease)."""
+    state = BenignCluster()
+    state.begin(topology=(2, 1, 1, False), packed=False, d_first=1, p_first=0, hb=2.5)
+    state.finish_late(bind=False, i=0, j=0)
+    state.tick(dt=2.0, lazy=set())
+    state.land(i=0)
+    state.deliver(i=0)
+    state.poll_p(j=0)
+    state.poll_p(j=0)
+    state.finish_late(bind=False, i=0, j=0)
+    state.post(chunks=1, j=0)
+    state.land(i=0)
+    state.tick(dt=0.5, lazy=set())
+    state.tick(dt=2.0, lazy=set())
+    state.retry_done(bind=False, finish_first=False, i=0)
+    state.teardown()
+
+
+def test_machine_shrunk_one_heartbeat_round_answered_unknown_twice() -> None:
+    """The machine's own shrunk sequence for the strikes finding (PP2 x TP2 -> TP1)."""
+    state = BenignCluster()
+    state.begin(topology=(2, 2, 1, False), packed=False, d_first=1, p_first=0, hb=2.5)
+    state.handshake_ok(i=0)
+    state.deliver(i=0)
+    state.tick(dt=2.0, lazy=set())
+    state.poll_p(j=0)
+    state.make_request(bind=False, d_first=1, nblocks=1, p_first=0, packed=False, sizes="absent")
+    state.deliver(i=0)
+    state.tick(dt=0.5, lazy=set())
+    state.deliver(i=9)
+    state.deliver(i=15)
+    state.deliver(i=27)
+    state.teardown()
