@@ -48,10 +48,10 @@ from test_core_properties import (
     Violation,
     _machine_settings,
 )
-from test_goodbye_overtakes_done import A0, A1, P0, P1, _bye, _note, _registered, _reports
+from test_goodbye_overtakes_done import A0, A1, P0, P1, _bye, _note, _registered, _released, _reports
 
 from kvpush.core import notifications as wire
-from kvpush.core.actions import Connect, Post, Report, Send
+from kvpush.core.actions import Connect, Fence, Post, Report, Send
 from kvpush.core.decode_core import DecodeCore, DecodeSettings, ProducerInfo
 from kvpush.core.prefill_core import PrefillCore, PrefillSettings, _Dest
 from kvpush.core.types import Notification, RankKey, ReadSpec, RequestMetadata, TransferParams
@@ -854,4 +854,55 @@ def test_machine_shrunk_one_heartbeat_round_answered_unknown_twice() -> None:
     state.deliver(i=9)
     state.deliver(i=15)
     state.deliver(i=27)
+    state.teardown()
+
+
+def test_a_heartbeat_answer_saying_failed_before_the_fail_fences_no_write_of_another_request() -> None:
+    """Found by the machine (PP2 -> TP2, 5,000 random runs with the fixes above): stage 0
+    closes; its shutdown fails r7, which it never posted (FAIL, nothing unsettled), and its
+    answer to D's heartbeat names k7 ``failed`` before that FAIL arrives. The answer does not
+    say whether a WRITE ended unsettled, so D counts stage 0 unsettled and fences at once; the
+    fence takes the engine's whole connection, and stage 1's WRITE of r5 in flight on it (r5,
+    which stage 0 wrote before it closed) fails: r5 fails on that D rank. D could close r7 and
+    let the CANCEL it sends anyway (or the FAIL on its way) say whether anything is unsettled,
+    fencing only if neither comes by the quarantine's end."""
+    d = _registered("r5", "r7", stages=2)
+    out = d.notification(A0, _note(wire.encode_done("r5", P0, 1)), 1.0)  # stage 0 wrote r5
+    answer = wire.encode_heartbeat_answer(P0, 1.1, f"inc-{A0}", [], ["k-r7"], [])  # k7 failed
+    out += d.notification(A0, _note(answer), 1.1)
+    assert _reports(out) == [("r7", "failed")], out
+    fences = [a for a in out if isinstance(a, Fence)]
+    assert not fences, f"stage 1's WRITE of r5 in flight is cut by {fences}"
+    out = d.notification(A0, _note(wire.encode_failed("r7", P0, "the prefill worker closed", False)), 1.2)
+    out += d.notification(A1, _note(wire.encode_cancel_ack("r7", P1, False, unsettled=False)), 1.2)
+    assert not [a for a in out if isinstance(a, Fence)] and _released(out) == ["r7"], out
+    assert _reports(d.notification(A1, _note(wire.encode_done("r5", P1, 1)), 1.3)) == [("r5", "done")]
+
+
+def test_machine_shrunk_a_fence_after_a_heartbeat_answer_cuts_another_requests_write() -> None:
+    """The machine's own shrunk sequence for the finding above (PP2 -> TP2; r5 fails on D rank 1)."""
+    state = BenignCluster()
+    state.begin(topology=(2, 1, 2, False), hb=5.0, p_first=0, d_first=0, packed=False)
+    state.make_request(bind=False, d_first=2, nblocks=1, p_first=1, packed=False, sizes="absent")
+    state.tick(dt=2.0, lazy=set())
+    state.poll_p(j=0)
+    state.make_request(bind=False, d_first=0, nblocks=1, p_first=0, packed=False, sizes="absent")
+    state.land(i=0)
+    state.tick(dt=2.0, lazy=set())
+    state.make_request(bind=False, d_first=2, nblocks=1, p_first=1, packed=False, sizes="absent")
+    state.close_worker(j=0, now=0, then="same")
+    state.deliver(i=0)
+    state.deliver(i=2)
+    state.tick(dt=0.5, lazy=set())
+    state.deliver(i=0)
+    state.tick(dt=0.5, lazy=set())
+    state.deliver(i=28)
+    state.deliver(i=0)
+    state.deliver(i=0)
+    state.deliver(i=0)
+    state.deliver(i=0)
+    state.deliver(i=0)
+    state.deliver(i=0)
+    state.deliver(i=0)
+    state.deliver(i=0)
     state.teardown()
