@@ -922,3 +922,23 @@ def test_machine_shrunk_a_fence_after_a_heartbeat_answer_cuts_another_requests_w
     state.deliver(i=0)
     state.deliver(i=0)
     state.teardown()
+
+
+def test_machine_shrunk_a_failed_handshake_after_a_goodbye_fails_no_kept_request() -> None:
+    """Found on main 85d2f68 (4,000 random runs): PP2 -> TP1, both stages posted r3, stage 0
+    closes for good; D keeps r3 at the BYE and handshakes afresh; that handshake fails (stage 0
+    is gone) and fails r3 while stage 1's WRITE of it is in flight. Kept requests should
+    survive a failed handshake while a rank restarts (bounded by the restart timeout)."""
+    state = BenignCluster()
+    state.begin(topology=(2, 1, 1, False), packed=False, d_first=1, p_first=3, hb=5.0)
+    state.handshake_ok(i=0)
+    state.deliver(i=0)
+    state.deliver(i=0)
+    state.handshake_ok(i=0)
+    state.tick(dt=2.0, lazy=set())
+    state.land(i=0)
+    state.poll_p(j=0)
+    state.close_worker(j=0, now=0, then="")
+    state.make_request(bind=False, d_first=1, nblocks=1, p_first=0, packed=False, sizes="absent")
+    state.tick(dt=2.0, lazy=set())
+    state.teardown()
