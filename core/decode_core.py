@@ -526,7 +526,8 @@ class DecodeCore:
             out = self._engine_down(engine, f"handshake with P failed while a P rank restarts: {error}", now)
             return [*asks, *out] + ([] if asks else [DropPeer(engine_id, "handshake failed")])
         if info is None:
-            return asks + self._engine_failed(engine, f"handshake with P failed: {error}", now)
+            why = f"handshake with P failed: {error}"
+            return asks + self._engine_failed(engine, why, now, spare=self._done_coming(engine))
         closed = sorted(a for a, inc in info.incarnations.items() if (a, inc) in self._closed)
         if closed:
             # P's side channel still names a worker that said goodbye (its replacement is not
@@ -1819,7 +1820,18 @@ class DecodeCore:
             f"this engine's side channel at {self.s.host}:{self.s.port} (check the advertised address), "
             f"or notifications between the engines are lost (check the UCX transports, e.g. UCX_TLS)",
             now,
+            spare=self._done_coming(engine),
         )
+
+    def _done_coming(self, engine: _Producer) -> set[str]:
+        """Registered requests of ``engine`` whose producers that ended had all written (or
+        said their DONE is on its way): a failed handshake afresh does not fail them; their
+        live producers' DONEs, their BYEs or the watchdog end them."""
+        return {
+            rid
+            for rid in engine.requests
+            if (r := self._requests.get(rid)) is not None and r.phase is _Phase.REGISTERED and r.done_coming
+        }
 
     def _engine_failed(
         self, engine: _Producer, reason: str, now: float, *, spare: set[str] | frozenset[str] = frozenset()

@@ -30,7 +30,6 @@ piece landed, one report per request, drain to empty state) run here too.
 
 from __future__ import annotations
 
-import inspect
 import os
 from typing import Any
 
@@ -878,13 +877,8 @@ def test_a_heartbeat_answer_saying_failed_before_the_fail_fences_no_write_of_ano
     85d2f68: ``settled``, which this test passes where the encoder has it)."""
     d = _registered("r5", "r7", stages=2)
     out = d.notification(A0, _note(wire.encode_done("r5", P0, 1)), 1.0)  # stage 0 wrote r5
-    # k7 failed; P's shutdown posted nothing of it: where the answer can say so, it does
-    settled = (
-        {"settled": ["k-r7"]}
-        if "settled" in inspect.signature(wire.encode_heartbeat_answer).parameters
-        else {}
-    )
-    answer = wire.encode_heartbeat_answer(P0, 1.1, f"inc-{A0}", [], ["k-r7"], [], **settled)
+    # k7 failed; P's shutdown posted nothing of it, and its answer says so (``fs``)
+    answer = wire.encode_heartbeat_answer(P0, 1.1, f"inc-{A0}", [], ["k-r7"], [], ["k-r7"])
     out += d.notification(A0, _note(answer), 1.1)
     assert _reports(out) == [("r7", "failed")], out
     fences = [a for a in out if isinstance(a, Fence)]
@@ -942,3 +936,15 @@ def test_machine_shrunk_a_failed_handshake_after_a_goodbye_fails_no_kept_request
     state.make_request(bind=False, d_first=1, nblocks=1, p_first=0, packed=False, sizes="absent")
     state.tick(dt=2.0, lazy=set())
     state.teardown()
+
+
+def test_a_heartbeat_answer_of_an_older_p_saying_failed_is_still_fenced() -> None:
+    """The safety side of the finding above: an answer that does not state the failed key
+    settled (an older P, or a WRITE of it that did end unsettled) is fenced before the blocks
+    go back, as before."""
+    d = _registered("r7", stages=2)
+    answer = wire.encode_heartbeat_answer(P0, 1.1, f"inc-{A0}", [], ["k-r7"], [])
+    out = d.notification(A0, _note(answer), 1.1)
+    assert _reports(out) == [("r7", "failed")], out
+    out = d.notification(A1, _note(wire.encode_cancel_ack("r7", P1, False, unsettled=False)), 1.2)
+    assert [a for a in out if isinstance(a, Fence)] and _released(out) == [], out  # fenced first
