@@ -828,7 +828,8 @@ class PrefillCore:
         states another prompt), never written."""
         key, rank = reg.match_key, reg.decode_tp_rank
         loaded = self._engines.get(reg.decode_engine_id)
-        if tomb.renewable(reg, now) and loaded and loaded.agents.get(rank) == agent:
+        renewable = tomb.renewable(reg, now) and not _differs(tomb.fingerprint, reg)
+        if renewable and loaded and loaded.agents.get(rank) == agent:
             self.stats["grants_asked_after_end"] += 1
             tomb.asked[_ident(reg)] = now
             return [Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, [key]))]
