@@ -300,6 +300,8 @@ class _Tomb:
         grant = reg.grant
         return (
             self.outcome == "sent"
+            and self.engine_id == reg.decode_engine_id  # the D engine it was pushed to
+            and any(seen[0] == ident[0] and seen[2] == ident[2] for seen in self.seen)  # its rank took part
             and not self.overflow
             and ident not in self.seen
             and ident not in self.asked
