@@ -1858,9 +1858,10 @@ class DecodeCore:
             if receive.phase is _Phase.CLOSING:
                 continue  # quarantine runs its course (bounded)
             if rid in spare:
-                self._timers.arm(("retry", engine.engine_id), self._retry_at(engine))
                 continue
             out += self._close(rid, reason, now)  # CANCELs go out before the agents are dropped
+        if spare & engine.requests:  # handshaken afresh for them after the backoff
+            self._timers.arm(("retry", engine.engine_id), self._retry_at(engine))
         # Tear the connection down now, before any quarantined block is released: a WRITE stuck
         # in the network (TCP retransmitting through a partition) must find no connection here.
         return out + (self._maybe_forget(engine) if had_agents else [])
