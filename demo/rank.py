@@ -58,6 +58,8 @@ class RankSpec:
     transport: str = "nixl"
     transport_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
     log_level: str = "WARNING"
+    log_file: str | None = None
+    """Append the rank's log to this file instead of stderr (the soak reads it back)."""
     worker_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
     """Extra ``WorkerConfig`` fields (e.g. ``heartbeat_interval_s``, ``write_deadline_s``)."""
     strategy: str | None = None
@@ -119,9 +121,11 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         except Exception:
             conn.send(("error", traceback.format_exc()))
             return
+    stamp = "%(created).3f" if spec.log_file else "%(asctime)s"  # a file is read back by time
     logging.basicConfig(
         level=os.environ.get("KVPUSH_LOG_LEVEL", spec.log_level),
-        format=f"%(asctime)s {spec.role}{spec.parallel.rank} %(message)s",
+        format=f"{stamp} {spec.role}{spec.parallel.rank} %(message)s",
+        filename=spec.log_file,
     )
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     try:

@@ -31,6 +31,7 @@ import random
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -113,7 +114,7 @@ def _fault_options(cfg: SoakConfig) -> dict[str, Any]:
     }
 
 
-def _specs(cfg: SoakConfig, p_port: int, d_port: int) -> tuple[list[RankSpec], list[RankSpec]]:
+def _specs(cfg: SoakConfig, p_port: int, d_port: int, log_dir: str) -> tuple[list[RankSpec], list[RankSpec]]:
     blocks = (cfg.requests * cfg.max_blocks + 8,)
     common = {
         "model": SOAK_MODEL,
@@ -123,7 +124,7 @@ def _specs(cfg: SoakConfig, p_port: int, d_port: int) -> tuple[list[RankSpec], l
         "request_timeout_s": cfg.request_timeout_s,
         "lease_s": cfg.lease_s,
         "transport": "faulty",
-        "log_level": "ERROR",
+        "log_level": "INFO",  # into log_dir: the slowest request's trail in the report
         "transport_options": _fault_options(cfg),
         "worker_options": {
             "heartbeat_interval_s": cfg.heartbeat_interval_s,
@@ -139,6 +140,7 @@ def _specs(cfg: SoakConfig, p_port: int, d_port: int) -> tuple[list[RankSpec], l
                 num_layers=SOAK_MODEL.num_layers, pp_size=cfg.prefill_pp, pp_rank=pp, tp_size=1, tp_rank=0
             ),
             side_channel_port=p_port,
+            log_file=os.path.join(log_dir, f"prefill-pp{pp}.log"),
             **common,
         )
         for pp in range(cfg.prefill_pp)
@@ -149,6 +151,7 @@ def _specs(cfg: SoakConfig, p_port: int, d_port: int) -> tuple[list[RankSpec], l
             engine_id="decode-0",
             parallel=ParallelConfig(tp_size=cfg.decode_tp, tp_rank=tp, num_layers=SOAK_MODEL.num_layers),
             side_channel_port=d_port,
+            log_file=os.path.join(log_dir, f"decode-tp{tp}.log"),
             **common,
         )
         for tp in range(cfg.decode_tp)
@@ -277,8 +280,9 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
     rng = random.Random(cfg.seed)
     p_server, d_server = SideChannelServer("prefill-0"), SideChannelServer("decode-0")
     ranks: list[_Rank] = []
+    log_dir = tempfile.TemporaryDirectory(prefix="kvpush-soak-")
     try:
-        p_specs, d_specs = _specs(cfg, p_server.port, d_server.port)
+        p_specs, d_specs = _specs(cfg, p_server.port, d_server.port, log_dir.name)
         say(
             f"[soak] starting {len(p_specs)} prefill and {len(d_specs)} decode processes "
             f"(faulty/{cfg.transport_inner}, {cfg.device})"
@@ -316,7 +320,7 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
             "pp_size": cfg.prefill_pp,
         }
         say(f"[soak] dispatching {cfg.requests} requests (abort {cfg.abort_rate}, faults {cfg.fault_rate})")
-        tracker = _Tracker([p["rid"] for p in plans], p_ranks, d_ranks)
+        tracker = _Tracker([p["rid"] for p in plans], p_ranks, d_ranks, log_dir.name)
         dispatched, late = tracker.dispatched, tracker.late
         disruptions = _disruption_schedule(cfg)
         for index, plan in enumerate(plans):
@@ -349,6 +353,7 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
         _stop(ranks)
         p_server.close()
         d_server.close()
+        log_dir.cleanup()
 
 
 @attrs.define
@@ -359,6 +364,8 @@ class _Tracker:
     rids: list[str]
     p_ranks: list[_Rank]
     d_ranks: list[_Rank]
+    log_dir: str
+    """The rank processes' logs (INFO), one file per rank."""
     late: list[tuple[float, str]] = attrs.field(factory=list)
     dispatched: dict[str, float] = attrs.field(factory=dict)
     d_outcome: dict[str, dict[RankKey, tuple[str, Any]]] = attrs.field(factory=dict)
@@ -515,7 +522,36 @@ def _slowest(tracker: _Tracker, aborts: dict[str, str | None]) -> dict[str, Any]
             for key, (kind, value) in tracker.d_outcome.get(rid, {}).items()
         },
         "prefill": {str(key): reason or "sent" for key, reason in tracker.p_outcome.get(rid, {}).items()},
+        "trail": _trail(tracker.log_dir, rid, start, tracker.resolved_at[rid]),
     }
+
+
+TRAIL_LINES = 60
+
+
+def _trail(log_dir: str, rid: str, start: float, end: float) -> list[str]:
+    """The ranks' log lines about ``rid``, and those about no request at all (handshakes,
+    fences), from its dispatch to its release: at most ``TRAIL_LINES``, times in seconds since
+    its dispatch."""
+    wall = time.time() - time.monotonic()  # the logs stamp wall-clock time
+    about_rid = re.compile(rf"\b{re.escape(rid)}\b")
+    lines: list[tuple[float, str]] = []
+    for name in sorted(os.listdir(log_dir)):
+        with open(os.path.join(log_dir, name), errors="replace") as log:
+            for line in log:
+                stamp, _, text = line.rstrip("\n").partition(" ")
+                try:
+                    at = float(stamp) - wall
+                except ValueError:
+                    continue  # a traceback's continuation line
+                if start - 0.1 <= at <= end + 0.1 and (about_rid.search(text) or "soak-" not in text):
+                    lines.append((at, f"+{at - start:.3f} {text[:300]}"))
+    lines.sort()
+    if len(lines) > TRAIL_LINES:
+        half = TRAIL_LINES // 2
+        skipped = len(lines) - 2 * half
+        lines = [*lines[:half], (0.0, f"... {skipped} lines ..."), *lines[-half:]]
+    return [text for _, text in lines]
 
 
 def _after_restart(tracker: _Tracker, verified_rids: set[str]) -> dict[str, int] | None:

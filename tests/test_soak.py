@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 
 from kvpush.demo.soak import KEYS, SoakConfig, run_soak, soak_ok
 
 PYTHON_CLI = (sys.executable, "-m", "kvpush.cli")
 
 
-def test_soak_with_aborts_and_faults_writes_nothing_into_freed_blocks_and_leaks_nothing() -> None:
+def test_soak_with_aborts_and_faults_writes_nothing_into_freed_blocks_and_leaks_nothing(
+    diagnosis: Callable[[str], None],
+) -> None:
     report = run_soak(SoakConfig(requests=300, abort_rate=0.2, fault_rate=0.02, seed=11))
     assert soak_ok(report), report
     assert report["requests"] == 300
@@ -28,7 +31,10 @@ def test_soak_with_aborts_and_faults_writes_nothing_into_freed_blocks_and_leaks_
     # retransmission backoff. The slack went from 3 to 6 s until that is settled (open), and to
     # 10 s after a CI run of 2026-12-02 measured 16.98 s (cause still open: a liveness bound,
     # not a safety one; the freed-block and leak checks above are exact).
-    assert report["max_wait_s"] < 6.0 + 0.5 + 2 * 1.5 + 10.0, report["slowest"]
+    bound = 6.0 + 0.5 + 2 * 1.5 + 10.0
+    if not report["max_wait_s"] < bound:  # the slowest request's outcomes and its ranks' log trail
+        diagnosis(json.dumps(report["slowest"], indent=1))
+    assert report["max_wait_s"] < bound, report["slowest"]["rid"]
 
 
 def test_the_freed_block_check_catches_a_late_write() -> None:
