@@ -669,6 +669,10 @@ class DecodeCore:
                 and receive.agents.get(producer) == agent  # in the set, from its own agent
                 and note.producer_tp_size == receive.prefill_tp
                 and producer not in receive.arrived  # after packed chunks: checked below
+                and (
+                    not note.incarnation
+                    or note.incarnation == receive.incarnations.get(agent, note.incarnation)
+                )
             ):
                 reported = receive.reported
                 if producer in reported:
@@ -1028,7 +1032,8 @@ class DecodeCore:
     @staticmethod
     def _identity_problem(agent: str, receive: _Receive, note: Notification) -> str:
         """Why a producer's notification must not count for ``receive`` ("" when it may): the
-        producers, their agents and P's TP size are the ones the request registered with."""
+        producers, their agents, the agents' incarnations (where the notification states one)
+        and P's TP size are the ones the request registered with."""
         producer = note.producer
         if producer is None or not receive.agents:
             return "no handshake with the request's P engine"
@@ -1040,6 +1045,14 @@ class DecodeCore:
             return f"producer {producer} must speak through agent {receive.agents.get(producer)!r}"
         if note.kind is NotificationKind.DONE and note.producer_tp_size != receive.prefill_tp:
             return f"DONE states P TP {note.producer_tp_size}, P published {receive.prefill_tp}"
+        registered = receive.incarnations.get(agent)
+        if note.incarnation and registered and note.incarnation != registered:
+            # Another process under the agent's name (one that restarted, or its old process
+            # still alive): it never had this registration, whatever it says of it.
+            return (
+                f"sent by incarnation {note.incarnation!r} of {agent}; this request registered with "
+                f"incarnation {registered!r}"
+            )
         return ""
 
     def _count(self, rid: str, receive: _Receive, producer: RankKey, now: float) -> list[Any]:

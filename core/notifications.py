@@ -31,6 +31,10 @@ Direction and meaning (docs/reliability.md):
 - ``DONE`` / ``FAIL`` P → D: one producer ``(pp, tp)`` (and its TP size) finished or failed a
   request; a packed DONE carries the manifest D scatters from.
 - ``CANCEL`` D → P and ``CANCEL_ACK`` P → D: see docs/reliability.md, "Cancel".
+- Since 2.5 ``DONE``, ``FAIL`` and ``CANCEL_ACK`` optionally carry ``inc``, the sending P
+  worker's incarnation: D counts them only for a request that registered with that incarnation
+  of the agent (an old process still alive under a restarted worker's name cannot complete or
+  settle the new registration; absent: not stated, the agent's name alone decides).
 - ``BYE`` P → D (since 2.3): a P worker closed (its producer rank and incarnation): it posts nothing more
   and every WRITE it posted to this D rank ended (``unsettled``: one ended without completing).
   Since 2.4 optionally ``done``: the D request ids whose WRITE (and so its DONE) to this D rank
@@ -59,7 +63,7 @@ from kvpush.core.types import (
 from kvpush.core.wire import MAX_PARALLEL as WIRE_MAX_PARALLEL
 from kvpush.core.wire import pack, unpack
 
-NOTIF_VERSION = (2, 4)
+NOTIF_VERSION = (2, 5)
 """(major, minor) of the notification format; only the major must match."""
 MAX_BLOCK_ID = (1 << 31) - 1
 MAX_PARALLEL = WIRE_MAX_PARALLEL
@@ -131,14 +135,21 @@ def encode_push_reg(reg: PushRegistration) -> bytes:
 
 
 def encode_done(
-    request_id: str, producer: RankKey, producer_tp_size: int, packing: PackManifest | None = None
+    request_id: str,
+    producer: RankKey,
+    producer_tp_size: int,
+    packing: PackManifest | None = None,
+    incarnation: str = "",
 ) -> bytes:
+    """``incarnation``: the sending P worker's (since 2.5; empty: not stated)."""
     body: dict[str, Any] = {
         "request_id": request_id,
         "pp": producer.pp_rank,
         "tp": producer.tp_rank,
         "ptp": producer_tp_size,
     }
+    if incarnation:
+        body["inc"] = incarnation
     if packing is not None:
         body["pk"] = [
             packing.staging_offset,
@@ -150,19 +161,21 @@ def encode_done(
     return _msg(DONE_PREFIX, body)
 
 
-def encode_failed(request_id: str, producer: RankKey, reason: str, unsettled: bool = True) -> bytes:
+def encode_failed(
+    request_id: str, producer: RankKey, reason: str, unsettled: bool = True, incarnation: str = ""
+) -> bytes:
     """``unsettled``: a WRITE posted to this D rank ended without completing (bytes may follow);
-    True unless P knows otherwise."""
-    return _msg(
-        FAIL_PREFIX,
-        {
-            "request_id": request_id,
-            "pp": producer.pp_rank,
-            "tp": producer.tp_rank,
-            "reason": reason[:MAX_REASON],
-            "unsettled": unsettled,
-        },
-    )
+    True unless P knows otherwise. ``incarnation``: the sending P worker's (since 2.5)."""
+    body: dict[str, Any] = {
+        "request_id": request_id,
+        "pp": producer.pp_rank,
+        "tp": producer.tp_rank,
+        "reason": reason[:MAX_REASON],
+        "unsettled": unsettled,
+    }
+    if incarnation:
+        body["inc"] = incarnation
+    return _msg(FAIL_PREFIX, body)
 
 
 def encode_cancel(match_key: str, reg: PushRegistration | None = None, decode_tp_rank: int = 0) -> bytes:
@@ -174,20 +187,20 @@ def encode_cancel(match_key: str, reg: PushRegistration | None = None, decode_tp
 
 
 def encode_cancel_ack(
-    request_id: str, producer: RankKey, write_in_flight: bool, unsettled: bool = True
+    request_id: str, producer: RankKey, write_in_flight: bool, unsettled: bool = True, incarnation: str = ""
 ) -> bytes:
     """``unsettled``: a WRITE posted to this D rank ended without completing (bytes may follow);
-    True unless P knows otherwise."""
-    return _msg(
-        CANCEL_ACK_PREFIX,
-        {
-            "request_id": request_id,
-            "pp": producer.pp_rank,
-            "tp": producer.tp_rank,
-            "inflight": write_in_flight,
-            "unsettled": unsettled,
-        },
-    )
+    True unless P knows otherwise. ``incarnation``: the sending P worker's (since 2.5)."""
+    body: dict[str, Any] = {
+        "request_id": request_id,
+        "pp": producer.pp_rank,
+        "tp": producer.tp_rank,
+        "inflight": write_in_flight,
+        "unsettled": unsettled,
+    }
+    if incarnation:
+        body["inc"] = incarnation
+    return _msg(CANCEL_ACK_PREFIX, body)
 
 
 def encode_heartbeat(
@@ -461,6 +474,7 @@ def decode_notification(message: bytes) -> Notification | None:
             producer=_producer(body, what),
             producer_tp_size=_int_field(body, "ptp", what, low=1, high=MAX_PARALLEL),
             packing=_manifest(body, what),
+            incarnation=_str_field(body, "inc", what, optional=True),
         )
     if kind is NotificationKind.PUSH_REG:
         rid = _str_field(body, "request_id", what)
@@ -553,12 +567,18 @@ def decode_notification(message: bytes) -> Notification | None:
             producer=producer,
             write_in_flight=bool(body.get("inflight")),
             unsettled=unsettled,
+            incarnation=_str_field(body, "inc", what, optional=True),
         )
     reason = body.get("reason")
     reason = reason[:MAX_REASON] if isinstance(reason, str) else "unknown"
     if kind is NotificationKind.FAILED:
         return Notification(
-            kind=kind, request_id=request_id, producer=producer, reason=reason, unsettled=unsettled
+            kind=kind,
+            request_id=request_id,
+            producer=producer,
+            reason=reason,
+            unsettled=unsettled,
+            incarnation=_str_field(body, "inc", what, optional=True),
         )
     return Notification(kind=kind, request_id=request_id, producer=producer, reason=reason)
 
@@ -581,6 +601,7 @@ def _direct_done(message: bytes) -> Notification | None:
         return None
     version, rid = body.get("v"), body.get("request_id")
     pp, tp, ptp = body.get("pp"), body.get("tp"), body.get("ptp")
+    inc = body.get("inc", "")
     if (
         type(version) is list
         and len(version) >= 2
@@ -595,8 +616,12 @@ def _direct_done(message: bytes) -> Notification | None:
         and 0 <= pp < MAX_PARALLEL
         and 0 <= tp < MAX_PARALLEL
         and 1 <= ptp <= MAX_PARALLEL
+        and type(inc) is str
+        and len(inc) <= MAX_ID_CHARS
     ):
         # RankKey's own checks (non-negative plain ints) hold: skip its constructor
         producer = _new_rank(RankKey, (pp, tp))
-        return Notification(kind=_DONE, request_id=rid, producer=producer, producer_tp_size=ptp)
+        return Notification(
+            kind=_DONE, request_id=rid, producer=producer, producer_tp_size=ptp, incarnation=inc
+        )
     return None

@@ -561,7 +561,9 @@ class PrefillCore:
             engine = self._engines.get(engine_id)
             for rank, entry in sorted(held.items()):
                 if engine is not None and engine.agents.get(rank) == entry.agent:
-                    message = wire.encode_failed(entry.reg.request_id, self.s.rank, reason, unsettled=False)
+                    message = wire.encode_failed(
+                        entry.reg.request_id, self.s.rank, reason, False, self.s.incarnation
+                    )
                     out.append(Send(entry.agent, message))
         request.others = {}
         return out
@@ -974,7 +976,11 @@ class PrefillCore:
         # lost): the ack says so, as for a D rank P has not loaded, so D fences before release.
         ended = tomb or (request.past if request is not None else None)
         ack = wire.encode_cancel_ack(
-            reg.request_id, self.s.rank, False, unsettled=bool(ended is not None and ended.unsettled)
+            reg.request_id,
+            self.s.rank,
+            False,
+            unsettled=bool(ended is not None and ended.unsettled),
+            incarnation=self.s.incarnation,
         )
         past = request.past if request is not None else None
         if past is not None and _ident(reg) in past.seen and _ident(reg) not in request.seen:
@@ -1086,7 +1092,9 @@ class PrefillCore:
         unsettled = unsettled or any(
             d.unsettled for d in ((request.dests or {}).values() if request is not None else ())
         )
-        ack = wire.encode_cancel_ack(reg.request_id, self.s.rank, False, unsettled=unsettled)
+        ack = wire.encode_cancel_ack(
+            reg.request_id, self.s.rank, False, unsettled=unsettled, incarnation=self.s.incarnation
+        )
         engine = self._engine_for(reg)
         if (reg.decode_host, reg.decode_port) != (engine.host, engine.port):
             self._reject(agent, note, f"CANCEL names D engine {engine.engine_id!r} at another address")
@@ -1240,12 +1248,16 @@ class PrefillCore:
             # load of it wrote (and that ended unsettled) still says so.
             unsettled = dest is not None and (dest.unsettled or dest.state is _Dest.INFLIGHT)
             if told and entry.agent == told and entry.reg.decode_incarnation == refusal.incarnation:  # type: ignore[union-attr]
-                message = wire.encode_failed(entry.reg.request_id, self.s.rank, why, unsettled=unsettled)
+                message = wire.encode_failed(
+                    entry.reg.request_id, self.s.rank, why, unsettled, self.s.incarnation
+                )
                 out.append(Send(told, message))
 
         hello, hello_incarnation = engine.hellos.pop(rank, None), engine.hello_incarnations.pop(rank, None)
         if told and hello == told and hello_incarnation == refusal.incarnation:  # type: ignore[union-attr]
-            out.append(Send(told, wire.encode_failed(HELLO_REQUEST_ID, self.s.rank, why, unsettled=False)))
+            out.append(
+                Send(told, wire.encode_failed(HELLO_REQUEST_ID, self.s.rank, why, False, self.s.incarnation))
+            )
         owed = engine.owed.pop(rank, ())  # unanswered otherwise: those end at D's timeout
         out += [Send(a, m) for a, inc, m in owed if told and a == told and inc == refusal.incarnation]  # type: ignore[union-attr]
         for request in list(self._requests.values()):
@@ -1467,7 +1479,7 @@ class PrefillCore:
     def _refuse(self, reg: PushRegistration, agent: str, why: str, unsettled: bool, now: float) -> list[Any]:
         """Answer one registration FAIL: now if P loaded its D rank from ``agent``, else once it
         has (P connects to it, as for any registration)."""
-        message = wire.encode_failed(reg.request_id, self.s.rank, why, unsettled=unsettled)
+        message = wire.encode_failed(reg.request_id, self.s.rank, why, unsettled, self.s.incarnation)
         engine = self._engines.get(reg.decode_engine_id)
         if engine is None:
             return []
@@ -1662,7 +1674,9 @@ class PrefillCore:
             request.failure = request.failure or dest.error
             entry = request.regs.get(rank)
             if entry is not None and (engine is None or rank not in engine.replacing):
-                message = wire.encode_failed(entry.reg.request_id, self.s.rank, dest.error, unsettled=True)
+                message = wire.encode_failed(
+                    entry.reg.request_id, self.s.rank, dest.error, True, self.s.incarnation
+                )
                 out.append(Send(entry.agent, message))
         else:
             dest.state = _Dest.DONE
@@ -1699,7 +1713,9 @@ class PrefillCore:
             loaded = engine is not None and engine.agents.get(rank) == entry.agent
             if loaded and rank != untold and entry.agent not in request.cancel_acks:
                 unsettled = dest is not None and dest.unsettled
-                message = wire.encode_failed(entry.reg.request_id, self.s.rank, reason, unsettled)
+                message = wire.encode_failed(
+                    entry.reg.request_id, self.s.rank, reason, unsettled, self.s.incarnation
+                )
                 out.append(Send(entry.agent, message))
         for dest in (request.dests or {}).values():
             if dest.state in (_Dest.WAIT_REG, _Dest.WAIT_CONNECT, _Dest.WAIT_FRESH, _Dest.POSTING):
@@ -1745,7 +1761,9 @@ class PrefillCore:
         out: list[Any] = [
             Send(
                 agent,
-                wire.encode_cancel_ack(d_rid, self.s.rank, request.write_at_cancel, agent in unsettled),
+                wire.encode_cancel_ack(
+                    d_rid, self.s.rank, request.write_at_cancel, agent in unsettled, self.s.incarnation
+                ),
             )
             for agent, d_rid in request.cancel_acks.items()
         ]

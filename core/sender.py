@@ -641,7 +641,12 @@ class PushSender(RankWorker):
         if handles is None:
             notif = self._sealed(
                 engine.ranks[rank].agent,
-                wire.encode_done(reg.request_id, self.metadata.rank, self.config.parallel.tp_size),
+                wire.encode_done(
+                    reg.request_id,
+                    self.metadata.rank,
+                    self.config.parallel.tp_size,
+                    incarnation=self.incarnation,
+                ),
             )
             post = post_grid or self.transport.post_write
             handles = [
@@ -711,7 +716,7 @@ class PushSender(RankWorker):
             decode_offset=reg.staging_offset,
             spec=spec,
             encode_notif=lambda manifest: self._sealed(
-                peer.agent, wire.encode_done(reg.request_id, producer, ptp, manifest)
+                peer.agent, wire.encode_done(reg.request_id, producer, ptp, manifest, self.incarnation)
             ),
         )
         if written is None:

@@ -645,7 +645,8 @@ class Notification:
     stamp: float | None = None
     """P → D heartbeat answer: P's clock when it sent it (D echoes it back as a grant)."""
     incarnation: str = ""
-    """The sending engine's incarnation (HB, HELLO and their answers)."""
+    """The sending engine's incarnation (HB, HELLO and their answers, BYE; since 2.5 DONE, FAIL
+    and CANCEL_ACK); empty when not stated."""
     want: tuple[str, ...] = field(default=(), converter=tuple)
     """P → D heartbeat answer: match keys P needs a fresh grant for before it may post."""
     failed_keys: tuple[str, ...] = field(default=(), converter=tuple)

@@ -702,7 +702,7 @@ class CoreCluster(RuleBasedStateMachine):
                 staging=reg.staging_offset,
                 chunk=c,
                 chunks=n,
-                notif=wire.encode_done(reg.request_id, p.rank, self.p_tp, manifest),
+                notif=wire.encode_done(reg.request_id, p.rank, self.p_tp, manifest, p.inc),
                 attempt=attempt,
             )
             handles.append(handle)
