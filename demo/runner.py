@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import random
 import secrets
@@ -30,6 +29,7 @@ import attrs
 from kvpush.core.errors import ConfigError, WaitTimeout
 from kvpush.core.sidechannel import SideChannelServer
 from kvpush.core.types import ModelSpec, ParallelConfig, RankKey
+from kvpush.demo import processes
 from kvpush.demo.rank import RankSpec, rank_main
 
 LAYOUTS = ("mha", "mla", "hma")
@@ -196,12 +196,9 @@ def start_side_channel(
         return EngineSideChannel(engine_id, host, server.port, server=server)
     from kvpush.demo.rank import side_channel_main
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(
-        target=side_channel_main, args=(engine_id, host, netns, child, port), daemon=True, name="kvpush-sc"
+    process, parent = processes.start(
+        side_channel_main, lambda conn: (engine_id, host, netns, conn, port), name="kvpush-sc"
     )
-    process.start()
     if not parent.poll(timeout_s):
         process.kill()
         raise WaitTimeout(f"side channel of {engine_id} in {netns} did not start within {timeout_s}s")
@@ -219,20 +216,23 @@ def _start_ranks(
     extra: tuple[Any, ...] = (),
 ) -> tuple[list[_Rank], dict[RankKey, Any]]:
     """Spawn ``target(spec, conn, *extra)`` per spec; wait (bounded) for each one's ready value."""
-    ctx = mp.get_context("spawn")
     ranks, payloads = [], {}
     for spec in specs:
-        parent, child = ctx.Pipe()
-        process = ctx.Process(
-            target=target, args=(spec, child, *extra), daemon=True, name=f"kvpush-{spec.role}"
+        process, parent = processes.start(
+            target, lambda conn, spec=spec: (spec, conn, *extra), name=f"kvpush-{spec.role}"
         )
-        process.start()
         ranks.append(_Rank(spec.parallel.rank, process, parent))
     deadline = time.monotonic() + timeout_s
     for rank in ranks:
         if not rank.conn.poll(max(0.0, deadline - time.monotonic())):
             raise WaitTimeout(f"rank {rank.key} did not start within {timeout_s}s")
-        status, value = rank.conn.recv()
+        try:
+            status, value = rank.conn.recv()
+        except EOFError:
+            rank.process.join(timeout=5)
+            raise RuntimeError(
+                f"rank {rank.key} exited (exit code {rank.process.exitcode}) before it was ready"
+            ) from None
         if status == "error":
             raise RuntimeError(f"rank {rank.key} failed to start:\n{value}")
         payloads[rank.key] = value

@@ -8,13 +8,14 @@ progresses UCX (drains notifications, polls its WRITEs). Every wait is bounded.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
+from kvpush.demo import processes
 
 BLOCK = 1 << 20
 WAIT_S = 30.0
@@ -128,14 +129,10 @@ class Agent:
         ns: str | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        ctx = mp.get_context("spawn")
         self.name = name
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_main, args=(child, name, options, fill, blocks, ns, env or {}), daemon=True
+        self.process, self.conn = processes.start(
+            _main, lambda conn: (conn, name, options, fill, blocks, ns, env or {}), name=f"agent-{name}"
         )
-        self.process.start()
-        child.close()
         self.blob, self.addr = self._reply("start")
 
     def _reply(self, what: str) -> Any:

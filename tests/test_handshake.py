@@ -11,7 +11,6 @@ loaded. Every wait is bounded; nothing asserts on speed.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import socket
 import threading
@@ -41,6 +40,7 @@ from kvpush.core.types import (
     Role,
     TransferParams,
 )
+from kvpush.demo import processes
 from kvpush.testing import make_agent_metadata
 
 torch = pytest.importorskip("torch")
@@ -150,14 +150,10 @@ def _engine_main(conn: Connection, role: str, engine_id: str, pp_size: int, tp_s
 
 class EngineProcess:
     def __init__(self, role: str, engine_id: str, pp_size: int = 1, tp_size: int = 1) -> None:
-        ctx = mp.get_context("spawn")
         self.engine_id = engine_id
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_engine_main, args=(child, role, engine_id, pp_size, tp_size), daemon=True
+        self.process, self.conn = processes.start(
+            _engine_main, lambda conn: (conn, role, engine_id, pp_size, tp_size), name=f"engine-{engine_id}"
         )
-        self.process.start()
-        child.close()
         self.port: int = self._reply("start", 120)
 
     def _reply(self, what: str, timeout_s: float) -> Any:

@@ -8,7 +8,6 @@ wait is bounded; nothing asserts on speed.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -21,6 +20,7 @@ import pytest
 
 from kvpush.core.errors import ConfigError, TransferError
 from kvpush.core.transport import TransferState, Transport, TransportConfig
+from kvpush.demo import processes
 
 torch = pytest.importorskip("torch")
 
@@ -75,12 +75,8 @@ class Peer:
     """The parent's handle on a peer process."""
 
     def __init__(self, name: str) -> None:
-        ctx = mp.get_context("spawn")
         self.name = name
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_peer_main, args=(child, name), daemon=True)
-        self.process.start()
-        child.close()
+        self.process, self.conn = processes.start(_peer_main, lambda conn: (conn, name), name=f"peer-{name}")
         self.blob, self.addr = self._reply("start", WAIT_S)
 
     def _reply(self, what: str, timeout_s: float) -> Any:

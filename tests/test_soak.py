@@ -91,4 +91,4 @@ def test_p_ranks_killed_and_restarted_or_stopped_mid_run_write_nothing_into_free
     )
     assert soak_ok(report), report
     assert report["p_kills"] == 1 and report["p_pauses"] == 1
-    assert report["writes_into_freed_blocks"] == 0 and report["verified"] > 0
+    assert report["writes_into_freed_blocks"] == 0 and report["verified"] > 0, report["failure_reasons"]
