@@ -45,6 +45,11 @@ for P's answer):
    beyond its watchdog (6 s) and P's lease (3 s; a cap of half the watchdog, 3 s, still lost
    requests to it). Tests:
    ``test_a_request_added_after_the_heal_is_pushed`` (core alone), ``TestResumeCluster``.
+3. The same on P's side (found by ``ResumeCluster`` after e246dd0, random runs): P's address
+   backoff for a D rank whose side channel P could not reach grows to 30 s, and P loads that
+   rank again (to answer its HELLO) only once it ended. Test (``xfail(strict=True)`` until a
+   fix in ``core/prefill_core.py``):
+   ``test_p_answers_a_hello_soon_after_the_heal_whatever_its_address_backoff``.
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ from test_goodbye_overtakes_done import _note
 from kvpush.core import notifications as wire
 from kvpush.core.actions import Connect, ProbeExit, Release, Report, Send
 from kvpush.core.decode_core import DecodeCore, DecodeSettings, ProducerInfo
-from kvpush.core.types import RankKey, RequestMetadata, TransferParams
+from kvpush.core.prefill_core import PrefillCore, PrefillSettings
+from kvpush.core.types import PushRegistration, RankKey, RequestMetadata, TransferParams
 
 HB_S = 0.25
 FRESH_S = 0.5
@@ -529,6 +535,64 @@ def test_a_request_added_after_the_heal_is_pushed() -> None:
     run.run(run.d.add(_meta("new1", "k-new1"), t), t)
     run.until(t + TIMEOUT_S + 1.0, t)
     assert run.reports["new1"][0] == "done", (run.reports["new1"], run.connects[-4:])
+
+
+def _p_core() -> PrefillCore:
+    return PrefillCore(
+        PrefillSettings(
+            engine_id="P",
+            incarnation="p1",
+            rank=P0,
+            tp_size=1,
+            lease_s=3.0,
+            registration_ttl_s=2 * TIMEOUT_S,
+            write_deadline_s=WRITE_S,
+            retry_backoff_s=BACKOFF_S,
+            retry_backoff_max_s=BACKOFF_MAX_S,
+        ),
+        plan=lambda blocks, reg: [],
+    )
+
+
+@pytest.mark.xfail(strict=True, reason="P's address backoff (prefill_core.py; see the report)")
+def test_p_answers_a_hello_soon_after_the_heal_whatever_its_address_backoff() -> None:
+    """Third finding (``ResumeCluster`` on main after e246dd0, 4,500 random runs): during the
+    outage P's handshakes with D's rank fail (D's side channel unreachable from P) and P's
+    address backoff (a negative cache per address) doubles up to 30 s (attempts at 0, 1, 3, 7,
+    15, 31 s). Healed at 33 s, D's HELLOs reach P, but P loads D's rank only once its backoff
+    ended (61 s): each HELLO times out (5 s) and every request fails meanwhile (P's lease, 3 s,
+    expires). A HELLO is D
+    asking to be loaded: P should try again within a base backoff of it."""
+    p = _p_core()
+    reg = PushRegistration(
+        request_id="(hello)",
+        match_key="(none)",
+        decode_engine_id="D",
+        decode_host="d.example",
+        decode_port=5700,
+        decode_tp_size=1,
+        block_ids=(),
+        remote_engine_id="(any)",
+        decode_incarnation="d1",
+        fresh_s=FRESH_S,
+    )
+    hello = _note(wire.encode_hello(reg, 0))
+    connects: list[float] = []
+    t, heal_at = 0.0, 33.0
+    while t < heal_at + 20.0:
+        for action in p.notification("D-decode-pp0-tp0", hello, t):  # D resends its HELLO
+            if isinstance(action, Connect):
+                connects.append(t)
+                if t < heal_at:
+                    p.connected("D", 0, "", "", 0, "side channel unreachable: timed out", t)
+                else:
+                    p.connected("D", 0, "D-decode-pp0-tp0", "d1", 1, "", t)
+        if connects and connects[-1] >= heal_at:
+            break
+        t = round(t + 0.25, 6)
+        p.handle_timer(t)
+    after = [c for c in connects if c >= heal_at]
+    assert after and after[0] <= heal_at + BACKOFF_S + HB_S, connects  # main: [0, 1, 3, 7, 15, 31]
 
 
 EXAMPLES = int(os.environ.get("KVPUSH_CORE_EXAMPLES", "400"))
