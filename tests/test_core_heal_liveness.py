@@ -47,8 +47,8 @@ for P's answer):
    ``test_a_request_added_after_the_heal_is_pushed`` (core alone), ``TestResumeCluster``.
 3. The same on P's side (found by ``ResumeCluster`` after e246dd0, random runs): P's address
    backoff for a D rank whose side channel P could not reach grows to 30 s, and P loads that
-   rank again (to answer its HELLO) only once it ended. Test (``xfail(strict=True)`` until a
-   fix in ``core/prefill_core.py``):
+   rank again (to answer its HELLO) only once it ended. Fixed: P's address backoff is at most a
+   quarter of its lease. Test:
    ``test_p_answers_a_hello_soon_after_the_heal_whatever_its_address_backoff``.
 """
 
@@ -554,7 +554,6 @@ def _p_core() -> PrefillCore:
     )
 
 
-@pytest.mark.xfail(strict=True, reason="P's address backoff (prefill_core.py; see the report)")
 def test_p_answers_a_hello_soon_after_the_heal_whatever_its_address_backoff() -> None:
     """Third finding (``ResumeCluster`` on main after e246dd0, 4,500 random runs): during the
     outage P's handshakes with D's rank fail (D's side channel unreachable from P) and P's
