@@ -1902,22 +1902,14 @@ class DecodeCore:
         """When a failed engine is handshaken afresh (only ever for a request that needs it):
         after ``retry_backoff_s``, doubled per failure since its last success, up to
         ``retry_backoff_max_s`` and at most a quarter of ``request_timeout_s`` (a request that
-        waits for the attempt gets one well within its watchdog, also after a long outage grew
-        the backoff); after ``retry_backoff_s`` alone while it holds blocks of a failed request
-        for its answer (its blocks stay out of the engine's reach until P is reached again)."""
-        if self._holds_for_answer(engine):
-            return engine.failed_at + self.s.retry_backoff_s
+        waits for the attempt gets one well within its watchdog, and a request held for P's
+        answer is released soon after P is reachable again, also after a long outage grew the
+        backoff). A held request's engine retried at ``retry_backoff_s`` alone broke P restarts
+        (its handshakes afresh kept loading the exited process while P restarted: the soak with
+        one P kill lost the 20 requests after it)."""
         grown = self.s.retry_backoff_s * 2 ** max(0, engine.failures - 1)
         cap = min(self.s.retry_backoff_max_s, max(self.s.retry_backoff_s, self.s.request_timeout_s / 4))
         return engine.failed_at + min(cap, grown)
-
-    def _holds_for_answer(self, engine: _Producer) -> bool:
-        """Whether a closing request of ``engine`` holds its blocks until a producer answers (its
-        copies no fence stops)."""
-        return any(
-            (r := self._requests.get(rid)) is not None and r.phase is _Phase.CLOSING and r.held
-            for rid in engine.requests
-        )
 
     # ------------------------------------------------------------------ heartbeats
 
