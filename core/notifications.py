@@ -134,6 +134,16 @@ def encode_push_reg(reg: PushRegistration) -> bytes:
     return _msg(PUSH_REG_PREFIX, body)
 
 
+def _result(request_id: str, producer: RankKey, incarnation: str, **fields: Any) -> dict[str, Any]:
+    """The body of a P result (DONE, FAIL, CANCEL_ACK): request, producer, ``fields`` and,
+    when stated, the sending worker's incarnation (since 2.5)."""
+    body: dict[str, Any] = {"request_id": request_id, "pp": producer.pp_rank, "tp": producer.tp_rank}
+    body.update(fields)
+    if incarnation:
+        body["inc"] = incarnation
+    return body
+
+
 def encode_done(
     request_id: str,
     producer: RankKey,
@@ -142,14 +152,7 @@ def encode_done(
     incarnation: str = "",
 ) -> bytes:
     """``incarnation``: the sending P worker's (since 2.5; empty: not stated)."""
-    body: dict[str, Any] = {
-        "request_id": request_id,
-        "pp": producer.pp_rank,
-        "tp": producer.tp_rank,
-        "ptp": producer_tp_size,
-    }
-    if incarnation:
-        body["inc"] = incarnation
+    body = _result(request_id, producer, incarnation, ptp=producer_tp_size)
     if packing is not None:
         body["pk"] = [
             packing.staging_offset,
@@ -166,15 +169,7 @@ def encode_failed(
 ) -> bytes:
     """``unsettled``: a WRITE posted to this D rank ended without completing (bytes may follow);
     True unless P knows otherwise. ``incarnation``: the sending P worker's (since 2.5)."""
-    body: dict[str, Any] = {
-        "request_id": request_id,
-        "pp": producer.pp_rank,
-        "tp": producer.tp_rank,
-        "reason": reason[:MAX_REASON],
-        "unsettled": unsettled,
-    }
-    if incarnation:
-        body["inc"] = incarnation
+    body = _result(request_id, producer, incarnation, reason=reason[:MAX_REASON], unsettled=unsettled)
     return _msg(FAIL_PREFIX, body)
 
 
@@ -191,15 +186,7 @@ def encode_cancel_ack(
 ) -> bytes:
     """``unsettled``: a WRITE posted to this D rank ended without completing (bytes may follow);
     True unless P knows otherwise. ``incarnation``: the sending P worker's (since 2.5)."""
-    body: dict[str, Any] = {
-        "request_id": request_id,
-        "pp": producer.pp_rank,
-        "tp": producer.tp_rank,
-        "inflight": write_in_flight,
-        "unsettled": unsettled,
-    }
-    if incarnation:
-        body["inc"] = incarnation
+    body = _result(request_id, producer, incarnation, inflight=write_in_flight, unsettled=unsettled)
     return _msg(CANCEL_ACK_PREFIX, body)
 
 

@@ -324,15 +324,8 @@ class HealCluster(KernelCopyCluster):
                 raise Violation(f"livelock after the heal (t={self.t:.3f}s)")
             if self._all_ended() or self.t > self.healed_at + HEAL_LIMIT_S:
                 return
-            deadlines = [
-                proc.core.next_deadline() - proc.offset
-                for proc in (*self.live_p(), *self.live_d())
-                if proc.core.next_deadline() is not None
-            ]
-            if not deadlines:
+            if not self._to_next_deadline():
                 return
-            self.t = max(self.t, min(deadlines) + 1e-6)
-            self._tick()
 
     def _all_ended(self) -> bool:
         return all(

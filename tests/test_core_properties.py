@@ -881,6 +881,20 @@ class CoreCluster(RuleBasedStateMachine):
         ps = self.live_p()
         self._tick(skip=ps[late % len(ps)] if late is not None and ps else None)
 
+    def _to_next_deadline(self) -> bool:
+        """Move the clock to the earliest deadline of any live process and run the timers due;
+        False when no process has one."""
+        deadlines = [
+            proc.core.next_deadline() - proc.offset
+            for proc in (*self.live_p(), *self.live_d())
+            if proc.core.next_deadline() is not None
+        ]
+        if not deadlines:
+            return False
+        self.t = max(self.t, min(deadlines) + 1e-6)  # + rounding of the per-process offsets
+        self._tick()
+        return True
+
     def _tick(self, skip: PProc | None = None) -> None:
         for p in self.live_p():
             if p.hung or (p is skip and self.t - p.last_tick <= P_LATENESS_S):
@@ -1050,15 +1064,8 @@ class CoreCluster(RuleBasedStateMachine):
                     )
                 continue
             busy = 0
-            deadlines = [
-                proc.core.next_deadline() - proc.offset
-                for proc in (*self.live_p(), *self.live_d())
-                if proc.core.next_deadline() is not None
-            ]
-            if not deadlines:
+            if not self._to_next_deadline():
                 return
-            self.t = max(self.t, min(deadlines) + 1e-6)  # + rounding of the per-process offsets
-            self._tick()
         raise Violation(f"the cluster did not quiesce within {MAX_DRAIN_ROUNDS} rounds (t={self.t:.1f}s)")
 
     def _check_quiescent(self) -> None:
