@@ -293,6 +293,8 @@ class DecodeCore:
         self._agent_engine: dict[str, str] = {}
         self._early: dict[str, list[tuple[str, Notification]]] = {}
         self._early_count: dict[str, int] = {}
+        self._unreachable_errors: dict[str, str] = {}
+        """Agent -> the error its send raised, while its exit probe's verdict is awaited."""
         self._timers = Deadlines()
         self._heartbeat_armed = False
         self._ended = RecentIds(ENDED_MEMORY)
@@ -495,8 +497,22 @@ class DecodeCore:
 
     # ------------------------------------------------------------------ handshake results
 
-    def connected(self, engine_id: str, info: ProducerInfo | None, error: str, now: float) -> list[Any]:
-        """D's notif-only handshake with P ended (``info`` or ``error``)."""
+    def connected(
+        self, engine_id: str, info: ProducerInfo | None, error: str, now: float, *, exited: bool = False
+    ) -> list[Any]:
+        """D's notif-only handshake with P ended (``info`` or ``error``). ``exited``: it failed
+        because P's side channel names a process that has exited (a rank restarting under its
+        name, :class:`~kvpush.core.errors.PeerProcessExited`), which is waited for as any P
+        restart is, not counted as P failing."""
+        engine = self._engines.get(engine_id)
+        if exited and info is None and engine is not None and engine.state is _EngineState.CONNECTING:
+            self.stats["exited_producers"] += 1
+            self._restarting(
+                engine,
+                f"P's side channel named a process that had exited, and no new process was "
+                f"published within {self.s.peer_silence_s:g}s: {error}",
+                now,
+            )
         out = self._connected(engine_id, info, error, now)
         engine = self._engines.get(engine_id)
         if info is not None and info.ended and engine is not None:
@@ -613,7 +629,52 @@ class DecodeCore:
         hello = wire.encode_hello(self._coordinates(""), self.s.tp_rank)
         return [Send(agent, hello) for agent in sorted(engine.hello_pending)]
 
+    def _probe_unanswered(self, engine: _Producer) -> list[Any]:
+        """Has the process of an agent that has not answered this rank's HELLO exited (a P
+        rank killed while D greets it)? Then D handshakes afresh at once rather than waiting
+        out the HELLO timeout and failing every request waiting for the engine
+        (:meth:`_agents_exited`)."""
+        info = engine.info
+        if info is None:
+            return []
+        processes = tuple(
+            (agent, identity)
+            for agent in sorted(engine.hello_pending)
+            if (identity := info.processes.get(agent)) is not None
+        )
+        return [ProbeExit(ENGINE_PROBE + engine.engine_id, processes)] if processes else []
+
     def unreachable(self, agent: str, error: str, now: float) -> list[Any]:
+        """Sending to ``agent`` raised. An agent this rank's HELLO waits for whose process is
+        known is probed first (killed as D greeted it, the rank is restarting:
+        :meth:`_greeted_exited`); it is judged unreachable right after, unless the probe found
+        its process exited. Otherwise at once: :meth:`_unreachable`."""
+        engine_id = self._agent_engine.get(agent)
+        engine = self._engines.get(engine_id) if engine_id else None
+        info = engine.info if engine is not None else None
+        if (
+            engine is not None
+            and info is not None
+            and engine.state is _EngineState.HELLO
+            and agent in engine.hello_pending
+            and (identity := info.processes.get(agent)) is not None
+        ):
+            self._unreachable_errors[agent] = error
+            self._timers.arm(("unreachable", agent), now)
+            return [ProbeExit(ENGINE_PROBE + engine.engine_id, ((agent, identity),))]
+        return self._unreachable(agent, error, now)
+
+    def _on_unreachable_probed(self, agent: str, now: float) -> list[Any]:
+        """The exit probe of an agent whose send raised found it running (or could not tell):
+        unreachable after all, unless its engine moved on meanwhile."""
+        error = self._unreachable_errors.pop(agent, "")
+        engine_id = self._agent_engine.get(agent)
+        engine = self._engines.get(engine_id) if engine_id else None
+        if engine is None or engine.state is not _EngineState.HELLO or agent not in engine.hello_pending:
+            return []
+        return self._unreachable(agent, error, now)
+
+    def _unreachable(self, agent: str, error: str, now: float) -> list[Any]:
         """Sending to ``agent`` raised: its engine is dead to this rank. A closing worker's
         agent goes away right after its ``BYE``, which may still be on its way with DONEs it
         overtook, so a registered request is not failed with the engine: one whose producers
@@ -740,6 +801,8 @@ class DecodeCore:
                 out += self._on_acks_timeout(name, now)
             elif kind == "gone":
                 out += self._on_gone(name, now)
+            elif kind == "unreachable":
+                out += self._on_unreachable_probed(name, now)
             elif kind == "restart":
                 out += self._on_restart_timeout(name, now)
             elif kind == "retry":
@@ -753,6 +816,7 @@ class DecodeCore:
                 engine = self._engines.get(name)
                 if engine is not None and engine.state is _EngineState.HELLO and engine.hello_pending:
                     out += self._send_hellos(engine, now)
+                    out += self._probe_unanswered(engine)
             elif kind == "early":
                 dropped = self._early.pop(name, [])
                 for agent, _ in dropped:
@@ -1240,6 +1304,8 @@ class DecodeCore:
         incarnation again (the rank is still starting) waits for the next attempt."""
         engine = self._engines.get(engine_id)
         info = engine.info if engine is not None else None
+        if engine is not None and info is not None and engine.state is _EngineState.HELLO:
+            return self._greeted_exited(engine, info, exited, now)
         if engine is None or info is None or engine.state is not _EngineState.READY:
             return []
         gone = {a: info.incarnations.get(a, "") for a in exited if a in info.agents.values()}
@@ -1281,6 +1347,30 @@ class DecodeCore:
         agents = frozenset(info.agents.values())
         self._fences[fence_id] = _Fence(engine_id, now, agents, set(rids), why)
         return self._reconnect(engine, why, Fence(fence_id, engine_id, tuple(sorted(agents)), why))
+
+    def _greeted_exited(
+        self, engine: _Producer, info: ProducerInfo, exited: set[str], now: float
+    ) -> list[Any]:
+        """Agents this rank's HELLO went to run in processes that have exited (killed as D
+        greeted them, or before D loaded them): the rank is restarting. The engine is dropped
+        and handshaken afresh after the backoff; requests waiting for it keep waiting, bounded
+        by the restart timeout (``peer_silence_s``) and their own watchdogs (:meth:`_engine_down`)."""
+        gone = {a: info.incarnations.get(a, "") for a in exited if a in engine.hello_pending}
+        if not gone:
+            return []
+        self.stats["exited_producers"] += len(gone)
+        for agent, incarnation in gone.items():
+            self._mark_closed(agent, incarnation)
+        why = f"P agent(s) {sorted(gone)} exited before answering this rank's HELLO; handshaking afresh"
+        self._restarting(
+            engine,
+            f"P agent(s) {sorted(gone)} exited before answering this rank's HELLO, and no new process "
+            f"of theirs answered within {self.s.peer_silence_s:g}s",
+            now,
+        )
+        logger.warning("P engine %s: %s", engine.engine_id, why)
+        out = self._engine_down(engine, why, now)
+        return out if any(isinstance(a, DropPeer) for a in out) else [*out, DropPeer(engine.engine_id, why)]
 
     def _mark_closed(self, agent: str, incarnation: str) -> None:
         self._closed[(agent, incarnation)] = None

@@ -23,6 +23,12 @@ class HandshakeError(KvpushError):
     """A handshake with a peer failed: unreachable, incompatible, or rejected."""
 
 
+class PeerProcessExited(HandshakeError):
+    """The metadata a peer's side channel serves names a process that has exited (the rank is
+    restarting under its name, or is gone): it is not loaded, and the handshake is tried again
+    rather than counted as a failure of the peer."""
+
+
 class TransferError(KvpushError):
     """Posting or completing a transfer failed.
 

@@ -19,9 +19,10 @@ import attrs
 
 from kvpush.core import wire
 from kvpush.core.block_order import slice_rows
-from kvpush.core.errors import HandshakeError, KvpushError, TransferError
+from kvpush.core.errors import HandshakeError, KvpushError, PeerProcessExited, TransferError
 from kvpush.core.manager import KvpushPluginManager
 from kvpush.core.planning import region_descriptors
+from kvpush.core.process_identity import PROCESS_KEY, has_exited
 from kvpush.core.sidechannel import fetch_metadata
 from kvpush.core.transport import Transport
 from kvpush.core.types import (
@@ -258,6 +259,7 @@ class PeerRegistry:
         if peer.rank != rank:
             raise HandshakeError(f"asked {engine_id!r} for rank {rank}, got {peer.rank}")
         check_published_hash(peer, self._local)
+        refuse_exited(peer)
         return peer
 
     def _load(
@@ -306,11 +308,13 @@ class PeerRegistry:
 
         NIXL refuses new metadata under a name it already holds. The side channel serves the
         live peer, so the stale agent (and everything prepared against it) is forgotten and the
-        load is tried once more.
+        load is tried once more. A load that failed because the peer's process exited after
+        its metadata was fetched raises :class:`PeerProcessExited` (a restart, not a failure).
         """
         try:
             return self._transport.load_peer(meta.agent_blob)
         except TransferError as err:
+            refuse_exited(meta)  # its process exited since the fetch: nothing to replace
             self._forget_agent(meta.agent_name)
             logger.warning(
                 "agent %s of engine %s was loaded from older metadata (%s); replacing it",
@@ -318,7 +322,11 @@ class PeerRegistry:
                 meta.engine_id,
                 err,
             )
-            return self._transport.load_peer(meta.agent_blob)
+            try:
+                return self._transport.load_peer(meta.agent_blob)
+            except TransferError:
+                refuse_exited(meta)
+                raise
 
     def _forget_agent(self, agent: str) -> None:
         """Drop every loaded rank that uses ``agent`` and remove the agent (writer thread)."""
@@ -396,6 +404,19 @@ class PeerRegistry:
 
 MAX_PROBLEMS = 8
 """Problems listed per refused handshake (the first ones; the rest are the same kind)."""
+
+
+def refuse_exited(meta: AgentMetadata) -> None:
+    """Raise :class:`PeerProcessExited` when ``meta`` names a process on this host that has
+    exited: a rank killed and not yet published again under its name. Loading it would fail
+    (its transport endpoints are gone) or, worse, greet a process that can never answer."""
+    identity = meta.extensions.get(PROCESS_KEY)
+    if isinstance(identity, Mapping) and has_exited(identity):
+        raise PeerProcessExited(
+            f"engine {meta.engine_id!r} rank {meta.rank} (agent {meta.agent_name}) is published by "
+            f"process {identity.get('pid')}, which has exited: the rank is restarting under its name "
+            f"(its side channel serves the new process once it is up) or is gone"
+        )
 
 
 def check_published_hash(peer: AgentMetadata, local: AgentMetadata) -> None:

@@ -17,6 +17,10 @@ from collections.abc import Mapping
 from typing import Any
 
 PROC = "/proc"
+PROCESS_KEY = "process"
+"""Metadata extension with the rank's process identity (:func:`this_process`): a peer on the
+same host can tell when the process that could launch a copy, or that published the metadata
+it is about to load, has exited."""
 
 
 def host_identity() -> str:

@@ -39,7 +39,7 @@ from kvpush.core.actions import (
 from kvpush.core.block_claims import BlockClaims
 from kvpush.core.decode_core import DecodeCore, DecodeSettings, ProducerInfo
 from kvpush.core.ended_workers import ENDED_KEY
-from kvpush.core.errors import ConfigError, HandshakeError, WaitTimeout
+from kvpush.core.errors import ConfigError, HandshakeError, PeerProcessExited, WaitTimeout
 from kvpush.core.notifications import MAX_ID_CHARS
 from kvpush.core.peers import PeerEngine
 from kvpush.core.process_identity import has_exited, host_identity
@@ -486,7 +486,8 @@ class PushReceiver(RankWorker):
             except Exception as err:
                 error = err
         why = refusal if error is None else str(error)
-        self._execute(self.core.connected(action.engine_id, info, why, lease_clock()))
+        exited = isinstance(error, PeerProcessExited)
+        self._execute(self.core.connected(action.engine_id, info, why, lease_clock(), exited=exited))
 
     def _producer_info(self, engine: PeerEngine) -> ProducerInfo:
         me = self.config.parallel

@@ -27,7 +27,7 @@ from kvpush.core.errors import ConfigError, WaitTimeout, WireError
 from kvpush.core.manager import KvpushPluginManager, get_plugin_manager
 from kvpush.core.peers import PeerRegistry
 from kvpush.core.planning import HeldBlockIds, region_descriptors
-from kvpush.core.process_identity import this_process
+from kvpush.core.process_identity import PROCESS_KEY, this_process
 from kvpush.core.transport import Transport, TransportConfig
 from kvpush.core.types import (
     AgentMetadata,
@@ -640,6 +640,3 @@ BLOCK_PAIRING_KEY = "block_pairing"
 does not state it is an older release that pairs from the end of its block table and ignores
 D's start: D refuses its handshake rather than let it write another position's KV."""
 BLOCK_PAIRING = "start"
-PROCESS_KEY = "process"
-"""Metadata extension with the rank's process identity (:func:`kvpush.core.process_identity.this_process`):
-a D on the same host can tell when the process that could launch a copy has exited."""
