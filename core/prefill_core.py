@@ -1169,7 +1169,11 @@ class PrefillCore:
             del self._connecting[address]
         if error:
             _, failures, _ = self._address_backoff.get(address, (0.0, 0, ""))
-            backoff = min(self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2**failures)
+            # At most a quarter of the lease: a D rank reachable again (its HELLO resent, its
+            # registrations waiting) is loaded before the finished prefills' leases run out,
+            # however many handshakes failed during an outage (heal oracle).
+            cap = min(self.s.retry_backoff_max_s, max(self.s.retry_backoff_s, self.s.lease_s / 4))
+            backoff = min(cap, self.s.retry_backoff_s * 2**failures)
             self._address_backoff[address] = (now + backoff, failures + 1, error)
             self._timers.arm(("backoff", address), now + backoff + self.s.retry_backoff_max_s)
             if agent:  # refused, but its agent was loaded notify-only: tell it why

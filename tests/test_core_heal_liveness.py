@@ -47,9 +47,10 @@ for P's answer):
    ``test_a_request_added_after_the_heal_is_pushed`` (core alone), ``TestResumeCluster``.
 3. The same on P's side (found by ``ResumeCluster`` after e246dd0, random runs): P's address
    backoff for a D rank whose side channel P could not reach grows to 30 s, and P loads that
-   rank again (to answer its HELLO) only once it ended. Open (a cap at a quarter of P's lease
-   broke P restarts in the soak; reverted). Test, ``xfail(strict=True)``:
-   ``test_p_answers_a_hello_soon_after_the_heal_whatever_its_address_backoff``.
+   rank again (to answer its HELLO) only once it ended. Fixed: at most a quarter of P's lease
+   (first reverted: the soak with one P kill lost requests with it, but that was D greeting a
+   killed process, tests/test_restart_during_handshake.py, which lost them without it too).
+   Test: ``test_p_answers_a_hello_soon_after_the_heal_whatever_its_address_backoff``.
 """
 
 from __future__ import annotations
@@ -547,12 +548,6 @@ def _p_core() -> PrefillCore:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: capping P's address backoff at a quarter of its lease (58d0ac8) made P leave "
-    "D's HELLOs unanswered around a P rank restart (soak with one P kill: 12-25 of 160 verified, "
-    "~100 before); reverted until the interaction is understood",
-)
 def test_p_answers_a_hello_soon_after_the_heal_whatever_its_address_backoff() -> None:
     """Third finding (``ResumeCluster`` on main after e246dd0, 4,500 random runs): during the
     outage P's handshakes with D's rank fail (D's side channel unreachable from P) and P's
