@@ -2,13 +2,14 @@
 
 A spawned rank imports torch, nixl and kvpush anew: ~1.6 s of CPU each, ~4 s for four ranks on
 a 2-core machine, paid again at every restart the soak makes and by every multi-process test.
-``KVPUSH_START_METHOD=forkserver`` (Linux) starts them instead from a fork server with those
-modules imported once: a few milliseconds a rank, each still single-threaded (the server forks
-before any thread or UCX context exists) and with the environment of its parent at the moment
-it was started, as a spawned one (:func:`start`). It halves the suite's time, but it is not the
-default: a P rank killed and started again from the fork server serves no request after its
-restart (the soak with one P kill, no faults: 20 of the 20 requests after it fail at D's
-watchdog, also with the rank down 3 s first; spawned: 39 of 40 verified). Cause open.
+So on Linux ranks start from a fork server with those modules imported once (the default,
+``KVPUSH_START_METHOD=forkserver``): a few milliseconds a rank, each still single-threaded (the
+server forks before any thread or UCX context exists) and with the environment of its parent
+at the moment it was started, as a spawned one (:func:`start`); the suite takes about half the
+time. ``KVPUSH_START_METHOD=spawn`` spawns each rank instead (the default where there is no fork
+server). (It was off for a session: a P rank restarted from the fork server seemed to serve
+nothing after its restart. That was D greeting the killed process, spawned ranks lost requests
+to it too; tests/test_restart_during_handshake.py.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ PRELOAD = ["torch", "nixl._api", "kvpush.demo.rank"]
 
 def context() -> Any:
     """The multiprocessing context rank processes start from (see the module docstring)."""
-    method = os.environ.get("KVPUSH_START_METHOD") or "spawn"
+    default = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    method = os.environ.get("KVPUSH_START_METHOD") or default
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"KVPUSH_START_METHOD must be 'forkserver' or 'spawn', got {method!r}")
     ctx = mp.get_context(method)
