@@ -166,7 +166,7 @@ def _reason_kind(reason: str) -> str:
         (r"injected non-kvpush error", "injected non-kvpush error (contained)"),
         (r"cancelled by D rank", "cancelled by D rank (another D rank failed first)"),
         (r"ended in error", "WRITE ended in error"),
-        (r"no completion within", "watchdog (notification lost)"),
+        (r"no completion within", "watchdog (no completion in time)"),
         (r"unreachable", "P unreachable"),
         (r"handshake", "handshake failed"),
         (r"D rank killed", "D rank killed (soak)"),

@@ -148,7 +148,7 @@ def test_faults_are_reproducible_from_the_seed() -> None:
     [
         ({"fail_posts": 1.0}, "failed", "injected post failure"),
         ({"fail_writes": 1.0}, "failed", "WRITE ended in error"),
-        ({"drop_notifs": 1.0, "drop_prefixes": ["DONE:"]}, "failed", "watchdog (notification lost)"),
+        ({"drop_notifs": 1.0, "drop_prefixes": ["DONE:"]}, "failed", "watchdog (no completion in time)"),
         ({"dup_notifs": 1.0}, "verified", None),
         ({"delay_notifs": 1.0, "delay_s": 0.05}, "verified", None),
         ({"slow_writes": 1.0, "write_delay_s": 0.05}, "verified", None),
