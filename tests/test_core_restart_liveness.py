@@ -1,0 +1,701 @@
+"""A restart liveness oracle for the protocol cores: P ranks, P stages and D ranks killed and
+started again under their names at every phase of the protocol, with the side channel modelled
+honestly; once every new process is published and the network is reliable, every request must
+end, every failed one's blocks go back, and a new request must be served, within bounds stated
+from the protocol's own settings.
+
+**The side channel.** :class:`CoreCluster` took a dead P rank for "side channel unreachable".
+A real engine's side channel (one ZMQ server per engine, ``core/sidechannel.py``) keeps serving
+the payload its rank last published: after a kill, the *dead* process's metadata (agent,
+incarnation, process identity), until the restarted process publishes its own, seconds later.
+:class:`RestartCluster` keeps, per P rank and per D rank, the process last published; a restart
+kills the process and starts the new one unpublished, published after a delay the machine
+draws (0 s: back before anyone noticed; up to past ``peer_silence_s``). A handshake loads what
+is published:
+
+- *same host* (``same_host``): the driver refuses metadata naming a process that has exited
+  (``core/peers.py`` ``refuse_exited``, also after a load that failed): D's handshake ends
+  ``connected(..., exited=True)``; P's with the error (``core/sender.py`` hands it to the core as
+  a failed handshake). D's exit probe (``ProbeExit``) answers from ``/proc``; P's copies are not
+  abortable (same-host NIXL: CMA/shared memory; held until P acknowledges or exits); a send to a
+  dead process is lost or raises (``sends_raise``: ``NIXL_ERR_REMOTE_DISCONNECT``).
+- *another host, TCP* (not ``same_host``): the stale metadata loads; what is sent to it is lost;
+  the exit probe answers "cannot tell" (nothing); WRITEs are abortable and fenced.
+
+**The oracle** (``RestartCluster.teardown``): faults and restarts for a while (``CoreCluster``'s
+network faults, the heal oracle's outages, cancels, driver errors; no refusal of metadata, no
+reconfiguration: those are configuration changes, not restarts), then the heal at ``T_heal``:
+every rank that is down is started again, every process published, every message delivered,
+every WRITE lands, the clock moves from deadline to deadline. Checked per request of every live
+D rank (safety: ``CoreCluster``'s invariants, landing checks and final quiescence, unchanged):
+
+1. reported by its watchdog: at the first timer tick at or after ``added + request_timeout_s``
+   (a cancelled one is reported at its release: bound 2);
+2. failed or cancelled: released by ``max(T_heal, ended) + QUARANTINE_S + RECONNECT_S``
+   (``QUARANTINE_S``: how long after its end P may still post; ``RECONNECT_S``: reaching a
+   reachable P again: a hold round, the longest backoff, a HELLO timeout, heartbeats);
+3. a probe request, added on every live D rank at ``T_heal + KNOW_S`` and finished at once on
+   every P rank, is done. ``KNOW_S`` is when D can know of every restart (see its comment).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, precondition, rule, run_state_machine_as_test
+from test_core_heal_liveness import (
+    BACKOFF_MAX_S,
+    BACKOFF_S,
+    FRESH_S,
+    HB_S,
+    HELLO_S,
+    QUARANTINE_S,
+    SILENCE_S,
+    TIMEOUT_S,
+    WRITE_S,
+    HealCluster,
+    _engine_state,
+)
+from test_core_properties import (
+    IDX,
+    LAYERS,
+    MAX_BUSY_ROUNDS,
+    TOPOLOGIES,
+    CoreCluster,
+    DProc,
+    PProc,
+    Proc,
+    Request,
+    Violation,
+    _machine_settings,
+)
+
+from kvpush.core.actions import Connect, ProbeExit, Report
+from kvpush.core.decode_core import ProducerInfo
+from kvpush.core.producers import expected_producers
+from kvpush.core.types import RankKey
+
+LEASE_S = 3.0
+"""P's lease (the soak's): a finished prefill waits this long for D's PUSH_REG."""
+BACKOFF_CAP_S = min(BACKOFF_MAX_S, max(BACKOFF_S, TIMEOUT_S / 4))
+"""D's longest retry backoff (``DecodeCore._retry_at``: a quarter of the watchdog, 1.5 s)."""
+P_BACKOFF_CAP_S = min(BACKOFF_MAX_S, max(BACKOFF_S, LEASE_S / 4))
+"""P's longest address backoff for a D rank (``PrefillCore.connected``: 1 s)."""
+RECONNECT_S = HB_S + BACKOFF_CAP_S + HELLO_S + 2 * HB_S + 0.5
+"""After the heal (or a quarantine's end), what D needs to reach the live P and hear its
+answer: the next hold round (a heartbeat), a HELLO sent before the heal to a process that
+cannot answer (remote: its timeout), the longest backoff, a heartbeat to resend the cancel,
+slack. P's own backoff (``P_BACKOFF_CAP_S``) is shorter than D's HELLO resends span."""
+KNOW_S = max(HELLO_S + BACKOFF_CAP_S, SILENCE_S + FRESH_S / 2 + 2 * HB_S) + HB_S
+"""After the heal, when D can know of every restart, so that a request added then must be
+served. D learns of a P process's end only by (a) its exit (same host: an exit probe at a
+missed heartbeat answer, an unanswered HELLO's resend, a refused load), (b) silence: a
+registered request's agent unanswered ``peer_silence_s`` (heartbeats tick every ``HB_S``), or
+an idle engine's keepalive (sent once the stamp is half a freshness window old, ``FRESH_S / 2``,
+at a heartbeat) unanswered ``peer_silence_s``, which the next request handshakes afresh on
+(docs/reliability.md, "A P rank restarts while D is idle towards it"; ``keepalive_s`` is never
+reached here), or (c) a HELLO to a process that cannot answer timing out (``HELLO_S``, then
+the longest backoff before the handshake afresh). From ``T_heal`` every new process is
+published, so after the latest of these (plus a heartbeat of slack) a handshake loads the
+processes that serve, and a request added then is registered with them: 6.75 s here."""
+HEAL_LIMIT_S = 60.0
+PUBLISH_DELAYS_S = [0.0, 0.0, 0.3, 1.0, 2.5, 4.0, 7.0]
+"""How long a restarted process runs before its side channel publishes it: 0 (back before
+anyone noticed), within a HELLO timeout, past ``peer_silence_s``."""
+RESTARTS = ["p_rank", "p_rank", "p_engine", "d_rank", "p_rank_down"]
+"""A P rank (a PP stage where PP is 2) killed and started again; every P rank at once; a D
+rank; a P rank killed and left down (started again at the heal)."""
+FAULTS = ["none"] * 4 + ["prefill_driver_error", "decode_driver_error", "prefill_abandoned"]
+
+
+class RestartCluster(HealCluster):
+    """Restarts at every phase, an honest side channel; the restart liveness oracle at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.same_host = True
+        self.sends_raise = False
+        self.published_p: dict[RankKey, PProc] = {}
+        self.published_d: dict[int, DProc] = {}
+        self.unpublished: list[tuple[Proc, float]] = []
+        """Started processes not published yet -> when they will be (global time)."""
+        self.reported_at: dict[tuple[str, str], float] = {}
+        self.ticks: list[float] = []
+        self.restart_log: list[str] = []
+        """What was restarted and in which phase (reported with a violation)."""
+
+    # ------------------------------------------------------------------ set-up
+
+    @initialize(topology=st.sampled_from(TOPOLOGIES), same_host=st.booleans(), sends_raise=st.booleans())
+    def start(
+        self, topology: tuple[int, int, int], same_host: bool = True, sends_raise: bool = False
+    ) -> None:
+        self.same_host = same_host
+        self.sends_raise = sends_raise and same_host
+        self.kernel_copies = same_host  # same-host NIXL copies are not abortable (D holds)
+        super().start(topology=topology)
+        for p in self.p_procs:
+            self.published_p[p.rank] = p
+        for d in self.d_procs:
+            self.published_d[d.tp_rank] = d
+
+    def _new_d(self, tp_rank: int, offset: float) -> DProc:
+        proc = super()._new_d(tp_rank, offset)
+        del proc.core.connected  # (the heal oracle's wrapper: the handshake here states WRITE_S)
+        # Keepalives all along (the idle-restart rule rests on them); the drain turns them off.
+        proc.core.s = attrs.evolve(proc.core.s, keepalive_s=1e6)
+        return proc
+
+    # ------------------------------------------------------------------ the side channel
+
+    def _publish_due(self) -> None:
+        due = [(proc, at) for proc, at in self.unpublished if at <= self.t + 1e-9]
+        for proc, _ in due:
+            self._publish(proc)
+        self.unpublished = [(proc, at) for proc, at in self.unpublished if at > self.t + 1e-9]
+
+    def _publish(self, proc: Proc) -> None:
+        if not proc.alive:
+            return
+        if isinstance(proc, PProc):
+            self.published_p[proc.rank] = proc
+        elif isinstance(proc, DProc):
+            self.published_d[proc.tp_rank] = proc
+
+    def _tick(self, skip: PProc | None = None) -> None:
+        self._publish_due()
+        self.ticks.append(self.t)
+        super()._tick(skip=skip)
+
+    def _handshake(self, item: tuple[Proc, Connect], ok: bool, refused: bool = False) -> None:
+        proc, action = item
+        if not proc.alive:
+            return
+        self._publish_due()
+        if isinstance(proc, PProc):
+            self._p_handshake(proc, action, ok)
+        else:
+            assert isinstance(proc, DProc)
+            self._d_handshake(proc, action, ok)
+
+    def _p_handshake(self, p: PProc, action: Connect, ok: bool) -> None:
+        """P's full handshake with D ranks: it loads what D's side channel publishes."""
+        now = self.now(p)
+        for rank in action.ranks:
+            r = rank.tp_rank
+            loaded = p.registry.get(action.engine_id, {}).get(r)
+            pub = self.published_d.get(r)
+            if loaded is None and ok and pub is not None and (pub.alive or not self.same_host):
+                loaded = (pub.agent, pub.inc)  # remote: a dead process's metadata loads too
+                p.registry.setdefault(action.engine_id, {})[r] = loaded
+                p.told.pop(pub.agent, None)
+            if loaded is not None:
+                self._run_p(
+                    p, p.core.connected(action.engine_id, r, loaded[0], loaded[1], self.d_tp, "", now)
+                )
+            elif ok and pub is not None:  # same host: refuse_exited (PeerProcessExited)
+                why = f"engine 'D' rank {r} (agent {pub.agent}) is published by a process which has exited"
+                self._run_p(p, p.core.connected(action.engine_id, r, "", "", 0, why, now))
+            else:
+                self._run_p(
+                    p, p.core.connected(action.engine_id, r, "", "", 0, "side channel unreachable", now)
+                )
+
+    def _d_handshake(self, d: DProc, action: Connect, ok: bool) -> None:
+        """D's notif-only handshake with P: it loads what P's side channel publishes."""
+        now = self.now(d)
+        want = expected_producers(
+            prefill_pp=self.p_pp, prefill_tp=self.p_tp, decode_tp_rank=d.tp_rank, decode_tp_size=self.d_tp
+        )
+        pubs = {r: self.published_p.get(r) for r in want}
+        if not ok or any(p is None for p in pubs.values()):
+            self._run_d(d, d.core.connected(action.engine_id, None, "side channel unreachable", now))
+            return
+        live: dict[RankKey, PProc] = {r: p for r, p in pubs.items() if p is not None}
+        dead = sorted(p.agent for p in live.values() if not p.alive)
+        if dead and self.same_host:
+            why = f"P agent(s) {dead} published by a process which has exited"
+            self._run_d(d, d.core.connected(action.engine_id, None, why, now, exited=True))
+            return
+        d.registry[action.engine_id] = {r: (p.agent, p.inc) for r, p in live.items()}
+        info = ProducerInfo(
+            prefill_pp=self.p_pp,
+            prefill_tp=self.p_tp,
+            agents={r: p.agent for r, p in live.items()},
+            incarnations={p.agent: p.inc for p in live.values()},
+            write_deadline_s=WRITE_S,
+            writes_abortable=not self.kernel_copies,
+            processes={p.agent: {"inc": p.process or p.inc} for p in live.values()},
+            shares={r: self._share(p) for r, p in live.items()},
+            ended={
+                p.agent: ended
+                for p in live.values()
+                if (ended := self.ended.get((p.process or p.inc, p.agent)))
+            },
+        )
+        tiled = all(
+            sorted(layer for p in live.values() if p.rank.tp_rank == tp for layer in range(*p.layers))
+            == list(range(LAYERS))
+            for tp in {r.tp_rank for r in live}
+        )
+        why = "" if tiled else "refused: P ranks publish layer windows that overlap"
+        self._run_d(d, d.core.connected(action.engine_id, info, why, now))
+
+    def _send(self, src: Proc, agent: str, data: bytes) -> None:
+        inc = self._loaded_inc(src, agent)
+        gone = inc is not None and self._proc(agent, inc) is None
+        if gone and not self.sends_raise:
+            return  # the loaded process is gone: the bytes go nowhere
+        CoreCluster._send(self, src, agent, data)
+
+    def _run_d(self, d: DProc, actions: list[Any]) -> None:
+        if not self.same_host:  # /proc cannot tell about another host's processes
+            actions = [a for a in actions if not isinstance(a, ProbeExit)]
+        super()._run_d(d, actions)
+
+    # ------------------------------------------------------------------ restarts
+
+    def _phase(self) -> str:
+        """Where the protocol stands (for the log): D's engine states and request phases."""
+        parts = []
+        for d in self.live_d():
+            engines = ",".join(e.state.value for e in d.core._engines.values()) or "none"
+            phases = ",".join(
+                sorted({r.phase.value + ("/held" if r.held else "") for r in d.core._requests.values()})
+            )
+            parts.append(f"{d.agent}[{engines}|{phases}|fences={len(d.core._fences)}]")
+        inflight = sum(1 for w in self.writes.values() if w.state == "pending")
+        return " ".join(parts) + f" writes={inflight}"
+
+    @precondition(lambda self: self.ready)
+    @rule(kind=st.sampled_from(RESTARTS), j=IDX, delay=st.sampled_from(PUBLISH_DELAYS_S))
+    def restart(self, kind: str, j: int, delay: float) -> None:
+        """Kill a process and start it again under its name; its side channel publishes the new
+        one ``delay`` seconds later (until then it serves the dead one's metadata)."""
+        self.restart_log.append(f"t={self.t:.3f} {kind} j={j} delay={delay} in {self._phase()}")
+        if kind.startswith("p_"):
+            ps = self.live_p()
+            if not ps:
+                return
+            victims = ps if kind == "p_engine" else [ps[j % len(ps)]]
+            for p in victims:
+                self._kill_p(p)
+                if kind != "p_rank_down":
+                    new = self._new_p(p.rank, offset=p.offset + 7.0)
+                    self.p_procs.append(new)
+                    self.unpublished.append((new, self.t + delay))
+        else:
+            ds = self.live_d()
+            if not ds:
+                return
+            d = ds[j % len(ds)]
+            d.alive = False
+            new_d = self._new_d(d.tp_rank, offset=d.offset + 3.0)
+            self.d_procs.append(new_d)
+            self.unpublished.append((new_d, self.t + delay))
+        self._publish_due()
+
+    @precondition(lambda self: self.ready)
+    @rule(kind=st.sampled_from(FAULTS), i=IDX, j=IDX)
+    def fault(self, kind: str, i: int, j: int) -> None:
+        """Only faults that are no restart and no configuration change (see the module)."""
+        super().fault(kind=kind, i=i, j=j)
+
+    @precondition(lambda self: self.handshakes)
+    @rule(i=IDX, ok=st.sampled_from([True] * 5 + [False]))
+    def handshake(self, i: int, ok: bool, refused: bool = False) -> None:
+        """A handshake ends: loaded (what is published), or the side channel did not answer."""
+        self._handshake(self.handshakes.pop(i % len(self.handshakes)), ok)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _d_report(self, d: DProc, report: Report) -> None:
+        super()._d_report(d, report)
+        self.reported_at.setdefault((d.inc, report.request_id), self.t)
+
+    # ------------------------------------------------------------------ the heal and the oracle
+
+    def teardown(self) -> None:
+        if self.ready:
+            self._heal()
+            self._run_until(self.healed_at + KNOW_S)  # type: ignore[operator]
+            probe, probe_at = self._add_probe()
+            self._run_until_ended(self.healed_at + HEAL_LIMIT_S)  # type: ignore[operator]
+            self._check_bounds()
+            self._check_probe_done(probe, probe_at)
+            for d in self.live_d():  # let the drain end (keepalives would tick for ever)
+                d.core.s = attrs.evolve(d.core.s, keepalive_s=0.0)
+        CoreCluster.teardown(self)  # the reliable drain; every state empty
+
+    def _heal(self) -> None:
+        """Every process runs, every rank that is down is started again, everything is
+        published, and from here the network is reliable."""
+        for p in self.p_procs:
+            p.hung = False
+        alive = {p.rank for p in self.live_p()}
+        for p in list(self.p_procs):
+            if not p.alive and p.rank not in alive and p.rank.pp_rank < self.p_pp:
+                self.p_procs.append(self._new_p(p.rank, offset=p.offset + 11.0))
+                alive.add(p.rank)
+        for proc in (*self.live_p(), *self.live_d()):
+            self._publish(proc)
+        self.unpublished = []
+        for m in self.net:
+            m.held = False
+        self.scatter_error = ""
+        self.healed_at = self.t
+
+    def _settle(self) -> None:
+        for _ in range(MAX_BUSY_ROUNDS):
+            if not self._settle_once(land=True, deliver_held=True):
+                return
+        raise Violation(f"livelock after the heal (t={self.t:.3f}s)")
+
+    def _next_global_deadline(self) -> float | None:
+        deadlines = [
+            proc.core.next_deadline() - proc.offset
+            for proc in (*self.live_p(), *self.live_d())
+            if proc.core.next_deadline() is not None
+        ]
+        return min(deadlines) + 1e-6 if deadlines else None
+
+    def _run_until(self, end: float) -> None:
+        """Reliable: settle, then move the clock to the next deadline, until ``end``."""
+        while True:
+            self._settle()
+            if self.t >= end - 1e-9:
+                return
+            nxt = self._next_global_deadline()
+            self.t = end if nxt is None else min(end, max(self.t, nxt))
+            self._tick()
+
+    def _run_until_ended(self, limit: float) -> None:
+        while True:
+            self._settle()
+            if self._all_ended() or self.t >= limit:
+                return
+            nxt = self._next_global_deadline()
+            if nxt is None:
+                return
+            self.t = min(limit, max(self.t, nxt))
+            self._tick()
+
+    def _add_probe(self) -> tuple[Request, float]:
+        n = next(self.seq)
+        req = Request(key=f"k{n}", rid=f"probe{n}", seq=n, nblocks=1, sizes="absent", packed=False)
+        self.requests.append(req)
+        added = self.t
+        for d in self.live_d():
+            self._add(d, req)
+        self.prefill_finished(i=len(self.requests) - 1, j=0, one_rank=False, bind=False, boom=False)
+        return req, added
+
+    def _first_tick_at(self, when: float) -> float | None:
+        k = bisect.bisect_left(self.ticks, when + 1e-6)  # (a tick within rounding: the next)
+        return self.ticks[k] if k < len(self.ticks) else None
+
+    def _check_bounds(self) -> None:
+        assert self.healed_at is not None
+        late: list[str] = []
+        for d in self.live_d():
+            for rid, req in d.requests.items():
+                key = (d.inc, rid)
+                added = self.added_at.get(key, self.healed_at)
+                if not req.outcomes:
+                    late.append(f"{d.agent} {rid}: never reported (added at {added:.2f}s)")
+                    continue
+                reported = self.reported_at.get(key, float("inf"))
+                ended = self.ended_at.get(key, reported)
+                watchdog = added + TIMEOUT_S
+                cancelled_first = req.cancel_calls and ended <= watchdog + 1e-9
+                fired = self._first_tick_at(watchdog)
+                if not cancelled_first and fired is not None and reported > fired + 1e-9:
+                    late.append(
+                        f"{d.agent} {rid} {req.outcomes}: added at {added:.2f}s, reported at "
+                        f"{reported:.2f}s, after its watchdog ({watchdog:.2f}s, ticked at {fired:.2f}s)"
+                    )
+                if req.outcomes[0] == "done":
+                    continue
+                due = max(self.healed_at, ended) + QUARANTINE_S + RECONNECT_S
+                freed = self.freed_at.get(key)
+                if freed is None or freed > due + 1e-6:
+                    when = "never" if freed is None else f"at {freed:.2f}s"
+                    late.append(
+                        f"{d.agent} {rid} {req.outcomes}: ended at {ended:.2f}s, healed at "
+                        f"{self.healed_at:.2f}s, released {when}, due by {due:.2f}s "
+                        f"(engine: {_engine_state(d.core)})"
+                    )
+        if late:
+            raise Violation(self._story("restart liveness after the heal:\n  " + "\n  ".join(late)))
+
+    def _check_probe_done(self, req: Request, added: float) -> None:
+        outcomes = {d.agent: d.requests[req.rid].outcomes for d in self.live_d() if req.rid in d.requests}
+        if not outcomes or any(o != ["done"] for o in outcomes.values()):
+            reasons = {
+                d.agent: d.core._requests[req.rid].reason if req.rid in d.core._requests else ""
+                for d in self.live_d()
+            }
+            raise Violation(
+                self._story(
+                    f"a request added {added - (self.healed_at or 0):.2f}s after the heal (every new "
+                    f"process published) was not served: {outcomes} {reasons} "
+                    f"(engines: {[_engine_state(d.core) for d in self.live_d()]})"
+                )
+            )
+
+    def _story(self, message: str) -> str:
+        mode = "same host" if self.same_host else "remote (TCP)"
+        raises = ", sends raise" if self.sends_raise else ""
+        return f"{message}\n  [{mode}{raises}] restarts:\n    " + "\n    ".join(self.restart_log)
+
+
+EXAMPLES = int(os.environ.get("KVPUSH_CORE_EXAMPLES", "400"))
+UNSHRUNK = [Phase.explicit, Phase.generate]
+RestartCluster.TestCase.settings = settings(
+    _machine_settings(max(20, EXAMPLES // 10)), stateful_step_count=50, phases=UNSHRUNK
+)
+TestRestartCluster = pytest.mark.timeout(600)(RestartCluster.TestCase)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_deep_restart_search() -> None:
+    """Many more runs, longer, with fresh randomness unless KVPUSH_CORE_RANDOM is unset."""
+    run_state_machine_as_test(
+        RestartCluster,
+        settings=settings(
+            max_examples=int(os.environ.get("KVPUSH_RESTART_EXAMPLES", "1500")),
+            stateful_step_count=80,
+            deadline=None,
+            derandomize=not os.environ.get("KVPUSH_CORE_RANDOM"),
+            database=None,
+            phases=UNSHRUNK,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+
+
+# ------------------------------------------------------------------------------ every phase
+# Each restart at each phase of the protocol, by hand (the machine reaches them only for some
+# seeds): the process is killed, its replacement published after ``delay``, time passes in
+# heartbeats with everything delivered, then the oracle (teardown) checks the bounds.
+
+PHASES = [
+    "before_handshake",
+    "connecting",
+    "hello",
+    "registered",
+    "posted",
+    "done_in_flight",
+    "fence",
+    "quarantine",
+]
+MODES = {
+    "same-host": (True, False),
+    "same-host-sends-raise": (True, True),
+    "remote-tcp": (False, False),
+}
+WHO = {
+    "p-rank": ("p_rank", (1, 1, 1), 0),
+    "p-stage1-pp2": ("p_rank", (2, 1, 1), 1),
+    "p-engine-pp2": ("p_engine", (2, 1, 1), 0),
+    "d-rank1-tp2": ("d_rank", (1, 1, 2), 1),
+}
+
+
+def _machine(topology: tuple[int, int, int], mode: str) -> RestartCluster:
+    machine = RestartCluster()
+    same_host, sends_raise = MODES[mode]
+    machine.start(topology=topology, same_host=same_host, sends_raise=sends_raise)
+    return machine
+
+
+def _deliver_all(machine: RestartCluster) -> None:
+    """Deliver what is on the wire (and what that sends), confirming no fence."""
+    for _ in range(20):
+        if not machine.net:
+            return
+        msgs, machine.net = machine.net, []
+        for msg in msgs:
+            machine._deliver(msg)
+
+
+def _pending(machine: RestartCluster) -> list[Any]:
+    return [w for w in machine.writes.values() if w.state == "pending"]
+
+
+def _to_phase(machine: RestartCluster, phase: str) -> None:
+    if phase == "before_handshake":
+        return
+    machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    if phase == "connecting":
+        assert machine.handshakes  # D's handshake is running
+        return
+    if phase == "hello":
+        while machine.handshakes:
+            machine.handshake(i=0, ok=True)
+        assert machine.net  # the HELLOs are on the wire
+        return
+    machine.pump(rounds=8, stall_writes=True)  # registered on every D rank
+    if phase == "registered":
+        return
+    if phase == "quarantine":
+        machine.cancel(i=0, j=0)
+        machine.net.clear()  # the CANCEL is lost: D waits out the quarantine
+        for _ in range(int((QUARANTINE_S + 1.0) / HB_S)):
+            machine.advance_clock(dt=HB_S)
+            machine.net.clear()
+        return
+    machine.prefill_finished(i=0, j=0, one_rank=False, bind=True, boom=False)
+    machine.pump(rounds=8, stall_writes=True)  # posted: the WRITEs are in flight
+    assert _pending(machine)
+    if phase == "posted":
+        return
+    if phase == "done_in_flight":
+        for w in _pending(machine):
+            machine._land(w, True)  # landed; the DONEs are on the wire
+        return
+    assert phase == "fence"
+    first = _pending(machine)[0]
+    machine._land(first, False)  # the WRITE failed: P's FAIL says it ended unsettled
+    for p in machine.live_p():
+        machine._poll(p)
+    _deliver_all(machine)
+    assert machine.fences, "D fences P's connections; the transport has not confirmed yet"
+
+
+def _steps(machine: RestartCluster, seconds: float) -> None:
+    for _ in range(int(seconds / HB_S)):
+        machine.advance_clock(dt=HB_S)
+        machine.pump(rounds=8, stall_writes=False)
+
+
+@pytest.mark.parametrize("delay", [0.3, 7.0], ids=["published-0.3s", "published-7s"])
+@pytest.mark.parametrize("who", list(WHO))
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_restart_at_each_phase_ends_every_request_and_serves_the_next(
+    phase: str, mode: str, who: str, delay: float
+) -> None:
+    kind, topology, j = WHO[who]
+    machine = _machine(topology, mode)
+    if phase != "before_handshake":  # a first request served: the engines know each other
+        machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right", prefill_first=True)
+        machine.pump(rounds=8, stall_writes=False)
+    _to_phase(machine, phase)
+    machine.restart(kind=kind, j=j, delay=delay)
+    if phase == "before_handshake":
+        machine.new_request(nblocks=1, first_rank_only=False, packed=False, sizes="right")
+    _steps(machine, delay + SILENCE_S)
+    machine.teardown()  # the oracle: bounds, the probe, then the drain and its safety checks
+
+
+# ------------------------------------------------------------------------------ findings
+
+
+def _hello(incarnation: str) -> Any:
+    from test_adversarial_keepalive import _note
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.types import PushRegistration
+
+    reg = PushRegistration(
+        request_id="(hello)",
+        match_key="(none)",
+        decode_engine_id="D",
+        decode_host="d.example",
+        decode_port=5700,
+        decode_tp_size=1,
+        block_ids=(),
+        remote_engine_id="(any)",
+        decode_incarnation=incarnation,
+        fresh_s=FRESH_S,
+    )
+    return _note(wire.encode_hello(reg, 0))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core/sender.py takes PeerProcessExited (a D rank restarting) for a refusal of D's "
+    "metadata: the D start published next is told FAIL and D fails its requests (diff in report)",
+)
+def test_p_does_not_take_a_restarting_d_rank_for_a_refusal_of_its_metadata(monkeypatch: Any) -> None:
+    """D rank 0's old start (d1) says HELLO and is killed; P's handshake fetches D's side
+    channel, which still serves d1's metadata: ``refuse_exited`` raises ``PeerProcessExited``
+    (same host). The sender takes every handshake error but an unanswered side channel for P
+    *refusing* D's metadata: it reads the rank's identity again (one round trip later) to load
+    it notify-only and tell it why. If the new start d2 was published meanwhile, P records a
+    refusal of d2 ("... has exited") and answers d2's HELLO ``FAIL``: D fails every request
+    waiting for the engine as refused (a configuration error), and fails new ones at once
+    until its backoff, though nothing is wrong with d2. A restarting D rank is no refusal."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from test_adversarial_keepalive import _decode, _info, _meta, _reports
+
+    import kvpush.core.sender as sender_module
+    import kvpush.core.wire as wire_module
+    from kvpush.core import notifications as wire
+    from kvpush.core.errors import PeerProcessExited
+    from kvpush.core.prefill_core import PrefillCore, PrefillSettings
+    from kvpush.core.sender import PushSender
+    from kvpush.core.types import NotificationKind
+    from kvpush.core.worker import lease_clock
+
+    d_agent = "D-decode-pp0-tp0"
+    p = PrefillCore(
+        PrefillSettings(engine_id="P", incarnation="p1", rank=RankKey(0, 0), tp_size=1, lease_s=30.0),
+        plan=lambda blocks, reg: [],
+    )
+    t0 = lease_clock()
+    (connect,) = [a for a in p.notification(d_agent, _hello("d1"), t0) if isinstance(a, Connect)]
+    # The sender, as it runs: the core, a transport that loads what it is given, a side channel
+    # that now serves d2 (published after the first fetch found d1 exited).
+    actions: list[Any] = []
+    sender = object.__new__(PushSender)
+    sender.core = p
+    sender._running, sender._telling, sender._told = True, None, {}
+    sender.peers = SimpleNamespace(incarnation_of=lambda agent: "")
+    sender.transport = SimpleNamespace(load_peer=lambda blob: d_agent, remove_peer=lambda agent: None)
+    sender.config = SimpleNamespace(handshake_timeout_s=1.0)
+    sender.run_on_writer = lambda command: command()
+    sender._execute = actions.extend
+    d2 = SimpleNamespace(
+        engine_id="D", rank=RankKey(0, 0), agent_name=d_agent, agent_blob=b"", incarnation="d2"
+    )
+    monkeypatch.setattr(sender_module, "fetch_metadata", lambda *args, **kwargs: b"d2")
+    monkeypatch.setattr(wire_module, "decode_identity", lambda payload, source: d2)
+    future: Future[Any] = Future()
+    future.set_exception(
+        PeerProcessExited(
+            "engine 'D' rank pp0/tp0 (agent D-decode-pp0-tp0) is published by process 4242, which "
+            "has exited: the rank is restarting under its name"
+        )
+    )
+    sender._connected(connect, future)
+    if sender._telling is not None:
+        sender._telling.shutdown(wait=True)
+    # d2 (alive, published) says HELLO.
+    answer = p.notification(d_agent, _hello("d2"), t0 + 0.3)
+    refusals = [
+        note
+        for a in answer
+        if type(a).__name__ == "Send"
+        and (note := wire.decode_notification(a.message)) is not None
+        and note.kind is NotificationKind.FAILED
+    ]
+    # What D does with it: every request waiting for the engine fails, named a refusal.
+    d = _decode(hello_timeout_s=5.0)
+    d.add(_meta("r1", "k1"), 0.0)
+    d.connected("P", _info("p1"), "", 0.0)
+    failed = [r for note in refusals for r in _reports(d.notification("P-prefill-pp0-tp0", note, 0.1))]
+    assert not refusals and p.stats["handshake_refusals"] == 0, (
+        f"P answered the live D start's HELLO with a refusal: {[n.reason for n in refusals]}; "
+        f"D failed {[(r.request_id, r.reason[:60]) for r in failed]}"
+    )
