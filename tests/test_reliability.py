@@ -314,7 +314,10 @@ def test_sigkill_prefill_stage_mid_transfer_fails_decode_requests_within_the_bou
         for rid in rids[:20]:
             for kind, reason in engines.decode_outcome(rid).values():
                 assert kind == "failed" and "prefill-0-prefill-pp1-tp0" in reason, reason
-                assert "unreachable" in reason or "answered no heartbeat" in reason, reason
+                # D saw the stage's process exit (its side channel still names it: nothing
+                # was published afresh within peer_silence_s), or lost the connection first.
+                whys = ("unreachable", "answered no heartbeat", "exited")
+                assert any(why in reason for why in whys), reason
         # Released once the freshness window (0.4 s) and P's WRITE deadline (1 s) passed.
         engines.wait_released(rids[:20], timeout_s=0.4 + 1.0 + 1.0 + 5)
         for health in engines.health(engines.d_ranks):
