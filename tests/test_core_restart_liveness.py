@@ -301,6 +301,36 @@ class RestartCluster(HealCluster):
             self.unpublished.append((new_d, self.t + delay))
         self._publish_due()
 
+    @precondition(lambda self: self.ready and self.live_d() and self.live_p())
+    @rule(
+        stage=st.sampled_from(["waiting", "hello", "registered", "posted", "landed"]),
+        kind=st.sampled_from(RESTARTS),
+        j=IDX,
+        delay=st.sampled_from(PUBLISH_DELAYS_S),
+        packed=st.booleans(),
+    )
+    def restart_while_busy(self, stage: str, kind: str, j: int, delay: float, packed: bool) -> None:
+        """A new request is driven to ``stage`` (its HELLO on the wire, registered, its WRITEs
+        posted, landed with the DONEs on the wire), whatever else is going on, then a restart:
+        the random walk alone seldom restarts a process while a request is in flight."""
+        self.new_request(nblocks=1, first_rank_only=False, packed=packed, sizes="absent")
+        if stage == "hello":
+            while self.handshakes:
+                self.handshake(i=0, ok=True)
+        elif stage != "waiting":
+            self.pump(rounds=8, stall_writes=True)
+        if stage in ("posted", "landed"):
+            self.prefill_finished(i=len(self.requests) - 1, j=0, one_rank=False, bind=False, boom=False)
+            self.pump(rounds=8, stall_writes=True)
+        if stage == "landed":
+            for w in [w for w in self.writes.values() if w.state == "pending"]:
+                self._land(w, True)
+        self.restart(kind=kind, j=j, delay=delay)
+
+    def outage(self, *args: Any, **kwargs: Any) -> None:
+        """(The heal oracle's outages are left out: restarts are the faults here.)"""
+        raise NotImplementedError
+
     @precondition(lambda self: self.ready)
     @rule(kind=st.sampled_from(FAULTS), i=IDX, j=IDX)
     def fault(self, kind: str, i: int, j: int) -> None:
