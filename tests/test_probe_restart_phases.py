@@ -111,8 +111,10 @@ class Probe(Engines):
         self.history: dict[tuple[str, RankKey, str], tuple[str, Any]] = {}
         """(D process label, rank, request) -> outcome, for every D process ever polled."""
         self.label: dict[RankKey, str] = {r.key: f"d{r.key.tp_rank}.0" for r in self.d_ranks}
-        self.added: dict[str, list[RankKey]] = {}
+        self.added: dict[str, list[tuple[RankKey, str]]] = {}
+        """Request -> the D processes (rank, label) it was added to."""
         self.failed_at: dict[tuple[RankKey, str], float] = {}
+        self.killed_at = 0.0
 
     # requests ---------------------------------------------------------------------------
 
@@ -132,7 +134,7 @@ class Probe(Engines):
         self.added[rid] = []
         for rank in _live(self.d_ranks):
             rank.call(("add", rid, plan["d_ids"], self.params(rid), plan["seed"], [0]))
-            self.added[rid].append(rank.key)
+            self.added[rid].append((rank.key, self.label[rank.key]))
 
     def finish(self, rid: str, stages: Any = None) -> None:
         for rank in _live(self.p_ranks):
@@ -149,6 +151,17 @@ class Probe(Engines):
                     self.failed_at.setdefault((key, rid), now)
 
     # faults -----------------------------------------------------------------------------
+
+    def kill(self, rank: _Rank) -> None:
+        super().kill(rank)
+        self.killed_at = time.monotonic()
+
+    def stale_until(self, stale_s: float) -> float:
+        """D works on (polled) until ``stale_s`` after the kill; returns the seconds since it."""
+        while time.monotonic() < self.killed_at + stale_s:
+            self.poll()
+            time.sleep(0.05)
+        return time.monotonic() - self.killed_at
 
     def start_prefill(self, index: int) -> dict[RankKey, Any]:
         """A fresh process for P rank ``index`` (killed before), every planned prompt prepared;
@@ -180,10 +193,14 @@ class Probe(Engines):
         """Until every live D rank the request was added to reported it."""
 
         def resolved() -> bool:
-            keys = [r.key for r in _live(self.d_ranks) if r.key in self.added.get(rid, [])]
-            return all(rid in self.d_results[k] for k in keys)
+            return all(rid in self.d_results[k] for k in self.holders(rid))
 
         return self.wait(f"D to resolve {rid}", resolved, timeout_s)
+
+    def holders(self, rid: str) -> list[RankKey]:
+        """The live D ranks whose process is one the request was added to."""
+        live = {r.key for r in _live(self.d_ranks)}
+        return [key for key, label in self.added.get(rid, []) if key in live and self.label[key] == label]
 
     def wait_stashed(self) -> None:
         """Until every live P rank holds a registration (and every live D rank sent its own)."""
@@ -239,7 +256,8 @@ def _check_safety(e: Probe, bound_s: float) -> None:
 
 
 def _check_served(e: Probe, rid: str) -> None:
-    for key in e.added[rid]:
+    assert e.holders(rid), f"{rid}: no live D process it was added to"
+    for key in e.holders(rid):
         kind, value = e.d_results[key][rid]
         assert kind == "done" and value["ok"], f"{rid} on D rank {key}: {kind} {value}"
 
@@ -295,10 +313,7 @@ def _p_restart(pp: int, phase: str, stale_s: float) -> None:
             assert phase == "idle"
             e.kill(e.p_ranks[victim])
         payloads = e.start_prefill(victim)  # starting; the side channel serves the killed one
-        deadline = time.monotonic() + stale_s
-        while time.monotonic() < deadline:  # D works on meanwhile
-            e.poll()
-            time.sleep(0.05)
+        stale = e.stale_until(stale_s)
         e.p_server.publish_all(payloads)
         for rid in inflight:  # the prefill done again by the new process (a router's retry)
             e.finish(rid, stages=refinish)
@@ -306,7 +321,8 @@ def _p_restart(pp: int, phase: str, stale_s: float) -> None:
         for rid in inflight:
             e.wait_resolved(rid, INFLIGHT_BOUND)
         _check_safety(e, INFLIGHT_BOUND)
-        if stale_s < SILENCE:  # the docs' promise: a restart D rides through
+        if stale + RETRY < SILENCE:  # the docs' promise: a restart D rides through (one that D's
+            # handshake attempts, one a retry_backoff_s, find before peer_silence_s)
             for rid in inflight:
                 _check_served(e, rid)
 
@@ -376,10 +392,7 @@ def _d_restart(tp: int, phase: str, stale_s: float) -> None:
             assert phase == "idle"
             e.kill(e.d_ranks[victim])
         payloads = e.start_decode(victim)
-        deadline = time.monotonic() + stale_s
-        while time.monotonic() < deadline:
-            e.poll()
-            time.sleep(0.05)
+        e.stale_until(stale_s)
         e.d_server.publish_all(payloads)
         _live_request(e)
         for rid in inflight:
