@@ -35,7 +35,8 @@ D rank (safety: ``CoreCluster``'s invariants, landing checks and final quiescenc
    (``QUARANTINE_S``: how long after its end P may still post; ``RECONNECT_S``: reaching a
    reachable P again: a hold round, the longest backoff, a HELLO timeout, heartbeats);
 3. a probe request, added on every live D rank at ``T_heal + KNOW_S`` and finished at once on
-   every P rank, is done. ``KNOW_S`` is when D can know of every restart (see its comment).
+   every P rank, is done. ``KNOW_S`` is when D can know of every restart (see its comment;
+   ``KNOW_SAME_HOST_S`` on one host, where D sees exits).
 """
 
 from __future__ import annotations
@@ -104,6 +105,14 @@ reached here), or (c) a HELLO to a process that cannot answer timing out (``HELL
 the longest backoff before the handshake afresh). From ``T_heal`` every new process is
 published, so after the latest of these (plus a heartbeat of slack) a handshake loads the
 processes that serve, and a request added then is registered with them: 6.75 s here."""
+KNOW_SAME_HOST_S = 2 * HB_S + BACKOFF_CAP_S + HB_S
+"""The same on one host, where D sees a process's exit instead of waiting for its silence: a
+missed heartbeat answer of a registered request's agent is probed at the next heartbeat
+(``2 * HB_S``; an unanswered HELLO is probed at each resend, every ``min(HB_S, HELLO_S / 4)``;
+an idle engine's dead agent is found the same way by the first request registered with it),
+then the handshake afresh comes within the longest backoff (``BACKOFF_CAP_S``; at once after
+a fence), plus a heartbeat of slack: 2.25 s here. P's own backoff for a D rank
+(``P_BACKOFF_CAP_S``, 1 s) ends within it too."""
 HEAL_LIMIT_S = 60.0
 PUBLISH_DELAYS_S = [0.0, 0.0, 0.3, 1.0, 2.5, 4.0, 7.0]
 """How long a restarted process runs before its side channel publishes it: 0 (back before
@@ -126,6 +135,7 @@ class RestartCluster(HealCluster):
         self.unpublished: list[tuple[Proc, float]] = []
         """Started processes not published yet -> when they will be (global time)."""
         self.reported_at: dict[tuple[str, str], float] = {}
+        self.reasons: dict[tuple[str, str], str] = {}
         self.ticks: list[float] = []
         self.restart_log: list[str] = []
         """What was restarted and in which phase (reported with a violation)."""
@@ -348,13 +358,15 @@ class RestartCluster(HealCluster):
     def _d_report(self, d: DProc, report: Report) -> None:
         super()._d_report(d, report)
         self.reported_at.setdefault((d.inc, report.request_id), self.t)
+        self.reasons.setdefault((d.inc, report.request_id), report.reason)
 
     # ------------------------------------------------------------------ the heal and the oracle
 
     def teardown(self) -> None:
         if self.ready:
             self._heal()
-            self._run_until(self.healed_at + KNOW_S)  # type: ignore[operator]
+            know = KNOW_SAME_HOST_S if self.same_host else KNOW_S
+            self._run_until(self.healed_at + know)  # type: ignore[operator]
             probe, probe_at = self._add_probe()
             self._run_until_ended(self.healed_at + HEAL_LIMIT_S)  # type: ignore[operator]
             self._check_bounds()
@@ -422,6 +434,8 @@ class RestartCluster(HealCluster):
         self.requests.append(req)
         added = self.t
         for d in self.live_d():
+            if not d.free:  # (the pool is held by requests the bounds below check): one more block
+                d.free.append(1000 + n)
             self._add(d, req)
         self.prefill_finished(i=len(self.requests) - 1, j=0, one_rank=False, bind=False, boom=False)
         return req, added
@@ -468,7 +482,8 @@ class RestartCluster(HealCluster):
         outcomes = {d.agent: d.requests[req.rid].outcomes for d in self.live_d() if req.rid in d.requests}
         if not outcomes or any(o != ["done"] for o in outcomes.values()):
             reasons = {
-                d.agent: d.core._requests[req.rid].reason if req.rid in d.core._requests else ""
+                d.agent: f"{self.reasons.get((d.inc, req.rid), '')} "
+                f"(at {self.reported_at.get((d.inc, req.rid), float('nan')):.2f}s)"
                 for d in self.live_d()
             }
             raise Violation(
@@ -729,3 +744,44 @@ def test_p_does_not_take_a_restarting_d_rank_for_a_refusal_of_its_metadata(monke
         f"P answered the live D start's HELLO with a refusal: {[n.reason for n in refusals]}; "
         f"D failed {[(r.request_id, r.reason[:60]) for r in failed]}"
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DecodeCore._connected answers a handshake result for an engine no longer "
+    "CONNECTING with DropPeer, which drops the agents a newer handshake loaded and the engine "
+    "uses (diff in report)",
+)
+def test_a_second_result_of_one_pending_handshake_does_not_drop_the_agents_in_use() -> None:
+    """Found by the restart oracle (same host, P's side channel serving exited processes). D
+    sees P's rank exited and waits for the restart (``peer_silence_s``, 8 s here); its
+    handshake afresh at 1 s is slow (P's engine and side channel restarting: the fetch waits
+    for its timeout). At 8 s the restart bound fails the engine while that handshake is
+    pending; a request added once P is back (8.5 s) starts another at the backoff's end (9 s).
+    The driver shares one pending handshake among the Connects asking for it
+    (``PeerRegistry.ensure`` returns the pending future), so its result comes back twice: the
+    first takes the engine to HELLO, the second is "for an engine no longer wanted" and D
+    drops the engine's agents (``DropPeer``: ``peers.remove(engine)``), the very agents the
+    HELLO went to. P answers, the engine is ready, and the request's PUSH_REG cannot be sent
+    (the agent is not loaded): the request fails "unreachable", 0.7 s after P was back."""
+    from test_adversarial_keepalive import P_AGENT, _answer, _decode, _meta, _reports, _sent
+    from test_restart_during_handshake import _info
+
+    from kvpush.core.actions import DropPeer
+
+    d = _decode(hello_timeout_s=5.0, retry_backoff_s=1.0, heartbeat_interval_s=0.25, peer_silence_s=8.0)
+    assert [a for a in d.add(_meta("r1", "k1"), 0.0) if isinstance(a, Connect)]
+    assert not _reports(d.connected("P", None, "P rank 0's process has exited", 0.0, exited=True))
+    assert [a for a in d.handle_timer(1.0) if isinstance(a, Connect)]  # B: the side channel is slow
+    (failed,) = _reports(d.handle_timer(8.0))  # the restart bound, B still pending
+    assert failed.request_id == "r1"
+    assert not d.add(_meta("r2", "k2"), 8.5)  # P's new process is published: r2 waits
+    assert [a for a in d.handle_timer(9.0) if isinstance(a, Connect)]  # C: shares B's future
+    info = _info("p2")
+    first = d.connected("P", info, "", 9.2)  # B's callback: loaded, HELLO
+    assert [n.kind.value for n in _sent(first)] == ["hello"]
+    second = d.connected("P", info, "", 9.2)  # C's callback: the same result again
+    dropped = [a for a in second if isinstance(a, DropPeer)]
+    registered = d.notification(P_AGENT, _answer(9.3, "p2"), 9.3)
+    assert [n.kind.value for n in _sent(registered)] == ["push_reg"]
+    assert not dropped, f"D dropped the agents its HELLO went to ({dropped}): r2's PUSH_REG cannot be sent"
