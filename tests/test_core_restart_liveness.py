@@ -77,7 +77,7 @@ from test_core_properties import (
     _machine_settings,
 )
 
-from kvpush.core.actions import Connect, ProbeExit, Report
+from kvpush.core.actions import Connect, DropPeer, ProbeExit, Report
 from kvpush.core.decode_core import ProducerInfo
 from kvpush.core.producers import expected_producers
 from kvpush.core.types import RankKey
@@ -114,6 +114,9 @@ then the handshake afresh comes within the longest backoff (``BACKOFF_CAP_S``; a
 a fence), plus a heartbeat of slack: 2.25 s here. P's own backoff for a D rank
 (``P_BACKOFF_CAP_S``, 1 s) ends within it too."""
 HEAL_LIMIT_S = 60.0
+WORK_AROUND_FINDINGS = not os.environ.get("KVPUSH_RESTART_FINDINGS")
+"""The machine steps around the findings below (each an xfail test), as their proposed fixes
+do, so that it searches on; ``KVPUSH_RESTART_FINDINGS=1`` lets it find them again."""
 PUBLISH_DELAYS_S = [0.0, 0.0, 0.3, 1.0, 2.5, 4.0, 7.0]
 """How long a restarted process runs before its side channel publishes it: 0 (back before
 anyone noticed), within a HELLO timeout, past ``peer_silence_s``."""
@@ -267,7 +270,19 @@ class RestartCluster(HealCluster):
     def _run_d(self, d: DProc, actions: list[Any]) -> None:
         if not self.same_host:  # /proc cannot tell about another host's processes
             actions = [a for a in actions if not isinstance(a, ProbeExit)]
+        if WORK_AROUND_FINDINGS:
+            actions = [a for a in actions if not self._drops_agents_in_use(d, a)]
         super()._run_d(d, actions)
+
+    @staticmethod
+    def _drops_agents_in_use(d: DProc, action: Any) -> bool:
+        """Finding 2 (``test_a_second_result_of_one_pending_handshake_does_not_drop_the_agents_
+        in_use``): the core drops the agents of an engine that loaded them through another
+        handshake. Left out, as the proposed fix does, so the search goes on past it."""
+        if not isinstance(action, DropPeer) or "no longer wanted" not in action.reason:
+            return False
+        engine = d.core._engines.get(action.engine_id)
+        return engine is not None and engine.info is not None
 
     # ------------------------------------------------------------------ restarts
 
@@ -503,7 +518,7 @@ class RestartCluster(HealCluster):
 EXAMPLES = int(os.environ.get("KVPUSH_CORE_EXAMPLES", "400"))
 UNSHRUNK = [Phase.explicit, Phase.generate]
 RestartCluster.TestCase.settings = settings(
-    _machine_settings(max(20, EXAMPLES // 10)), stateful_step_count=50, phases=UNSHRUNK
+    _machine_settings(max(20, EXAMPLES // 4)), stateful_step_count=60, phases=UNSHRUNK
 )
 TestRestartCluster = pytest.mark.timeout(600)(RestartCluster.TestCase)
 
@@ -766,8 +781,6 @@ def test_a_second_result_of_one_pending_handshake_does_not_drop_the_agents_in_us
     (the agent is not loaded): the request fails "unreachable", 0.7 s after P was back."""
     from test_adversarial_keepalive import P_AGENT, _answer, _decode, _meta, _reports, _sent
     from test_restart_during_handshake import _info
-
-    from kvpush.core.actions import DropPeer
 
     d = _decode(hello_timeout_s=5.0, retry_backoff_s=1.0, heartbeat_interval_s=0.25, peer_silence_s=8.0)
     assert [a for a in d.add(_meta("r1", "k1"), 0.0) if isinstance(a, Connect)]
