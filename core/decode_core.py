@@ -645,32 +645,37 @@ class DecodeCore:
         return [ProbeExit(ENGINE_PROBE + engine.engine_id, processes)] if processes else []
 
     def unreachable(self, agent: str, error: str, now: float) -> list[Any]:
-        """Sending to ``agent`` raised. An agent this rank's HELLO waits for whose process is
-        known is probed first (killed as D greeted it, the rank is restarting:
-        :meth:`_greeted_exited`); it is judged unreachable right after, unless the probe found
-        its process exited. Otherwise at once: :meth:`_unreachable`."""
-        engine_id = self._agent_engine.get(agent)
-        engine = self._engines.get(engine_id) if engine_id else None
-        info = engine.info if engine is not None else None
-        if (
-            engine is not None
-            and info is not None
-            and engine.state is _EngineState.HELLO
-            and agent in engine.hello_pending
-            and (identity := info.processes.get(agent)) is not None
-        ):
+        """Sending to ``agent`` raised. When its process is known it is probed first: a P rank
+        killed (over TCP a send to it raises; the rank may be back under its name already) is
+        a restart, handled as one (:meth:`_agents_exited`: a ready engine's registered
+        requests are registered again with the new process; :meth:`_greeted_exited` while
+        this rank's HELLO waits for it). It is judged unreachable right after, unless the
+        probe found its process exited; otherwise at once (:meth:`_unreachable`)."""
+        engine = self._probed_engine(agent)
+        identity = engine.info.processes.get(agent) if engine is not None and engine.info else None
+        if engine is not None and identity is not None:
             self._unreachable_errors[agent] = error
             self._timers.arm(("unreachable", agent), now)
             return [ProbeExit(ENGINE_PROBE + engine.engine_id, ((agent, identity),))]
         return self._unreachable(agent, error, now)
 
+    def _probed_engine(self, agent: str) -> _Producer | None:
+        """The engine whose exit probe acts on ``agent``: one greeting it or ready with it."""
+        engine_id = self._agent_engine.get(agent)
+        engine = self._engines.get(engine_id) if engine_id else None
+        if engine is None or engine.info is None:
+            return None
+        if engine.state is _EngineState.HELLO and agent in engine.hello_pending:
+            return engine
+        if engine.state is _EngineState.READY and agent in engine.info.agents.values():
+            return engine
+        return None
+
     def _on_unreachable_probed(self, agent: str, now: float) -> list[Any]:
         """The exit probe of an agent whose send raised found it running (or could not tell):
         unreachable after all, unless its engine moved on meanwhile."""
         error = self._unreachable_errors.pop(agent, "")
-        engine_id = self._agent_engine.get(agent)
-        engine = self._engines.get(engine_id) if engine_id else None
-        if engine is None or engine.state is not _EngineState.HELLO or agent not in engine.hello_pending:
+        if self._probed_engine(agent) is None:
             return []
         return self._unreachable(agent, error, now)
 
