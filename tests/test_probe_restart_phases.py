@@ -89,6 +89,13 @@ LONG_STALE_S = SILENCE + 1.5
 
 PHASES = ["before_handshake", "in_handshake", "registered", "after_finish", "idle"]
 
+RESTART_TIMEOUT_REASON = (
+    "finding 1 (a race, about one run in two in its own test): D fails every request waiting for a "
+    "restarting P engine at peer_silence_s after the exit was seen (DecodeCore._on_restart_timeout), "
+    "also one added after the new process was published: its handshakes run a retry_backoff_s apart, "
+    "and the deadline can fall between the last one and the next"
+)
+
 
 def _blocks(index: int) -> list[int]:
     return [4 + 2 * index, 5 + 2 * index]
@@ -98,9 +105,9 @@ class Probe(Engines):
     """Engines whose ranks are killed, started and published in separate steps; requests go to
     the live ranks only; every D outcome is kept, also those of a rank later replaced."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, heartbeat_interval_s: float = HB, **kwargs: Any) -> None:
         super().__init__(
-            heartbeat_interval_s=HB,
+            heartbeat_interval_s=heartbeat_interval_s,
             peer_silence_s=SILENCE,
             handshake_timeout_s=HANDSHAKE,
             request_timeout_s=WATCHDOG,
@@ -327,7 +334,20 @@ def _p_restart(pp: int, phase: str, stale_s: float) -> None:
                 _check_served(e, rid)
 
 
-P_CASES = [pytest.param(pp, phase, id=f"pp{pp}-{phase}") for pp in (1, 2) for phase in PHASES]
+P_CASES = [
+    pytest.param(
+        pp,
+        phase,
+        id=f"pp{pp}-{phase}",
+        # D's first handshake finds the killed process: its restart timeout may fall between
+        # two attempts after the new process is published (finding 1; about one run in four)
+        marks=[pytest.mark.xfail(strict=False, reason=RESTART_TIMEOUT_REASON)]
+        if phase in ("before_handshake", "in_handshake")
+        else [],
+    )
+    for pp in (1, 2)
+    for phase in PHASES
+]
 
 
 @pytest.mark.parametrize(("pp", "phase"), P_CASES)
@@ -335,19 +355,30 @@ def test_p_rank_restart(variant: str, pp: int, phase: str) -> None:
     _p_restart(pp, phase, STALE_S)
 
 
-SEND_RAISED = pytest.mark.xfail(
-    strict=True,
-    reason="finding 2: over UCX_TLS=tcp D's heartbeat to the killed P process raises "
-    "(NIXL_ERR_REMOTE_DISCONNECT); DecodeCore.unreachable probes the process's exit only for an agent "
-    "its HELLO waits for, so a ready engine's registered request fails 'P agent ... is unreachable' "
-    "one heartbeat later instead of being registered again with the new process",
+SEND_RAISED_REASON = (
+    "finding 2 (a race, about one run in two): over UCX_TLS=tcp D's heartbeat to the killed P "
+    "process raises (NIXL_ERR_REMOTE_DISCONNECT) before the missed answer's exit probe ran; "
+    "DecodeCore.unreachable probes the process's exit only for an agent its HELLO waits for, so a "
+    "ready engine's registered request fails 'P agent ... is unreachable' one heartbeat later "
+    "instead of being registered again with the new process"
 )
-"""Where the docs' promise for a P killed and back before D noticed breaks (see the test below)."""
+SEND_RAISED = pytest.mark.xfail(strict=False, reason=SEND_RAISED_REASON)
+"""Not strict: whether the send raises before the exit probe runs is timing."""
+FENCED_WHOLE = pytest.mark.xfail(
+    strict=True,
+    reason="finding 3 (every run; finding 2 too where it wins the race): over UCX_TLS=tcp D saw stage "
+    "1's process exit and fenced the whole P engine (DecodeCore._agents_exited: every agent), shutting "
+    "the live stage 0's TCP connections; stage 0's next send to D raised, P failed the registration "
+    "it held (PrefillCore.unreachable -> _rank_gone), and D, which registered r1 again only with the "
+    "restarted stage 1, failed it 'P no longer holds this request'",
+)
 
 
 def _p_variant(env: str, pp: int, phase: str, slow: bool) -> Any:
     marks = [pytest.mark.slow] if slow else []
-    if env == "tcp" and phase in ("registered", "after_finish"):
+    if env == "tcp" and pp == 2 and phase == "registered":
+        marks.append(FENCED_WHOLE)
+    elif env == "tcp" and phase in ("registered", "after_finish"):
         marks.append(SEND_RAISED)
     return pytest.param(env, pp, phase, id=f"{env}-pp{pp}-{phase}", marks=marks)
 
@@ -373,7 +404,7 @@ def test_p_rank_restart_variants(monkeypatch: pytest.MonkeyPatch, env: str, pp: 
         _p_restart(pp, phase, STALE_S)
 
 
-@pytest.mark.xfail(strict=True, reason=SEND_RAISED.kwargs["reason"])
+@pytest.mark.xfail(strict=False, reason=SEND_RAISED_REASON)
 def test_tcp_a_request_registered_with_a_killed_p_process_is_registered_again_with_the_new_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -404,12 +435,7 @@ def test_tcp_a_request_registered_with_a_killed_p_process_is_registered_again_wi
             _check_served(e, "r1")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 1: D fails every request waiting for a restarting P engine at peer_silence_s "
-    "after the exit was seen (DecodeCore._on_restart_timeout), also one added after the new process "
-    "was published: its handshakes run a retry_backoff_s apart, and the deadline falls between them",
-)
+@pytest.mark.xfail(strict=False, reason=RESTART_TIMEOUT_REASON)
 def test_a_request_added_after_the_new_p_process_was_published_is_not_failed_by_the_restart_timeout() -> None:
     """Finding 1. P rank 0 is killed before D's first handshake; each handshake D makes finds
     the killed process published (``PeerProcessExited``), once a ``retry_backoff_s`` (1 s: the
