@@ -180,6 +180,9 @@ class _Producer:
     did. Until the engine is ready again, but at most ``peer_silence_s``, a handshake that
     fails (P's side channel still names the old process, or does not answer while the rank
     starts) fails no request: the next attempt comes after the backoff."""
+    restart_expired: bool = False
+    """``peer_silence_s`` passed since the restart was seen: the attempt running or made now
+    is the last; if it fails too, the requests waiting fail (:meth:`DecodeCore._on_restart_timeout`)."""
 
 
 class _Phase(enum.Enum):
@@ -472,7 +475,7 @@ class DecodeCore:
             engine.failures, engine.requests = failed.failures, failed.requests
             engine.dead, engine.waiting = failed.dead, failed.waiting
             engine.previous = failed.previous  # a reconnect's: a P restart is still spotted
-            engine.restarting = failed.restarting
+            engine.restarting, engine.restart_expired = failed.restarting, failed.restart_expired
             self._timers.disarm(("retry", engine.engine_id))
         self._engines[engine.engine_id] = engine
         return [*moved, Connect(engine.engine_id, engine.host, engine.port)]
@@ -645,12 +648,12 @@ class DecodeCore:
         return [ProbeExit(ENGINE_PROBE + engine.engine_id, processes)] if processes else []
 
     def unreachable(self, agent: str, error: str, now: float) -> list[Any]:
-        """Sending to ``agent`` raised. When its process is known it is probed first: a P rank
-        killed (over TCP a send to it raises; the rank may be back under its name already) is
-        a restart, handled as one (:meth:`_agents_exited`: a ready engine's registered
-        requests are registered again with the new process; :meth:`_greeted_exited` while
-        this rank's HELLO waits for it). It is judged unreachable right after, unless the
-        probe found its process exited; otherwise at once (:meth:`_unreachable`)."""
+        """Sending to ``agent`` raised. An agent this rank's HELLO waits for whose process is
+        known is probed first (killed as D greeted it, the rank is restarting:
+        :meth:`_greeted_exited`); it is judged unreachable right after, unless the probe found
+        its process exited. Otherwise at once: :meth:`_unreachable`. (Not for a ready engine:
+        its exit path fences the engine's connections, which would cut a live stage's WRITEs
+        when the agent's worker merely closed with its BYE still on the way.)"""
         engine = self._probed_engine(agent)
         identity = engine.info.processes.get(agent) if engine is not None and engine.info else None
         if engine is not None and identity is not None:
@@ -660,16 +663,12 @@ class DecodeCore:
         return self._unreachable(agent, error, now)
 
     def _probed_engine(self, agent: str) -> _Producer | None:
-        """The engine whose exit probe acts on ``agent``: one greeting it or ready with it."""
+        """The engine greeting ``agent`` (its HELLO unanswered), if any."""
         engine_id = self._agent_engine.get(agent)
         engine = self._engines.get(engine_id) if engine_id else None
-        if engine is None or engine.info is None:
+        if engine is None or engine.info is None or engine.state is not _EngineState.HELLO:
             return None
-        if engine.state is _EngineState.HELLO and agent in engine.hello_pending:
-            return engine
-        if engine.state is _EngineState.READY and agent in engine.info.agents.values():
-            return engine
-        return None
+        return engine if agent in engine.hello_pending else None
 
     def _on_unreachable_probed(self, agent: str, now: float) -> list[Any]:
         """The exit probe of an agent whose send raised found it running (or could not tell):
@@ -1366,6 +1365,13 @@ class DecodeCore:
         self.stats["exited_producers"] += len(gone)
         for agent, incarnation in gone.items():
             self._mark_closed(agent, incarnation)
+        for rid in sorted(engine.requests):  # (a reconnect's) as :meth:`_unreachable` spares them
+            receive = self._requests.get(rid)
+            if receive is None or receive.phase is not _Phase.REGISTERED:
+                continue
+            there = {r for r in receive.expected if receive.agents.get(r) in gone}
+            if there and there <= receive.settled:  # written whole, or its BYE said so
+                receive.done_coming = True
         why = f"P agent(s) {sorted(gone)} exited before answering this rank's HELLO; handshaking afresh"
         self._restarting(
             engine,
@@ -1794,10 +1800,30 @@ class DecodeCore:
         engine.restarting = reason
 
     def _on_restart_timeout(self, engine_id: str, now: float) -> list[Any]:
+        """``peer_silence_s`` since a restart was seen and the engine is not ready. Its
+        handshakes run a backoff apart, so a new process published just before now would be
+        missed: one more attempt decides, made now (or the one running), and only when it fails
+        too do the requests waiting fail (:meth:`_restart_failed`)."""
         engine = self._engines.get(engine_id)
         if engine is None or not engine.restarting or engine.state is _EngineState.READY:
             return []
-        reason, engine.restarting = engine.restarting, ""
+        if engine.restart_expired:
+            return self._restart_failed(engine, now)
+        engine.restart_expired = True
+        if engine.state is not _EngineState.FAILED:
+            return []  # the handshake or HELLO running is the last attempt
+        waiting = [r for r in engine.waiting if r in self._requests]
+        waiting += sorted(r for r in engine.requests if _needs_agents(self._requests[r]))
+        if not waiting:
+            return self._restart_failed(engine, now)
+        engine.failed_at = now - self.s.retry_backoff_max_s - self.s.request_timeout_s  # due now
+        return self._engine_wanted(self._requests[waiting[0]].meta, now)
+
+    def _restart_failed(self, engine: _Producer, now: float) -> list[Any]:
+        """No new process of a restarting engine answered within ``peer_silence_s`` and a last
+        attempt: fail as for a silent P, with the restart's reason."""
+        reason, engine.restarting, engine.restart_expired = engine.restarting, "", False
+        self._timers.disarm(("restart", engine.engine_id))
         self.stats["dead_peers"] += 1
         return self._engine_failed(engine, reason, now)
 
@@ -1807,7 +1833,10 @@ class DecodeCore:
         :meth:`_engine_failed`; bounded by the restart timeout, :meth:`_restarting`). Requests
         registered with those agents fail, except those to be registered again and those a
         closed producer's DONE of theirs is on its way to (``done_coming``: their other
-        producers' DONEs, their BYEs or the watchdog end them)."""
+        producers' DONEs, their BYEs or the watchdog end them). After the restart bound it was
+        the last attempt: :meth:`_restart_failed`."""
+        if engine.restart_expired and engine.restarting:
+            return self._restart_failed(engine, now)
         engine.state = _EngineState.FAILED
         engine.error = reason
         engine.refused = False
@@ -1899,7 +1928,7 @@ class DecodeCore:
 
     def _engine_ready(self, engine: _Producer, now: float) -> list[Any]:
         engine.state = _EngineState.READY
-        engine.restarting = ""
+        engine.restarting, engine.restart_expired = "", False
         self._timers.disarm(("restart", engine.engine_id))
         engine.failures = 0
         self._timers.disarm(("hello", engine.engine_id))

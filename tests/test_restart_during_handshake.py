@@ -145,6 +145,38 @@ def test_a_rank_that_never_comes_back_fails_its_waiting_requests_at_the_restart_
     assert [r.request_id for r in reports] == ["r1"] and "exited" in reports[0].reason
 
 
+def test_a_process_published_just_before_the_restart_bound_is_not_missed() -> None:
+    """The restart-phase probe's finding 1: D's handshakes run ``retry_backoff_s`` apart while
+    the side channel serves the exited process, and the restart bound (``peer_silence_s`` after
+    the exit was seen) fell between two of them: a new process published just before it was
+    never tried, and every waiting request failed. At the bound one more attempt is made now;
+    only if it fails too do the requests fail."""
+    d = _decode(hello_timeout_s=5.0, retry_backoff_s=1.0, peer_silence_s=2.5, request_timeout_s=60.0)
+    d.add(_meta("r1", "k1"), 0.0)
+    d.connected("P", None, "exited", 0.0, exited=True)
+    for t in (1.0, 2.0):
+        assert [a for a in d.handle_timer(t) if isinstance(a, Connect)]
+        assert not _reports(d.connected("P", None, "exited", t, exited=True))
+    # The new process is published at 2.3 s; D's next attempt would be at 3 s.
+    out = d.handle_timer(2.5)  # the restart bound: the last attempt, made now
+    assert not _reports(out) and [a for a in out if isinstance(a, Connect)]
+    d.connected("P", _info("p2"), "", 2.5)
+    registered = d.notification(P_AGENT, _answer(2.5, "p2"), 2.5)
+    assert [n.kind.value for n in _sent(registered)] == ["push_reg"] and not _reports(registered)
+
+
+def test_the_last_attempt_at_the_restart_bound_failing_fails_the_waiting_requests() -> None:
+    d = _decode(hello_timeout_s=5.0, retry_backoff_s=1.0, peer_silence_s=2.5, request_timeout_s=60.0)
+    d.add(_meta("r1", "k1"), 0.0)
+    d.connected("P", None, "exited", 0.0, exited=True)
+    for t in (1.0, 2.0):
+        d.handle_timer(t)
+        d.connected("P", None, "exited", t, exited=True)
+    assert [a for a in d.handle_timer(2.5) if isinstance(a, Connect)]
+    (report,) = _reports(d.connected("P", None, "exited", 2.5, exited=True))
+    assert report.request_id == "r1" and "exited" in report.reason and "within 2.5s" in report.reason
+
+
 def test_refuse_exited_names_the_rank_and_its_process() -> None:
     class Meta:
         agent_name, rank, engine_id = "P-prefill-pp0-tp0", P0, "P"
