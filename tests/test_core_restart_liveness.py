@@ -51,6 +51,9 @@ around 2-5 as their proposed fixes do, ``KVPUSH_RESTART_FINDINGS=1`` to see them
    exit reconnects the engine, the second is dropped; the request is not registered again.
 5. An exit seen by a held request's probe fences and reconnects the engine, and the
    handshake afresh fails the registered requests instead of registering them again.
+6. On one host a PUSH_REG whose send raised (a ready engine's dead process) fails the request;
+   its process is not probed as a raised HELLO's is. (Not stepped around: the slow search
+   still finds it, and with it a PUSH_REG batch cut by the fence its probe triggers.)
 """
 
 from __future__ import annotations
@@ -1062,3 +1065,58 @@ def test_an_exit_seen_by_a_held_request_s_probe_registers_the_others_again() -> 
     assert not failed and [n.kind.value for n in again] == ["push_reg"], (
         f"r2 was not registered again with the new process: {[(r.outcome, r.reason) for r in failed]}"
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DecodeCore.unreachable probes a raised send's process only while greeting (HELLO); "
+    "a ready engine's raised PUSH_REG fails the request though the exit is visible (report)",
+)
+def test_a_registration_whose_send_raised_on_one_host_is_registered_again_with_the_new_process() -> None:
+    """Found by the restart oracle (same host, sends to a dead process raise): P's rank was
+    killed and published again at once while D was idle towards it (no keepalive had gone
+    unanswered yet). A new request registers with the process D still has loaded; the
+    PUSH_REG's send raises (``NIXL_ERR_REMOTE_DISCONNECT``) and D fails the request a heartbeat
+    later ("unreachable"). Had the send been lost instead, the next heartbeat's exit probe
+    would have registered it again with the new process (``_agents_exited``), and a raised
+    HELLO is probed first already (95428ae): a raised send on a ready engine is not."""
+    from test_adversarial_keepalive import P0, P_AGENT, _decode, _meta, _note, _reports, _sent
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.actions import Fence
+
+    def info(incarnation: str) -> ProducerInfo:
+        return ProducerInfo(
+            prefill_pp=1,
+            prefill_tp=1,
+            agents={P0: P_AGENT},
+            incarnations={P_AGENT: incarnation},
+            write_deadline_s=WRITE_S,
+            writes_abortable=False,
+            processes={P_AGENT: {"inc": incarnation}},
+        )
+
+    d = _decode(heartbeat_interval_s=HB_S, fresh_s=FRESH_S, peer_silence_s=SILENCE_S, hello_timeout_s=HELLO_S)
+    d.add(_meta("r1", "k1"), 0.0)
+    d.connected("P", info("p1"), "", 0.0)
+    d.notification(P_AGENT, _note(wire.encode_heartbeat_answer(P0, 0.0, "p1")), 0.0)
+    d.notification(P_AGENT, _note(wire.encode_done("r1", P0, 1, None, "p1")), 0.05)  # r1 done
+    # P's rank is killed and back at once (p2 published); D adds r2 at 0.1 s.
+    (push_reg,) = _sent(d.add(_meta("r2", "k2"), 0.1))
+    assert push_reg.kind.value == "push_reg"
+    out = d.unreachable(P_AGENT, "NIXL_ERR_REMOTE_DISCONNECT", 0.1)  # the send raised
+    for action in list(out):  # /proc: p1 has exited
+        if isinstance(action, ProbeExit):
+            out += d.producers_exited(action.request_id, [a for a, _ in action.processes], 0.1)
+    t = 0.1
+    for _ in range(8):
+        t = round(t + HB_S, 6)
+        out += d.handle_timer(t)
+        for fence in [a for a in out if isinstance(a, Fence)]:
+            out += d.fenced(fence.fence_id, t)
+        if any(isinstance(a, Connect) for a in out):
+            out = d.connected("P", info("p2"), "", t)
+            out += d.notification(P_AGENT, _note(wire.encode_heartbeat_answer(P0, t, "p2")), t)
+            break
+    failed = [(r.request_id, r.reason) for r in _reports(out) if r.request_id == "r2"]
+    assert not failed and d.stats["reregistered"] == 1, f"r2 failed: {failed}"
