@@ -1727,6 +1727,8 @@ class PrefillCore:
         return out + self._maybe_end(request, now)
 
     def _maybe_end(self, request: _Request, now: float) -> list[Any]:
+        if self._requests.get(request.key) is not request:
+            return []  # ended meanwhile (a deferred message replayed under it failed it)
         dests = request.dests or {}
         if any(d.state is _Dest.INFLIGHT for d in dests.values()):
             return []

@@ -21,7 +21,7 @@ import attrs
 from kvpush.core import ended_workers
 from kvpush.core import notifications as wire
 from kvpush.core.actions import Abort, Connect, DropPeer, Post, Report, Send
-from kvpush.core.errors import ConfigError, KvpushError, TransferError, WaitTimeout
+from kvpush.core.errors import ConfigError, KvpushError, PeerProcessExited, TransferError, WaitTimeout
 from kvpush.core.peers import PeerEngine
 from kvpush.core.planning import descriptor_id_grid, descriptor_ids, pair_blocks
 from kvpush.core.prefill_core import PrefillCore, PrefillSettings
@@ -436,7 +436,10 @@ class PushSender(RankWorker):
     def _connected(self, action: Connect, future: Future[PeerEngine]) -> None:
         assert self.core is not None
         error = future.exception()
-        if error is not None and not isinstance(error, SideChannelUnanswered) and self._running:
+        # Not a refusal: D's side channel did not answer, or names a D process that has exited
+        # (a D rank restarting: its new start would be told "refused" and fail every request).
+        restarting = isinstance(error, (SideChannelUnanswered, PeerProcessExited))
+        if error is not None and not restarting and self._running:
             # D's side channel answered and P refused what it read: load D's agent notify-only
             # (off the writer first), so the core can answer D's HELLO and registrations FAIL
             # with the reason instead of leaving D to its HELLO bound.

@@ -39,7 +39,8 @@ D rank (safety: ``CoreCluster``'s invariants, landing checks and final quiescenc
    ``KNOW_SAME_HOST_S`` on one host, where D sees exits).
 
 Findings (each a minimal hand-made test below, xfail until its fix lands; the machine steps
-around 2-5 as their proposed fixes do, ``KVPUSH_RESTART_FINDINGS=1`` to see them again):
+around 2-5 as their proposed fixes do, ``KVPUSH_RESTART_FINDINGS=1`` to see them again).
+Fixed: 1 and 3 (core/sender.py, ``PrefillCore._maybe_end``), 2's trigger (989bf49).
 
 1. P's sender takes ``PeerProcessExited`` (a D rank restarting) for a refusal of D's metadata:
    the D start published next is answered FAIL and D fails its requests as refused.
@@ -750,11 +751,6 @@ def _hello(incarnation: str) -> Any:
     return _note(wire.encode_hello(reg, 0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core/sender.py takes PeerProcessExited (a D rank restarting) for a refusal of D's "
-    "metadata: the D start published next is told FAIL and D fails its requests (diff in report)",
-)
 def test_p_does_not_take_a_restarting_d_rank_for_a_refusal_of_its_metadata(monkeypatch: Any) -> None:
     """D rank 0's old start (d1) says HELLO and is killed; P's handshake fetches D's side
     channel, which still serves d1's metadata: ``refuse_exited`` raises ``PeerProcessExited``
@@ -886,12 +882,6 @@ def _d_reg(rid: str, key: str, tp_rank: int, incarnation: str, grant: float | No
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="PrefillCore._dest_settled ends a request that the deferred HELLO it replays "
-    "already ended: KeyError, the nested actions (Report, FAIL, DropPeer) lost (diff in report)",
-)
 def test_a_write_settling_under_a_restarted_d_rank_in_p_s_backoff_ends_its_request_once() -> None:
     """Found by the restart oracle (a D engine of TP 2 restarting, its side channel serving the
     killed processes for a while). P (TP 1) pushes k1 to D rank 0; D rank 1's handshake failed
