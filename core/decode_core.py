@@ -2049,6 +2049,8 @@ class DecodeCore:
         for engine in list(self._engines.values()):
             if engine.info is None or engine.state is not _EngineState.READY:
                 continue
+            probes: list[tuple[str, Mapping[str, Any]]] = []
+            probe_at = 0
             for agent in sorted(set(engine.info.agents.values())):
                 keys = self._keys_for(engine, agent)
                 if not keys:
@@ -2068,9 +2070,14 @@ class DecodeCore:
                 if now - heard > self.s.heartbeat_interval_s and identity is not None:
                     # A heartbeat answer missed: has its process exited (killed, maybe already
                     # back under its name)? Then D need not wait for peer_silence_s.
-                    out.append(ProbeExit(ENGINE_PROBE + engine.engine_id, ((agent, identity),)))
+                    probe_at = probe_at if probes else len(out)  # before its renewal, as sent
+                    probes.append((agent, identity))
                 engine.heard.setdefault(agent, now)
                 out += self._send_renewal(engine, agent, keys, now)
+            else:
+                if probes:  # one probe per engine: exits seen together are handled together
+                    # (one at a time, the first reconnected the engine and the next was dropped)
+                    out.insert(probe_at, ProbeExit(ENGINE_PROBE + engine.engine_id, tuple(probes)))
         if any(r.phase is not _Phase.CLOSING for r in self._requests.values()) or any(
             self._kept_alive(e, now) for e in self._engines.values()
         ):

@@ -40,7 +40,8 @@ D rank (safety: ``CoreCluster``'s invariants, landing checks and final quiescenc
 
 Findings (each a minimal hand-made test below, xfail until its fix lands; the machine steps
 around 2-5 as their proposed fixes do, ``KVPUSH_RESTART_FINDINGS=1`` to see them again).
-Fixed: 1 and 3 (core/sender.py, ``PrefillCore._maybe_end``), 2's trigger (989bf49).
+Fixed: 1 and 3 (core/sender.py, ``PrefillCore._maybe_end``), 2's trigger (989bf49), 4 (one
+exit probe per engine and heartbeat).
 
 1. P's sender takes ``PeerProcessExited`` (a D rank restarting) for a refusal of D's metadata:
    the D start published next is answered FAIL and D fails its requests as refused.
@@ -931,11 +932,6 @@ def test_a_write_settling_under_a_restarted_d_rank_in_p_s_backoff_ends_its_reque
     assert [r.key for r in reports] == ["k1"] and "k1" not in p.pending_requests()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DecodeCore._heartbeat probes each silent agent in its own ProbeExit; the first exit "
-    "seen reconnects the engine and _agents_exited drops the next (diff in report)",
-)
 def test_a_whole_p_engine_restart_seen_on_one_host_registers_again_with_every_new_process() -> None:
     """Found by the restart oracle (same host, P TP 2 restarted whole, the new processes
     published at once). A request registered with both P ranks just before they were killed;
