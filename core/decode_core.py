@@ -811,9 +811,7 @@ class DecodeCore:
                 out += self._on_restart_timeout(name, now)
             elif kind == "retry":
                 engine = self._engines.get(name)
-                waiting = [r for r in engine.waiting if r in self._requests] if engine is not None else []
-                if engine is not None:  # registered requests (to register again, or kept at a BYE)
-                    waiting += sorted(r for r in engine.requests if _needs_agents(self._requests[r]))
+                waiting = self._wanting(engine) if engine is not None else []
                 if engine is not None and engine.state is _EngineState.FAILED and waiting:
                     out += self._engine_wanted(self._requests[waiting[0]].meta, now)
             elif kind == "hello_resend":
@@ -1812,12 +1810,17 @@ class DecodeCore:
         engine.restart_expired = True
         if engine.state is not _EngineState.FAILED:
             return []  # the handshake or HELLO running is the last attempt
-        waiting = [r for r in engine.waiting if r in self._requests]
-        waiting += sorted(r for r in engine.requests if _needs_agents(self._requests[r]))
+        waiting = self._wanting(engine)
         if not waiting:
             return self._restart_failed(engine, now)
         engine.failed_at = now - self.s.retry_backoff_max_s - self.s.request_timeout_s  # due now
         return self._engine_wanted(self._requests[waiting[0]].meta, now)
+
+    def _wanting(self, engine: _Producer) -> list[str]:
+        """Requests that need a handshake with ``engine``: those waiting for it, then the
+        registered ones that need its agents (to register again, or kept at a BYE)."""
+        waiting = [r for r in engine.waiting if r in self._requests]
+        return waiting + sorted(r for r in engine.requests if _needs_agents(self._requests[r]))
 
     def _restart_failed(self, engine: _Producer, now: float) -> list[Any]:
         """No new process of a restarting engine answered within ``peer_silence_s`` and a last

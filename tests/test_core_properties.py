@@ -844,13 +844,25 @@ class CoreCluster(RuleBasedStateMachine):
         if not ok or len(live) != len(want):
             self._run_d(proc, proc.core.connected(action.engine_id, None, "side channel unreachable", now))
             return
+        self._load_producers(proc, action, live, now)
+
+    def _load_producers(
+        self,
+        proc: DProc,
+        action: Connect,
+        live: dict[RankKey, PProc],
+        now: float,
+        write_deadline_s: float = WRITE_DEADLINE_S,
+    ) -> None:
+        """D's handshake loaded ``live``: what its driver hands the core, refused when the
+        stages' layer windows do not tile the layers."""
         proc.registry[action.engine_id] = {r: (p.agent, p.inc) for r, p in live.items()}
         info = ProducerInfo(
             prefill_pp=self.p_pp,
             prefill_tp=self.p_tp,
             agents={r: p.agent for r, p in live.items()},
             incarnations={p.agent: p.inc for p in live.values()},
-            write_deadline_s=WRITE_DEADLINE_S,
+            write_deadline_s=write_deadline_s,
             writes_abortable=not self.kernel_copies,
             processes={p.agent: {"inc": p.process or p.inc} for p in live.values()},
             shares={r: self._share(p) for r, p in live.items()},

@@ -85,7 +85,6 @@ from test_core_heal_liveness import (
 )
 from test_core_properties import (
     IDX,
-    LAYERS,
     MAX_BUSY_ROUNDS,
     TOPOLOGIES,
     CoreCluster,
@@ -308,29 +307,7 @@ class RestartCluster(HealCluster):
             why = f"P agent(s) {dead} published by a process which has exited"
             self._run_d(d, d.core.connected(action.engine_id, None, why, now, exited=True))
             return
-        d.registry[action.engine_id] = {r: (p.agent, p.inc) for r, p in live.items()}
-        info = ProducerInfo(
-            prefill_pp=self.p_pp,
-            prefill_tp=self.p_tp,
-            agents={r: p.agent for r, p in live.items()},
-            incarnations={p.agent: p.inc for p in live.values()},
-            write_deadline_s=WRITE_S,
-            writes_abortable=not self.kernel_copies,
-            processes={p.agent: {"inc": p.process or p.inc} for p in live.values()},
-            shares={r: self._share(p) for r, p in live.items()},
-            ended={
-                p.agent: ended
-                for p in live.values()
-                if (ended := self.ended.get((p.process or p.inc, p.agent)))
-            },
-        )
-        tiled = all(
-            sorted(layer for p in live.values() if p.rank.tp_rank == tp for layer in range(*p.layers))
-            == list(range(LAYERS))
-            for tp in {r.tp_rank for r in live}
-        )
-        why = "" if tiled else "refused: P ranks publish layer windows that overlap"
-        self._run_d(d, d.core.connected(action.engine_id, info, why, now))
+        self._load_producers(d, action, live, now, WRITE_S)
 
     def _send(self, src: Proc, agent: str, data: bytes) -> None:
         inc = self._loaded_inc(src, agent)
@@ -994,6 +971,21 @@ def test_a_whole_p_engine_restart_seen_on_one_host_registers_again_with_every_ne
     assert to == [a0, a1], f"r1 registered again with {to} only (exits seen: {d.stats['exited_producers']})"
 
 
+def _one_host_info(incarnation: str) -> ProducerInfo:
+    """One P rank on D's host (copies not abortable, its process visible) in ``incarnation``."""
+    from test_adversarial_keepalive import P0, P_AGENT
+
+    return ProducerInfo(
+        prefill_pp=1,
+        prefill_tp=1,
+        agents={P0: P_AGENT},
+        incarnations={P_AGENT: incarnation},
+        write_deadline_s=WRITE_S,
+        writes_abortable=False,
+        processes={P_AGENT: {"inc": incarnation}},
+    )
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="DecodeCore.producers_exited (a held request's probe) fences and reconnects the "
@@ -1012,16 +1004,7 @@ def test_an_exit_seen_by_a_held_request_s_probe_registers_the_others_again() -> 
     from kvpush.core import notifications as wire
     from kvpush.core.actions import Fence
 
-    def info(incarnation: str) -> ProducerInfo:
-        return ProducerInfo(
-            prefill_pp=1,
-            prefill_tp=1,
-            agents={P0: P_AGENT},
-            incarnations={P_AGENT: incarnation},
-            write_deadline_s=WRITE_S,
-            writes_abortable=False,  # one host
-            processes={P_AGENT: {"inc": incarnation}},
-        )
+    info = _one_host_info
 
     def answer(incarnation: str, t: float) -> list[Any]:
         return d.notification(P_AGENT, _note(wire.encode_heartbeat_answer(P0, t, incarnation)), t)
@@ -1069,16 +1052,7 @@ def test_a_registration_whose_send_raised_on_one_host_is_registered_again_with_t
     from kvpush.core import notifications as wire
     from kvpush.core.actions import Fence
 
-    def info(incarnation: str) -> ProducerInfo:
-        return ProducerInfo(
-            prefill_pp=1,
-            prefill_tp=1,
-            agents={P0: P_AGENT},
-            incarnations={P_AGENT: incarnation},
-            write_deadline_s=WRITE_S,
-            writes_abortable=False,
-            processes={P_AGENT: {"inc": incarnation}},
-        )
+    info = _one_host_info
 
     d = _decode(heartbeat_interval_s=HB_S, fresh_s=FRESH_S, peer_silence_s=SILENCE_S, hello_timeout_s=HELLO_S)
     d.add(_meta("r1", "k1"), 0.0)

@@ -26,7 +26,9 @@ import subprocess
 import sys
 from typing import Any
 
+import attrs
 from test_adversarial_keepalive import P0, P_AGENT, _answer, _decode, _meta, _reports, _sent
+from test_adversarial_keepalive import _info as _keepalive_info
 
 from engines import Engines
 from kvpush.core.actions import Connect, DropPeer, ProbeExit
@@ -45,12 +47,9 @@ def _exited_identity() -> dict[str, Any]:
 
 
 def _info(incarnation: str, identity: dict[str, Any] | None = None) -> ProducerInfo:
-    return ProducerInfo(
-        prefill_pp=1,
-        prefill_tp=1,
-        agents={P0: P_AGENT},
-        incarnations={P_AGENT: incarnation},
-        write_deadline_s=10.0,
+    """The keepalive tests' one P rank, published with a process identity (this one's: alive)."""
+    return attrs.evolve(
+        _keepalive_info(incarnation),
         processes={P_AGENT: identity if identity is not None else this_process()},
     )
 
