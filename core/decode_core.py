@@ -1292,9 +1292,23 @@ class DecodeCore:
         if any(receive.agents.get(r) not in exited for r in silent):
             return []
         names = ", ".join(str(r) for r in sorted(silent))
-        return self._await_fence(
+        # The engine may still use those processes for its registered requests: their exit is
+        # theirs too (registered again with the new process, as a heartbeat's probe would);
+        # the held request then joins that fence.
+        out = self._agents_exited(receive.engine_id, self._loaded_as_registered(receive, exited), now)
+        return out + self._await_fence(
             rid, receive, silent | receive.unsettled, f"P rank(s) {names} exited while held", now
         )
+
+    def _loaded_as_registered(self, receive: _Receive, agents: set[str]) -> set[str]:
+        """Those of ``agents`` that ``receive``'s engine has loaded in the incarnation the
+        request registered with (not a newer process loaded under the name since)."""
+        engine = self._engines.get(receive.engine_id)
+        info = engine.info if engine is not None else None
+        if info is None:
+            return set()
+        loaded = set(info.agents.values())
+        return {a for a in agents if a in loaded and info.incarnations.get(a) == receive.incarnations.get(a)}
 
     def _agents_exited(self, engine_id: str, exited: set[str], now: float) -> list[Any]:
         """Agents of a ready engine that missed a heartbeat answer run in processes that have

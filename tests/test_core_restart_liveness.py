@@ -39,9 +39,10 @@ D rank (safety: ``CoreCluster``'s invariants, landing checks and final quiescenc
    ``KNOW_SAME_HOST_S`` on one host, where D sees exits).
 
 Findings (each a minimal hand-made test below, xfail until its fix lands; the machine steps
-around 2-5 as their proposed fixes do, ``KVPUSH_RESTART_FINDINGS=1`` to see them again).
+around 2 as its proposed fix does, ``KVPUSH_RESTART_FINDINGS=1`` to see it again).
 Fixed: 1 and 3 (core/sender.py, ``PrefillCore._maybe_end``), 2's trigger (989bf49), 4 (one
-exit probe per engine and heartbeat).
+exit probe per engine and heartbeat), 5 (``DecodeCore.producers_exited``: the exit is the
+engine's too).
 
 1. P's sender takes ``PeerProcessExited`` (a D rank restarting) for a refusal of D's metadata:
    the D start published next is answered FAIL and D fails its requests as refused.
@@ -97,7 +98,7 @@ from test_core_properties import (
 )
 
 from kvpush.core.actions import Connect, DropPeer, ProbeExit, Report
-from kvpush.core.decode_core import ENGINE_PROBE, ProducerInfo
+from kvpush.core.decode_core import ProducerInfo
 from kvpush.core.producers import expected_producers
 from kvpush.core.types import RankKey
 
@@ -145,41 +146,6 @@ rank; a P rank killed and left down (started again at the heal)."""
 FAULTS = ["none"] * 4 + ["prefill_driver_error", "decode_driver_error", "prefill_abandoned"]
 
 
-def _one_probe_per_engine(actions: list[Any]) -> list[Any]:
-    """Finding 4's proposed fix, applied to a heartbeat's actions: the exit probes of an
-    engine's silent agents in one ``ProbeExit`` (after the heartbeats)."""
-    merged: dict[str, list[Any]] = {}
-    rest = []
-    for action in actions:
-        if isinstance(action, ProbeExit) and action.request_id.startswith(ENGINE_PROBE):
-            merged.setdefault(action.request_id, []).extend(action.processes)
-        else:
-            rest.append(action)
-    return rest + [ProbeExit(rid, tuple(processes)) for rid, processes in merged.items()]
-
-
-def _exit_seen_by_a_held_request(
-    core: Any, exited: Any, rid: str, agents: list[str], now: float
-) -> list[Any]:
-    """Finding 5's proposed fix: the loaded processes a held request's probe saw exit are
-    handled as a heartbeat's probe would (``_agents_exited``: registered again), first."""
-    receive = core._requests.get(rid)
-    out: list[Any] = []
-    if receive is not None and receive.held and receive.fence_id is None:
-        engine = core._engines.get(receive.engine_id)
-        info = engine.info if engine is not None else None
-        same = {
-            a
-            for a in agents
-            if info is not None
-            and info.processes.get(a) is not None
-            and info.processes.get(a) == receive.processes.get(a)
-        }
-        if same:
-            out += core._agents_exited(receive.engine_id, same, now)
-    return out + exited(rid, agents, now)
-
-
 class RestartCluster(HealCluster):
     """Restarts at every phase, an honest side channel; the restart liveness oracle at the end."""
 
@@ -212,26 +178,9 @@ class RestartCluster(HealCluster):
         for d in self.d_procs:
             self.published_d[d.tp_rank] = d
 
-    def _new_p(self, rank: RankKey, offset: float, process: str = "") -> PProc:
-        proc = super()._new_p(rank, offset, process)
-        if WORK_AROUND_FINDINGS:  # finding 3: a request ended twice (its proposed fix)
-            core, maybe_end = proc.core, proc.core._maybe_end
-            core._maybe_end = lambda request, now: (
-                maybe_end(request, now) if core._requests.get(request.key) is request else []
-            )
-        return proc
-
     def _new_d(self, tp_rank: int, offset: float) -> DProc:
         proc = super()._new_d(tp_rank, offset)
         del proc.core.connected  # (the heal oracle's wrapper: the handshake here states WRITE_S)
-        if WORK_AROUND_FINDINGS:  # finding 4: one exit probe per engine and heartbeat
-            heartbeat = proc.core._heartbeat
-            proc.core._heartbeat = lambda now: _one_probe_per_engine(heartbeat(now))
-            # finding 5: an exit a held request's probe saw is the engine's too
-            exited = proc.core.producers_exited
-            proc.core.producers_exited = lambda rid, agents, now: _exit_seen_by_a_held_request(
-                proc.core, exited, rid, list(agents), now
-            )
         # Keepalives all along (the idle-restart rule rests on them); the drain turns them off.
         proc.core.s = attrs.evolve(proc.core.s, keepalive_s=1e6)
         return proc
@@ -986,11 +935,6 @@ def _one_host_info(incarnation: str) -> ProducerInfo:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DecodeCore.producers_exited (a held request's probe) fences and reconnects the "
-    "engine without registering its registered requests again (diff in report)",
-)
 def test_an_exit_seen_by_a_held_request_s_probe_registers_the_others_again() -> None:
     """Found by the restart oracle (same host, a P rank killed and back at once while D held a
     cancelled request and registered a new one with the process it still had loaded). The
