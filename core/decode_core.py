@@ -298,6 +298,9 @@ class DecodeCore:
         self._early_count: dict[str, int] = {}
         self._unreachable_errors: dict[str, str] = {}
         """Agent -> the error its send raised, while its exit probe's verdict is awaited."""
+        self._exited: dict[str, str] = {}
+        """Agent whose send raised and whose process was seen exited -> that incarnation
+        (judged a heartbeat interval later: :meth:`_on_exited`)."""
         self._timers = Deadlines()
         self._heartbeat_armed = False
         self._ended = RecentIds(ENDED_MEMORY)
@@ -648,12 +651,11 @@ class DecodeCore:
         return [ProbeExit(ENGINE_PROBE + engine.engine_id, processes)] if processes else []
 
     def unreachable(self, agent: str, error: str, now: float) -> list[Any]:
-        """Sending to ``agent`` raised. An agent this rank's HELLO waits for whose process is
-        known is probed first (killed as D greeted it, the rank is restarting:
-        :meth:`_greeted_exited`); it is judged unreachable right after, unless the probe found
-        its process exited. Otherwise at once: :meth:`_unreachable`. (Not for a ready engine:
-        its exit path fences the engine's connections, which would cut a live stage's WRITEs
-        when the agent's worker merely closed with its BYE still on the way.)"""
+        """Sending to ``agent`` raised. An agent whose process is known (this host), of an
+        engine greeting it or ready, is probed first: killed, the rank is restarting
+        (:meth:`_greeted_exited`, :meth:`_exited_after_send`). It is judged unreachable right
+        after, unless the probe found its process exited. Otherwise at once:
+        :meth:`_unreachable`."""
         engine = self._probed_engine(agent)
         identity = engine.info.processes.get(agent) if engine is not None and engine.info else None
         if engine is not None and identity is not None:
@@ -663,20 +665,57 @@ class DecodeCore:
         return self._unreachable(agent, error, now)
 
     def _probed_engine(self, agent: str) -> _Producer | None:
-        """The engine greeting ``agent`` (its HELLO unanswered), if any."""
+        """The engine greeting ``agent`` (its HELLO unanswered) or ready with it loaded, if any."""
         engine_id = self._agent_engine.get(agent)
         engine = self._engines.get(engine_id) if engine_id else None
-        if engine is None or engine.info is None or engine.state is not _EngineState.HELLO:
+        if engine is None or engine.info is None:
             return None
-        return engine if agent in engine.hello_pending else None
+        if engine.state is _EngineState.HELLO:
+            return engine if agent in engine.hello_pending else None
+        if engine.state is _EngineState.READY:
+            return engine if agent in engine.info.agents.values() else None
+        return None
 
     def _on_unreachable_probed(self, agent: str, now: float) -> list[Any]:
         """The exit probe of an agent whose send raised found it running (or could not tell):
-        unreachable after all, unless its engine moved on meanwhile."""
-        error = self._unreachable_errors.pop(agent, "")
+        unreachable after all, unless the probe found it exited or its engine moved on."""
+        if agent not in self._unreachable_errors:
+            return []  # its exit was seen (:meth:`_exited_after_send`)
+        error = self._unreachable_errors.pop(agent)
         if self._probed_engine(agent) is None:
             return []
         return self._unreachable(agent, error, now)
+
+    def _exited_after_send(self, engine: _Producer, agents: set[str], now: float) -> None:
+        """A ready engine's agents whose send raised run in processes that have exited. A
+        worker that closed says so in a ``BYE`` sent before its agent went away, which may be
+        a moment behind: the exit is judged a heartbeat interval later (``exited``), as a
+        killed process's (:meth:`_agents_exited`) unless that ``BYE`` came (its requests
+        settle by it, and no live stage's connection is fenced)."""
+        assert engine.info is not None
+        for agent in sorted(agents):
+            if self._unreachable_errors.pop(agent, None) is None:
+                continue
+            self._exited[agent] = engine.info.incarnations.get(agent, "")
+            self._timers.arm(("exited", agent), now + self.s.heartbeat_interval_s)
+
+    def _on_exited(self, agent: str, now: float) -> list[Any]:
+        """A heartbeat interval after a raised send found ``agent``'s process exited: no ``BYE``
+        of that incarnation came, so it was killed (:meth:`_agents_exited`), if the engine still
+        has it loaded."""
+        incarnation = self._exited.pop(agent, None)
+        engine_id = self._agent_engine.get(agent)
+        engine = self._engines.get(engine_id) if engine_id else None
+        info = engine.info if engine is not None else None
+        if (
+            incarnation is None
+            or engine is None
+            or info is None
+            or info.incarnations.get(agent, "") != incarnation
+            or (agent, incarnation) in self._closed
+        ):
+            return []
+        return self._agents_exited(engine.engine_id, {agent}, now)
 
     def _unreachable(self, agent: str, error: str, now: float) -> list[Any]:
         """Sending to ``agent`` raised: its engine is dead to this rank. A closing worker's
@@ -807,6 +846,8 @@ class DecodeCore:
                 out += self._on_gone(name, now)
             elif kind == "unreachable":
                 out += self._on_unreachable_probed(name, now)
+            elif kind == "exited":
+                out += self._on_exited(name, now)
             elif kind == "restart":
                 out += self._on_restart_timeout(name, now)
             elif kind == "retry":
@@ -1324,6 +1365,10 @@ class DecodeCore:
             return self._greeted_exited(engine, info, exited, now)
         if engine is None or info is None or engine.state is not _EngineState.READY:
             return []
+        after_send = exited & set(self._unreachable_errors)
+        if after_send:  # a closed worker's BYE may be a moment behind
+            self._exited_after_send(engine, after_send, now)
+            exited = exited - after_send
         gone = {a: info.incarnations.get(a, "") for a in exited if a in info.agents.values()}
         if not gone:
             return []

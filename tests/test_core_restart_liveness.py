@@ -42,7 +42,7 @@ Findings (each a minimal hand-made test below, xfail until its fix lands; the ma
 around 2 as its proposed fix does, ``KVPUSH_RESTART_FINDINGS=1`` to see it again).
 Fixed: 1 and 3 (core/sender.py, ``PrefillCore._maybe_end``), 2's trigger (989bf49), 4 (one
 exit probe per engine and heartbeat), 5 (``DecodeCore.producers_exited``: the exit is the
-engine's too).
+engine's too), 6 (a ready engine's raised send is probed: ``DecodeCore._exited_after_send``).
 
 1. P's sender takes ``PeerProcessExited`` (a D rank restarting) for a refusal of D's metadata:
    the D start published next is answered FAIL and D fails its requests as refused.
@@ -56,8 +56,7 @@ engine's too).
 5. An exit seen by a held request's probe fences and reconnects the engine, and the
    handshake afresh fails the registered requests instead of registering them again.
 6. On one host a PUSH_REG whose send raised (a ready engine's dead process) fails the request;
-   its process is not probed as a raised HELLO's is. (Not stepped around: the slow search
-   still finds it, and with it a PUSH_REG batch cut by the fence its probe triggers.)
+   its process is not probed as a raised HELLO's is.
 """
 
 from __future__ import annotations
@@ -978,11 +977,6 @@ def test_an_exit_seen_by_a_held_request_s_probe_registers_the_others_again() -> 
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DecodeCore.unreachable probes a raised send's process only while greeting (HELLO); "
-    "a ready engine's raised PUSH_REG fails the request though the exit is visible (report)",
-)
 def test_a_registration_whose_send_raised_on_one_host_is_registered_again_with_the_new_process() -> None:
     """Found by the restart oracle (same host, sends to a dead process raise): P's rank was
     killed and published again at once while D was idle towards it (no keepalive had gone

@@ -346,18 +346,9 @@ def test_p_rank_restart(variant: str, pp: int, phase: str) -> None:
     _p_restart(pp, phase, STALE_S)
 
 
-SEND_RAISED_REASON = (
-    "finding 2 (a race, about one run in two): over UCX_TLS=tcp D's heartbeat to the killed P "
-    "process raises (NIXL_ERR_REMOTE_DISCONNECT) before the missed answer's exit probe ran; "
-    "DecodeCore.unreachable probes the process's exit only for an agent its HELLO waits for, so a "
-    "ready engine's registered request fails 'P agent ... is unreachable' one heartbeat later "
-    "instead of being registered again with the new process"
-)
-SEND_RAISED = pytest.mark.xfail(strict=False, reason=SEND_RAISED_REASON)
-"""Not strict: whether the send raises before the exit probe runs is timing."""
 FENCED_WHOLE = pytest.mark.xfail(
     strict=True,
-    reason="finding 3 (every run; finding 2 too where it wins the race): over UCX_TLS=tcp D saw stage "
+    reason="finding 3 (every run): over UCX_TLS=tcp D saw stage "
     "1's process exit and fenced the whole P engine (DecodeCore._agents_exited: every agent), shutting "
     "the live stage 0's TCP connections; stage 0's next send to D raised, P failed the registration "
     "it held (PrefillCore.unreachable -> _rank_gone), and D, which registered r1 again only with the "
@@ -369,8 +360,6 @@ def _p_variant(env: str, pp: int, phase: str, slow: bool) -> Any:
     marks = [pytest.mark.slow] if slow else []
     if env == "tcp" and pp == 2 and phase == "registered":
         marks.append(FENCED_WHOLE)
-    elif env == "tcp" and phase in ("registered", "after_finish"):
-        marks.append(SEND_RAISED)
     return pytest.param(env, pp, phase, id=f"{env}-pp{pp}-{phase}", marks=marks)
 
 
@@ -395,20 +384,18 @@ def test_p_rank_restart_variants(monkeypatch: pytest.MonkeyPatch, env: str, pp: 
         _p_restart(pp, phase, STALE_S)
 
 
-@pytest.mark.xfail(strict=False, reason=SEND_RAISED_REASON)
 def test_tcp_a_request_registered_with_a_killed_p_process_is_registered_again_with_the_new_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Finding 2, by itself. Over ``UCX_TLS=tcp`` (as between hosts) P rank 0 is killed while D
-    holds r1's registration and back (published) 1 s later, well within ``peer_silence_s``. The
-    docs ("A P rank killed and back before D noticed") promise r1 is registered again with the
-    new process and served. But D's next heartbeat to the killed process raises
-    ``NIXL_ERR_REMOTE_DISCONNECT`` (the TCP connection was reset; over shared memory the send
-    is lost instead, and the exit probe of the missed answer finds the exit):
-    ``DecodeCore.unreachable`` probes the agent's process only while its HELLO is unanswered,
-    so for a ready engine it goes straight to ``_unreachable``: r1 gets a ``gone`` timer, the
-    engine fails and its agents are dropped (no exit probe runs for a failed engine), and one
-    heartbeat interval later r1 fails "P agent ... is unreachable". (Same host here; the probe
+    """Finding 2, by itself (fixed). Over ``UCX_TLS=tcp`` (as between hosts) P rank 0 is killed
+    while D holds r1's registration and back (published) 1 s later, well within
+    ``peer_silence_s``. The docs ("A P rank killed and back before D noticed") promise r1 is
+    registered again with the new process and served. D's next heartbeat to the killed process
+    raises ``NIXL_ERR_REMOTE_DISCONNECT`` (the TCP connection was reset; over shared memory the
+    send is lost instead, and the exit probe of the missed answer finds the exit). It failed r1
+    "P agent ... is unreachable" (``DecodeCore.unreachable`` probed a raised send's process only
+    while greeting); now a ready engine's raised send is probed too, and the exit, unless a
+    ``BYE`` follows within a heartbeat interval, registers r1 again. (Same host here; the probe
     answers "cannot tell" across hosts, where this path stays as it is.)"""
     for _ in _environment("tcp", monkeypatch):
         with Probe() as e:
