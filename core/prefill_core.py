@@ -312,6 +312,19 @@ class _Tomb:
 
 
 @attrs.define(eq=False)
+class _Backoff:
+    """Failed handshakes at one D address: a negative cache, whatever engine id a message
+    claims."""
+
+    until: float
+    """Not handshaken again before this (unless a HELLO skips it: :meth:`PrefillCore._connect`)."""
+    failures: int
+    error: str
+    hello_at: float = float("-inf")
+    """When a HELLO last skipped the backoff."""
+
+
+@attrs.define(eq=False)
 class _Refusal:
     """P refused a D rank's handshake metadata but loaded its agent notify-only to say why."""
 
@@ -343,8 +356,8 @@ class PrefillCore:
         """(key, D registration) D cancelled before P knew the key: its late PUSH_REG is refused."""
         self._connecting: dict[tuple[str, int], str] = {}
         """Address -> the one engine id being handshaken there."""
-        self._address_backoff: dict[tuple[str, int], tuple[float, int, str]] = {}
-        """Address -> (not before, failures, last error) after failed handshakes."""
+        self._address_backoff: dict[tuple[str, int], _Backoff] = {}
+        """Address -> its failed handshakes (cleared by one that succeeds)."""
         self._refusals: dict[tuple[tuple[str, int], int], _Refusal] = {}
         """(address, D rank) -> the refusal of that rank's metadata, told through its agent
         (loaded notify-only) to every HELLO and registration from it until the backoff ends."""
@@ -957,7 +970,7 @@ class PrefillCore:
             return []
         engine.hellos[rank] = agent
         engine.hello_incarnations[rank] = reg.decode_incarnation
-        return self._connect(engine, rank, now, reg.decode_incarnation)
+        return self._connect(engine, rank, now, reg.decode_incarnation, hello=True)
 
     def _on_cancel(self, agent: str, note: Notification, now: float) -> list[Any]:
         reg = note.registration
@@ -1115,15 +1128,20 @@ class PrefillCore:
             self._engines[engine.engine_id] = engine
         return engine
 
-    def _connect(self, engine: _Decode, rank: int, now: float, incarnation: str = "") -> list[Any]:
+    def _connect(
+        self, engine: _Decode, rank: int, now: float, incarnation: str = "", *, hello: bool = False
+    ) -> list[Any]:
         """Handshake with one D rank (``incarnation``: the one the message asking for it
         states). Another incarnation of a rank whose metadata P refused skips the address
         backoff (at most once per ``retry_backoff_s``): a D fixed and restarted handshakes
-        again at once (also one restarted on a clock behind: told apart by identity)."""
+        again at once (also one restarted on a clock behind: told apart by identity). So does
+        a ``HELLO`` of a rank P has not refused (at most once per ``retry_backoff_s`` and
+        address): D asks to be loaded and waits for the answer only its HELLO timeout (5 s by
+        default), which the backoff (up to a quarter of P's lease, 7.5 s by default) outlasts."""
         if rank in engine.connecting or rank in engine.agents:
             return []
         address = (engine.host, engine.port)
-        until, _, error = self._address_backoff.get(address, (0.0, 0, ""))
+        backoff = self._address_backoff.get(address)
         refusal = self._refusals.get((address, rank))
         restarted = (
             refusal is not None
@@ -1134,8 +1152,12 @@ class PrefillCore:
         if restarted:
             assert refusal is not None
             refusal.retried_at = now
-        elif now < until:  # a negative cache per address, whatever engine id a message claims
-            return self._connect_failed(engine, rank, f"{error} (not retried before {until - now:.1f}s)", now)
+        elif backoff is not None and now < backoff.until:  # a negative cache per address
+            if hello and refusal is None and now >= backoff.hello_at + self.s.retry_backoff_s:
+                backoff.hello_at = now  # D asks to be loaded
+            else:
+                why = f"{backoff.error} (not retried before {backoff.until - now:.1f}s)"
+                return self._connect_failed(engine, rank, why, now)
         busy = self._connecting.get(address)
         if busy is not None and busy != engine.engine_id:
             # One engine id per address at a time: messages naming many ids at one (silent)
@@ -1168,13 +1190,15 @@ class PrefillCore:
         if not engine.connecting and self._connecting.get(address) == engine_id:
             del self._connecting[address]
         if error:
-            _, failures, _ = self._address_backoff.get(address, (0.0, 0, ""))
+            earlier_backoff = self._address_backoff.get(address)
+            failures = earlier_backoff.failures if earlier_backoff is not None else 0
+            hello_at = earlier_backoff.hello_at if earlier_backoff is not None else float("-inf")
             # At most a quarter of the lease: a D rank reachable again (its HELLO resent, its
             # registrations waiting) is loaded before the finished prefills' leases run out,
             # however many handshakes failed during an outage (heal oracle).
             cap = min(self.s.retry_backoff_max_s, max(self.s.retry_backoff_s, self.s.lease_s / 4))
             backoff = min(cap, self.s.retry_backoff_s * 2**failures)
-            self._address_backoff[address] = (now + backoff, failures + 1, error)
+            self._address_backoff[address] = _Backoff(now + backoff, failures + 1, error, hello_at)
             self._timers.arm(("backoff", address), now + backoff + self.s.retry_backoff_max_s)
             if agent:  # refused, but its agent was loaded notify-only: tell it why
                 self.stats["handshake_refusals"] += 1
@@ -1794,7 +1818,8 @@ class PrefillCore:
             elif kind == "refusal":
                 self._refusals.pop(key, None)
             elif kind == "backoff":
-                until = self._address_backoff.get(key, (0.0, 0, ""))[0]
+                backoff_entry = self._address_backoff.get(key)
+                until = backoff_entry.until if backoff_entry is not None else 0.0
                 if until + self.s.retry_backoff_max_s <= now:  # long quiet: forget (bounded state)
                     self._address_backoff.pop(key, None)
             elif kind == "stash" and request is not None and request.blocks is None:

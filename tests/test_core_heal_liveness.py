@@ -531,14 +531,14 @@ def test_a_request_added_after_the_heal_is_pushed() -> None:
     assert run.reports["new1"][0] == "done", (run.reports["new1"], run.connects[-4:])
 
 
-def _p_core() -> PrefillCore:
+def _p_core(lease_s: float = 3.0) -> PrefillCore:
     return PrefillCore(
         PrefillSettings(
             engine_id="P",
             incarnation="p1",
             rank=P0,
             tp_size=1,
-            lease_s=3.0,
+            lease_s=lease_s,
             registration_ttl_s=2 * TIMEOUT_S,
             write_deadline_s=WRITE_S,
             retry_backoff_s=BACKOFF_S,
@@ -548,15 +548,19 @@ def _p_core() -> PrefillCore:
     )
 
 
-def test_p_answers_a_hello_soon_after_the_heal_whatever_its_address_backoff() -> None:
+@pytest.mark.parametrize("lease_s", [3.0, 30.0], ids=["lease-3s", "lease-default-30s"])
+def test_p_answers_a_hello_soon_after_the_heal_whatever_its_address_backoff(lease_s: float) -> None:
     """Third finding (``ResumeCluster`` on main after e246dd0, 4,500 random runs): during the
     outage P's handshakes with D's rank fail (D's side channel unreachable from P) and P's
     address backoff (a negative cache per address) doubles up to 30 s (attempts at 0, 1, 3, 7,
     15, 31 s). Healed at 33 s, D's HELLOs reach P, but P loads D's rank only once its backoff
     ended (61 s): each HELLO times out (5 s) and every request fails meanwhile (P's lease, 3 s,
-    expires). A HELLO is D
-    asking to be loaded: P should try again within a base backoff of it."""
-    p = _p_core()
+    expires). A HELLO is D asking to be loaded: P should try again within a base backoff of it.
+    Capping the backoff at a quarter of P's lease did that for this lease only: with the
+    default lease (30 s) the cap is 7.5 s, longer than D's HELLO bound (5 s), and a D rank
+    restarted (or healed) in the window failed its first requests "P did not answer this
+    rank's HELLO"."""
+    p = _p_core(lease_s)
     reg = PushRegistration(
         request_id="(hello)",
         match_key="(none)",

@@ -16,6 +16,7 @@ import weakref
 from fractions import Fraction
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from cluster import Cluster, wait_until
@@ -139,7 +140,9 @@ class _D:
         self.offset[rid] = self.core._requests[rid].staging_offset
         return out
 
-    def chunk(self, rid: str, producer: RankKey, regions: tuple[int, ...], n: int, of: int, t: float) -> list[Any]:
+    def chunk(
+        self, rid: str, producer: RankKey, regions: tuple[int, ...], n: int, of: int, t: float
+    ) -> list[Any]:
         agent = self.info.agents[producer]
         manifest = PackManifest(
             staging_offset=self.offset[rid], regions=regions, part=(0, 1), chunk=n, chunks=of
@@ -200,8 +203,12 @@ def test_a_chunk_done_naming_another_live_requests_reservation_is_refused_before
     d.add("r2", "k2", 0.0)
     assert d.offset["r1"] != d.offset["r2"]
     agent = A0
-    manifest = PackManifest(staging_offset=d.offset["r2"], regions=(0, 1, 2, 3), part=(0, 1), chunk=0, chunks=1)
-    out = d.run(d.core.notification(agent, _note(wire.encode_done("r1", P0, 1, manifest, f"a-{A0}")), 0.1), 0.1)
+    manifest = PackManifest(
+        staging_offset=d.offset["r2"], regions=(0, 1, 2, 3), part=(0, 1), chunk=0, chunks=1
+    )
+    out = d.run(
+        d.core.notification(agent, _note(wire.encode_done("r1", P0, 1, manifest, f"a-{A0}")), 0.1), 0.1
+    )
     assert not [a for a in out if isinstance(a, Scatter)] and ("r1", "failed") in d.reports
     assert ("r1", "done") not in d.reports
 
@@ -236,7 +243,11 @@ def test_two_kv_groups_viewing_one_tensor_cannot_both_hold_a_null_block_or_the_s
         claims.claim("d", ((11,), (11,)))
 
 
-# ---------------------------------------------------------------------------- 3. a closed D worker's staging (finding 1)
+# ---------------------------------------------------------------------------- 3. a closed worker's staging
+
+
+def _wait_registered(receiver: Any) -> None:
+    wait_until(lambda: receiver.stats["push_regs_sent"] == 1, what="D's PUSH_REG")
 
 
 def _wait_inflight(sender: Any, count: int, timeout_s: float = 10.0) -> None:
@@ -274,7 +285,7 @@ def test_a_closed_decode_worker_keeps_the_staging_a_held_packed_write_may_still_
         cluster.pm.register(ForcedStrategy("packed"), "forced_strategy")
         sender, receiver = cluster.senders[P0], cluster.receivers[0]
         cluster.add("d-1", [[3, 9, 17]], "x-1")
-        wait_until(lambda: receiver.stats["push_regs_sent"] == 1, what="D's PUSH_REG")
+        _wait_registered(receiver)
         cluster.finish("p-1", [[5, 11, 20]], "x-1")
         _wait_inflight(sender, 1)  # P's packed copy into D's staging range: stalled
         receiver.close()
@@ -291,3 +302,158 @@ def test_a_closed_decode_worker_keeps_the_staging_a_held_packed_write_may_still_
             f"staging still held: {kept() is not None}; {landed} bytes of P's late copy landed in "
             f"memory the process allocated after the closed worker went"
         )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "finding 1 (its consequence): the staging pool a closed D worker dropped is where the next "
+        "worker of the process puts its own; P's stalled copy for the closed worker's request lands "
+        "in the new worker's reservation at the same offset, and the new request is reported done "
+        "with the other prompt's KV"
+    ),
+)
+def test_a_stalled_copy_for_a_closed_worker_does_not_become_the_next_workers_kv() -> None:
+    """As above; then the engine starts a new D worker in the process (a new engine id, as a
+    vLLM instance gets). Its 64 MiB staging pool takes the freed memory and its first request
+    r2 reserves offset 0, where d-1's reservation was. P writes r2 at once; r2's DONE is read
+    late (``delay_notifs``, a busy D), and P's stalled copy for d-1 lands between the two:
+    r2 is scattered from d-1's bytes and reported done holding p-1's KV instead of p-2's."""
+    from cluster import kv_bytes
+
+    from kvpush.core.receiver import PushReceiver
+    from kvpush.core.sidechannel import SideChannelServer
+    from kvpush.core.types import ParallelConfig
+    from kvpush.core.worker import WorkerConfig
+    from kvpush.layouts.uniform import allocate_kv_caches
+
+    stall_s, late_done_s = 1.5, 2.0
+    options = {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": stall_s, "kernel_copies": True}
+    slow = {"request_timeout_s": 60, "heartbeat_interval_s": 5.0}
+    with Cluster(transport="faulty", transport_options=options, close_timeout_s=0.3, **slow) as cluster:
+        cluster.pm.register(ForcedStrategy("packed"), "forced_strategy")
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[3, 9, 17]], "x-1")
+        _wait_registered(receiver)
+        cluster.finish("p-1", [[5, 11, 20]], "x-1")
+        _wait_inflight(sender, 1)  # P's packed copy of p-1 into d-1's staging range: stalled
+        receiver.close()
+        assert "d-1" not in receiver.get_finished().released
+        kept = weakref.ref(receiver.staging.tensor)
+        del cluster.receivers[0]
+        del receiver
+        gc.collect()  # the engine dropped the closed worker
+        sender.transport.rates["slow_writes"] = 0.0  # P's next WRITEs are quick
+        server = SideChannelServer("D2")
+        parallel = ParallelConfig(tp_size=1, tp_rank=0, num_layers=cluster.model.num_layers)
+        caches = allocate_kv_caches(cluster.model, parallel, 64, device="cpu")
+        late = {"inner": "nixl", "delay_notifs": 1.0, "delay_prefixes": ["DONE:"], "delay_s": late_done_s}
+        config = WorkerConfig(
+            engine_id="D2",
+            parallel=parallel,
+            model=cluster.model,
+            transport="faulty",
+            transport_options=late,
+            side_channel_port=server.port,
+            **slow,
+        )
+        d2 = PushReceiver(config, caches, pm=cluster.pm)
+        try:
+            d2.start()
+            server.publish(parallel.rank, d2.handshake_payload())
+            params = TransferParams.from_dict(cluster.params("x-2"))
+            d2.add_request(RequestMetadata(request_id="r2", block_ids=[[3, 9, 17]], params=params))
+            wait_until(lambda: d2.stats.get("push_regs_sent", 0) == 1, what="D2's PUSH_REG")
+            cluster.finish("p-2", [[30, 31, 32]], "x-2")
+            results = d2.wait_finished(stall_s + late_done_s + 10)
+            assert results.done == ("r2",), results
+            src = cluster.p_caches[P0]
+            wrong = [
+                layer
+                for layer, tensor in caches.items()
+                if not torch.equal(kv_bytes(tensor)[:, [3, 9, 17]], kv_bytes(src[layer])[:, [30, 31, 32]])
+            ]
+            theirs = [
+                layer
+                for layer in wrong
+                if torch.equal(kv_bytes(caches[layer])[:, [3, 9, 17]], kv_bytes(src[layer])[:, [5, 11, 20]])
+            ]
+            assert kept() is not None and not wrong, (
+                f"closed worker's staging still held: {kept() is not None}; r2 reported done with "
+                f"layers {wrong} not holding p-2's KV ({theirs} hold p-1's)"
+            )
+        finally:
+            d2.close()
+            server.close()
+
+
+# ------------------------------------------------------------------------ 4. counted, then registered again
+
+
+def _exit_reregister_then_finish(packed: bool) -> tuple[_D, list[str], list[Any]]:
+    """PP2. Stage 0's WRITE of r1 completed and its process was killed; D's probe sees the
+    exit first (``_agents_exited``: r1 to be registered again with the new process, the
+    engine fenced), then reads the old process's DONE (or both packed chunks), which counts
+    stage 0 (its bytes landed: a DONE follows its WRITE). The fence is confirmed, the new
+    stage-0 process loaded, and stage 1's DONE arrives. Returns D, the agents r1's PUSH_REGs
+    went to after the fence, and the actions of stage 1's DONE."""
+    from kvpush.core.actions import Fence
+    from kvpush.core.decode_core import ENGINE_PROBE
+
+    d = _D(stages=2)
+    d.add("r1", "k1", 0.0)
+    out = d.run(d.core.producers_exited(ENGINE_PROBE + "P", [A0], 1.0), 1.0)
+    (fence,) = [a for a in out if isinstance(a, Fence)]
+    if packed:
+        d.chunk("r1", P0, (0,), 0, 2, 1.05)
+        d.chunk("r1", P0, (1,), 1, 2, 1.06)
+    else:
+        d.note(P0, wire.encode_done("r1", P0, 1, None, f"a-{A0}"), 1.05)
+    assert not d.reports  # stage 0 counted, stage 1 not yet
+    out = d.run(d.core.fenced(fence.fence_id, 1.1), 1.1)
+    new = d.info = attrs.evolve(d.info, incarnations={A0: f"b-{A0}", A1: f"a-{A1}"})
+    out += d.run(d.core.connected("P", new, "", 1.2), 1.2)
+    for rank, agent in new.agents.items():
+        answer = wire.encode_heartbeat_answer(rank, 1.2, new.incarnations[agent])
+        out += d.run(d.core.notification(agent, _note(answer), 1.2), 1.2)
+    regs = [a.agent for a in out if isinstance(a, Send) and _note(a.message).kind.value == "push_reg"]
+    if packed:
+        last = d.chunk("r1", P1, (2, 3), 0, 1, 1.5)
+    else:
+        last = d.note(P1, wire.encode_done("r1", P1, 1, None, f"a-{A1}"), 1.5)
+    return d, regs, last
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "finding 2: _reregister registers again every producer in rereg, also one whose old "
+        "process's DONE was read after its exit was seen and counted it (reported); stage 1's "
+        "DONE then completes r1 (blocks back to the engine) while the new stage-0 process holds "
+        "the fresh PUSH_REG D just sent it, and its WRITE lands in blocks D released"
+    ),
+)
+def test_a_producer_counted_after_its_exit_was_seen_is_not_registered_again_behind_done() -> None:
+    d, regs, _ = _exit_reregister_then_finish(packed=False)
+    done = ("r1", "done") in d.reports
+    assert not (regs and done), (
+        f"r1 reported done while D had just registered it again with {regs} (the new stage-0 "
+        f"process), which reported nothing: its WRITE lands in blocks the engine owns"
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "finding 2 (packed): as above with stage 0's two chunks read after its exit; r1's staging "
+        "range is freed at done while the new stage-0 process holds a PUSH_REG naming it: its "
+        "chunks land in the next request's reservation"
+    ),
+)
+def test_a_packed_producer_counted_after_its_exit_does_not_leave_a_registration_on_freed_staging() -> None:
+    d, regs, last = _exit_reregister_then_finish(packed=True)
+    freed = [a.offset for a in last if isinstance(a, FreeStaging)]
+    assert not (regs and freed), (
+        f"r1's staging range {freed} freed (r1 {d.reports}) while D had just registered r1 "
+        f"again with {regs}, naming that range"
+    )

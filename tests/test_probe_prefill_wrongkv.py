@@ -8,17 +8,24 @@ The in-process clusters run on the loopback transport unless a test says otherwi
 
 from __future__ import annotations
 
+import ctypes
+import itertools
+import threading
 import time
+from typing import Any
 
+import pytest
 import torch
-from cluster import Cluster, kv_bytes
+from cluster import Cluster, kv_bytes, wait_until
 
-from kvpush.core.errors import ConfigError
+from kvpush.core import packing
+from kvpush.core.errors import ConfigError, TransferError
+from kvpush.core.transport import TransferState
 from kvpush.core.types import RankKey
+from kvpush.plugins.strategy import ForcedStrategy
+from kvpush.transports import loopback
 
 P0 = RankKey(0, 0)
-
-import pytest  # noqa: E402
 
 
 def _snapshot(cluster: Cluster, ids: list[int]) -> dict[str, torch.Tensor]:
@@ -99,3 +106,92 @@ def test_a_prompt_tail_stated_with_its_start_and_length_is_pushed() -> None:
         cluster.add("d-1", [[1, 2]], "x-1", block_start=1, num_tokens=10)
         assert cluster.wait_decode("d-1")[0] is None
         assert _d_holds(cluster, [1, 2], want)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "finding 2: packing.post_packed posts a destination's chunks one by one; when a later "
+        "chunk's post raises, it waits at most settle_timeout_s (5 s) for the chunks already "
+        "posted, releases them still in flight, frees P's staging and re-raises THAT chunk's "
+        "error, whose maybe_sent=False speaks for it alone: the core then answers D "
+        "FAIL(unsettled=False), D releases the request's staging and blocks without a fence, "
+        "and the stuck chunk's bytes land in the range D gave the next request (another P "
+        "stage's connection wrote it): D reports that request done with the old request's bytes"
+    ),
+)
+def test_a_refused_chunk_after_a_stuck_chunk_never_tells_d_nothing_is_on_the_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PP2 -> TP1, packed, one region per chunk. Stage 0 pushes d-old: chunk 0 lands, chunk 1
+    is handed to the network and stalls (a slow link), chunk 2's post is refused before
+    anything went out (``TransferError(maybe_sent=False)``, as NIXL's ``make_prepped_xfer``
+    failing). D fails d-old and releases it; d-new (one block) gets the same staging offset,
+    and stage 1 writes d-new's layers 2-3 where d-old's chunk 1 was headed. The stalled chunk
+    lands (as a stalled TCP send does) unless D fenced stage 0 since; then D scatters."""
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 64)  # one region per chunk
+    monkeypatch.setitem(packing.post_packed.__kwdefaults__, "settle_timeout_s", 0.2)
+    p0, p1 = RankKey(0, 0), RankKey(1, 0)
+    with Cluster(prefill_pp=2, request_timeout_s=30.0) as cluster:
+        cluster.pm.register(ForcedStrategy("packed"), "forced_strategy")
+        stage0 = cluster.senders[p0].transport
+        d_transport = cluster.receivers[0].transport
+        fenced: list[str] = []
+        d_fence = d_transport.fence_peer
+
+        def fence_peer(peer: str) -> None:
+            fenced.append(peer)
+            d_fence(peer)
+
+        d_transport.fence_peer = fence_peer  # type: ignore[method-assign]
+        stuck: dict[str, Any] = {}
+        calls = itertools.count()
+        real = stage0.post_write
+
+        def post_write(
+            local_list: int, local_ids: Any, remote_list: int, remote_ids: Any, notif: bytes
+        ) -> Any:
+            n = next(calls)
+            if n == 1:  # handed to the network, then stalled: in flight, its bytes not landed yet
+                _, local = stage0._lists[local_list]
+                _, remote = stage0._lists[remote_list]
+                pairs = zip(local_ids, remote_ids, strict=True)
+                stuck["pairs"] = [(local[int(a)].copy(), remote[int(b)].copy()) for a, b in pairs]
+                stuck["fences"] = len(fenced)
+                handle = next(loopback._IDS)
+                stage0._states[handle] = TransferState.PENDING
+                return handle
+            if n == 2:
+                raise TransferError("injected: the WRITE could not be prepared", maybe_sent=False)
+            return real(local_list, local_ids, remote_list, remote_ids, notif)
+
+        stage0.post_write = post_write  # type: ignore[method-assign]
+        cluster.add("d-old", [[1, 2, 3, 4]], "x-old")
+        cluster.finish("p-old", [[5, 6, 7, 8]], "x-old")
+        assert cluster.wait_decode("d-old", timeout_s=10.0)[0] is not None  # failed
+        cluster.wait_released("d-old", timeout_s=10.0)
+        want = {
+            rank: {layer: kv_bytes(t)[:, [10]].clone() for layer, t in caches.items()}
+            for rank, caches in cluster.p_caches.items()
+        }
+        cluster.add("d-new", [[9]], "x-new")
+        for rank in (p0, p1):
+            sender = cluster.senders[rank]
+            held = lambda s=sender: "x-new" in s.core._requests  # noqa: E731
+            wait_until(lambda s=sender, h=held: s.call_on_writer(h), 10.0, "P to hold d-new's registration")
+        gate = threading.Event()
+        cluster.receivers[0].run_on_writer(lambda: gate.wait(10.0))  # D busy for a moment
+        try:
+            cluster.finish("p-new", [[10]], "x-new")
+            assert set(cluster.wait_prefill("p-new", timeout_s=10.0).values()) == {None}
+            if len(fenced) == stuck["fences"]:  # no fence cut the stalled connection: it lands
+                for src, dst in stuck["pairs"]:
+                    ctypes.memmove(int(dst[0]), int(src[0]), int(src[1]))
+        finally:
+            gate.set()
+        assert cluster.wait_decode("d-new", timeout_s=10.0)[0] is None
+        for rank, layers in want.items():
+            for layer, kv in layers.items():
+                got = kv_bytes(cluster.d_caches[0][layer])[:, [9]]
+                why = f"D reported d-new done, but {layer} (stage {rank.pp_rank}) holds other bytes"
+                assert torch.equal(got, kv), why
