@@ -694,8 +694,8 @@ class DecodeCore:
         settle by it, and no live stage's connection is fenced)."""
         assert engine.info is not None
         for agent in sorted(agents):
-            if self._unreachable_errors.pop(agent, None) is None:
-                continue
+            if self._unreachable_errors.pop(agent, None) is None or agent in self._exited:
+                continue  # judged at the first exit's deadline: later raised sends do not delay it
             self._exited[agent] = engine.info.incarnations.get(agent, "")
             self._timers.arm(("exited", agent), now + self.s.heartbeat_interval_s)
 

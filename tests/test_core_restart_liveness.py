@@ -1016,3 +1016,68 @@ def test_a_registration_whose_send_raised_on_one_host_is_registered_again_with_t
             break
     failed = [(r.request_id, r.reason) for r in _reports(out) if r.request_id == "r2"]
     assert not failed and d.stats["reregistered"] == 1, f"r2 failed: {failed}"
+
+
+def _raised_send_exit_seen(d: Any, agent: str, t: float) -> list[Any]:
+    """A send to ``agent`` raised at ``t`` and the driver's probe found its process exited."""
+    out = d.unreachable(agent, "NIXL_ERR_REMOTE_DISCONNECT", t)
+    for action in list(out):
+        if isinstance(action, ProbeExit):
+            out += d.producers_exited(action.request_id, [a for a, _ in action.processes], t)
+    return out
+
+
+def _ready_with_r1_registered() -> Any:
+    """D (one host) with r1 registered with P's one rank (incarnation p1)."""
+    from test_adversarial_keepalive import P0, P_AGENT, _decode, _meta, _note, _sent
+
+    from kvpush.core import notifications as wire
+
+    d = _decode(heartbeat_interval_s=HB_S, fresh_s=FRESH_S, peer_silence_s=SILENCE_S, hello_timeout_s=HELLO_S)
+    d.add(_meta("r1", "k1"), 0.0)
+    d.connected("P", _one_host_info("p1"), "", 0.0)
+    regs = _sent(d.notification(P_AGENT, _note(wire.encode_heartbeat_answer(P0, 0.0, "p1")), 0.0))
+    assert [n.kind.value for n in regs] == ["push_reg"]
+    return d
+
+
+def test_an_exit_after_a_raised_send_is_judged_at_the_first_deadline_whatever_sends_follow() -> None:
+    """Sends keep raising towards a killed process (each new request's ``PUSH_REG``): each is
+    probed and finds the exit, but the verdict stays at the first one's deadline (a heartbeat
+    interval after it), not pushed back by every later send."""
+    from test_adversarial_keepalive import P_AGENT, _meta
+
+    from kvpush.core.actions import Fence
+
+    d = _ready_with_r1_registered()
+    assert not [a for a in _raised_send_exit_seen(d, P_AGENT, 0.1) if isinstance(a, Fence)]
+    t, fenced_at = 0.1, None
+    for n in range(12):
+        t = round(t + HB_S / 3, 6)
+        d.add(_meta(f"r{n + 2}", f"k{n + 2}"), t)
+        out = _raised_send_exit_seen(d, P_AGENT, t) + d.handle_timer(t)
+        if any(isinstance(a, Fence) for a in out):
+            fenced_at = t
+            break
+    assert fenced_at is not None and fenced_at <= 0.1 + HB_S + HB_S / 3 + 1e-9, fenced_at
+
+
+def test_a_bye_within_a_heartbeat_of_a_raised_send_means_a_closed_worker_not_a_fence() -> None:
+    """The raised send's process has exited, but it closed: its ``BYE`` (sent before its agent
+    went away) arrives within the heartbeat interval. Its requests settle by the BYE; no fence
+    goes out (a fence of the engine would cut a live stage's WRITEs)."""
+    from test_adversarial_keepalive import P0, P_AGENT, _note, _reports
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.actions import Fence
+
+    d = _ready_with_r1_registered()
+    out = _raised_send_exit_seen(d, P_AGENT, 0.1)
+    out += d.notification(P_AGENT, _note(wire.encode_goodbye(P0, "p1", unsettled=False)), 0.15)
+    t = 0.15
+    for _ in range(4):
+        t = round(t + HB_S / 2, 6)
+        out += d.handle_timer(t)
+    assert not [a for a in out if isinstance(a, Fence)], out
+    assert [(r.request_id, r.outcome) for r in _reports(out)] == [("r1", "failed")], _reports(out)
+    assert d.stats["reregistered"] == 0
