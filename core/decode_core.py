@@ -1376,20 +1376,28 @@ class DecodeCore:
         for agent, incarnation in gone.items():
             self._mark_closed(agent, incarnation)
         fence_id = self._fence_seq + 1
+        # The fence cuts every connection of the engine (over TCP, every one from the P host),
+        # so a live producer's registration may be lost with it too (P drops one it has posted
+        # nothing for when its endpoint breaks): each producer the fence cuts that had not
+        # reported is registered again, a live one as a renewal if P still holds it. (Not a
+        # live one whose copies no fence stops: it is settled by its answer or exit, not here.)
+        cut = {a: info.incarnations.get(a, "") for a in info.agents.values()}
         rids = []
         for rid in sorted(engine.requests):
             receive = self._requests[rid]
             if receive.phase is not _Phase.REGISTERED:
                 continue
-            dead = {
+            again = {
                 r
                 for r in receive.expected - receive.settled - receive.reported
-                if gone.get(receive.agents.get(r, "")) == receive.incarnations.get(receive.agents.get(r, ""))
+                if (agent := receive.agents.get(r, "")) in cut
+                and cut[agent] == receive.incarnations.get(agent)
+                and (agent in gone or receive.writes_abortable)
             }
-            if not dead:
+            if not again:
                 continue
-            receive.rereg |= dead
-            for r in dead:  # a packed push starts again from its first chunk
+            receive.rereg |= again
+            for r in again:  # a packed push starts again from its first chunk
                 receive.arrived.pop(r, None)
                 receive.chunks.pop(r, None)
                 receive.manifests.pop(r, None)

@@ -375,6 +375,7 @@ class PrefillCore:
             "bytes": 0,
             "writes": 0,
             "duplicate_registrations": 0,
+            "registrations_cut": 0,
             "rejected_notifications": 0,
             "cancels": 0,
             "cancels_during_write": 0,
@@ -635,7 +636,7 @@ class PrefillCore:
         out: list[Any] = []
         for rank in sorted(r for r, a in engine.agents.items() if a == agent):
             if not engine.drop_when_idle and rank not in engine.replacing:
-                out += self._rank_gone(engine, rank, reason, now)
+                out += self._rank_gone(engine, rank, reason, now, keep_unposted=True)
         return out
 
     # ------------------------------------------------------------------ notifications
@@ -1330,19 +1331,34 @@ class PrefillCore:
         )
         return self._rank_gone(engine, rank, reason, now)
 
-    def _rank_gone(self, engine: _Decode, rank: int, reason: str, now: float) -> list[Any]:
+    def _rank_gone(
+        self, engine: _Decode, rank: int, reason: str, now: float, *, keep_unposted: bool = False
+    ) -> list[Any]:
         """The process P loaded for D rank ``rank`` is gone (restarted, or its endpoint broke):
         the requests holding its registration, or a WRITE to it, fail (it is not told: it
         cannot hear, and its agent's name may be a new start's); the engine's other ranks are
-        told. Its agent is dropped once no WRITE to it is in flight."""
+        told. Its agent is dropped once no WRITE to it is in flight.
+
+        ``keep_unposted`` (the endpoint broke, the process may live: D's fence of a P engine
+        cuts a live rank's connections too): a registration nothing was posted for is dropped
+        instead, and the request waits for D to register that rank again, bounded by its lease
+        (D's heartbeats renew it) as any registration P waits for."""
         out: list[Any] = []
+        waiting = (_Dest.WAIT_REG, _Dest.WAIT_CONNECT, _Dest.WAIT_FRESH)
         for request in list(self._requests.values()):
             dest = request.dests.get(rank) if request.dests else None
             wrote = dest is not None and (dest.unsettled or dest.state in (_Dest.INFLIGHT, _Dest.DONE))
-            if request.engine_id == engine.engine_id and (rank in request.regs or wrote):
-                # The old start is not told (its agent's name is the new start's now).
-                request.cancel_acks.pop(engine.agents.get(rank, ""), None)
-                out += self._fail_request(request, reason, now, untold=rank)
+            if request.engine_id != engine.engine_id or not (rank in request.regs or wrote):
+                continue
+            if keep_unposted and not wrote and (dest is None or dest.state in waiting):
+                del request.regs[rank]
+                if dest is not None and request.dests is not None:
+                    request.dests[rank] = _DestState()  # nothing planned from a registration gone
+                self.stats["registrations_cut"] += 1
+                continue
+            # The old start is not told (its agent's name is the new start's now).
+            request.cancel_acks.pop(engine.agents.get(rank, ""), None)
+            out += self._fail_request(request, reason, now, untold=rank)
         engine.replacing[rank] = reason
         return out + self._maybe_drop_rank(engine, rank, now)
 

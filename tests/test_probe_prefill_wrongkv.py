@@ -195,3 +195,94 @@ def test_a_refused_chunk_after_a_stuck_chunk_never_tells_d_nothing_is_on_the_way
                 got = kv_bytes(cluster.d_caches[0][layer])[:, [9]]
                 why = f"D reported d-new done, but {layer} (stage {rank.pp_rank}) holds other bytes"
                 assert torch.equal(got, kv), why
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "finding 1, over real NIXL between rank processes, with the project's own engine model "
+        "(kvpush.demo.rank, reuse_failed_blocks: P's engine keys finished prefills by request id "
+        "and overwrites a failed one's blocks at once): the reused id's first push fails at its "
+        "lease, the engine overwrites the retry's blocks, and D reports the retry done with them"
+    ),
+)
+def test_processes_a_p_request_id_reused_under_another_key_never_reaches_d_done_with_reused_blocks() -> None:
+    from kvpush.core.sidechannel import SideChannelServer
+    from kvpush.core.types import ParallelConfig
+    from kvpush.demo.rank import RankSpec
+    from kvpush.demo.runner import _Rank, _start_ranks, _stop
+    from kvpush.demo.soak import SOAK_MODEL
+
+    p_server, d_server = SideChannelServer("prefill-0"), SideChannelServer("decode-0")
+    common: dict[str, Any] = {
+        "model": SOAK_MODEL,
+        "layout": "uniform",
+        "blocks_per_group": (64,),
+        "request_timeout_s": 30.0,
+        "lease_s": 2.0,
+        "transport": "nixl",
+        "log_level": "ERROR",
+    }
+    ranks: list[_Rank] = []
+    try:
+        p_spec = RankSpec(
+            role="prefill",
+            engine_id="prefill-0",
+            parallel=ParallelConfig.for_stage(
+                num_layers=SOAK_MODEL.num_layers, pp_size=1, pp_rank=0, tp_size=1, tp_rank=0
+            ),
+            side_channel_port=p_server.port,
+            reuse_failed_blocks=True,
+            **common,
+        )
+        d_spec = RankSpec(
+            role="decode",
+            engine_id="decode-0",
+            parallel=ParallelConfig(tp_size=1, tp_rank=0, num_layers=SOAK_MODEL.num_layers),
+            side_channel_port=d_server.port,
+            **common,
+        )
+        (p,), p_payloads = _start_ranks([p_spec], timeout_s=120)
+        ranks.append(p)
+        p_server.publish_all(p_payloads)
+        (d,), d_payloads = _start_ranks([d_spec], timeout_s=120)
+        ranks.append(d)
+        d_server.publish_all(d_payloads)
+        p.call(("prepare", [("first", 1, [[3, 4]]), ("retry", 2, [[7, 8]])]))
+        p.call(("finish", "p-1", [[3, 4]], "x-1"))  # its D never registers: fails at the lease
+        time.sleep(1.0)
+        try:
+            p.call(("finish", "p-1", [[7, 8]], "x-2"))  # the id, reused for the retry
+        except Exception as err:  # refused at the call (the rank answers with the error)
+            if "request_id" in str(err):
+                return
+            raise
+        deadline = time.monotonic() + 15
+        failed: dict[str, str] = {}
+        while "p-1" not in failed:  # polling is the engine: it overwrites "p-1's" blocks now
+            assert time.monotonic() < deadline, "P never reported p-1"
+            failed.update(p.call(("poll",))["failed"])
+            time.sleep(0.02)
+        params = {
+            "remote_engine_id": "prefill-0",
+            "remote_host": "127.0.0.1",
+            "remote_port": p_server.port,
+            "tp_size": 1,
+            "pp_size": 1,
+            "transfer_id": "x-2",
+        }
+        d.call(("add", "d-2", [[11, 12]], params, 2, [0]))
+        done: dict[str, Any] = {}
+        while "d-2" not in done:
+            assert time.monotonic() < deadline + 15, "D never resolved d-2"
+            polled = d.call(("poll",))
+            done.update(polled["done"])
+            if "d-2" in polled["failed"]:
+                return  # failed with a reason: never wrong bytes reported done
+            time.sleep(0.02)
+        assert done["d-2"]["ok"], f"D reported d-2 done with other bytes: {done['d-2']['miss']}"
+    finally:
+        _stop(ranks)
+        p_server.close()
+        d_server.close()

@@ -346,20 +346,8 @@ def test_p_rank_restart(variant: str, pp: int, phase: str) -> None:
     _p_restart(pp, phase, STALE_S)
 
 
-FENCED_WHOLE = pytest.mark.xfail(
-    strict=True,
-    reason="finding 3 (every run): over UCX_TLS=tcp D saw stage "
-    "1's process exit and fenced the whole P engine (DecodeCore._agents_exited: every agent), shutting "
-    "the live stage 0's TCP connections; stage 0's next send to D raised, P failed the registration "
-    "it held (PrefillCore.unreachable -> _rank_gone), and D, which registered r1 again only with the "
-    "restarted stage 1, failed it 'P no longer holds this request'",
-)
-
-
 def _p_variant(env: str, pp: int, phase: str, slow: bool) -> Any:
     marks = [pytest.mark.slow] if slow else []
-    if env == "tcp" and pp == 2 and phase == "registered":
-        marks.append(FENCED_WHOLE)
     return pytest.param(env, pp, phase, id=f"{env}-pp{pp}-{phase}", marks=marks)
 
 
