@@ -1495,7 +1495,11 @@ class DecodeCore:
             if receive.writes_abortable
             and info.incarnations.get(info.agents[r]) != receive.incarnations.get(receive.agents.get(r, ""))
         }
-        ranks = sorted(receive.rereg | restarted)
+        # A producer whose DONE was read since its exit was seen wrote it whole (its WRITE
+        # completed before the process went: a DONE follows its bytes) and is counted: it is
+        # not registered again, or the request could be done while the new process holds a
+        # registration of it and writes into blocks (or a staging range) D gave back.
+        ranks = sorted((receive.rereg | restarted) - receive.reported)
         receive.rereg = set()
         receive.settled -= set(ranks)
         for r in ranks:  # a packed push starts again from its first chunk: an old chunk read

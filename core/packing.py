@@ -44,7 +44,7 @@ import attrs
 import numpy as np
 
 from kvpush.core.block_order import slice_rows
-from kvpush.core.errors import ConfigError, WireError
+from kvpush.core.errors import ConfigError, TransferError, WireError
 from kvpush.core.types import BlockIds, KVRegion, PackManifest, ReadSpec
 
 logger = logging.getLogger(__name__)
@@ -522,26 +522,41 @@ def post_packed(
             handle = transport.post_write(lists[0], ids, lists[1], ids, encode_notif(manifest))
             posted.append(PackedWrite(handle, lists[0], lists[1], group))
             lists = []
-    except Exception:
+    except Exception as err:
         for handle_ in lists:
             transport.release_list(handle_)
-        _settle_quietly(transport, posted, settle_timeout_s)
+        complete = _settle_quietly(transport, posted, settle_timeout_s)
         pool.free(offset)
+        if not complete and not getattr(err, "maybe_sent", True):
+            # The error speaks for the chunk that failed; the chunks posted before it were
+            # handed to the network and did not all complete (still in flight when released,
+            # or failed): their bytes may still land, so D must fence before it reuses them.
+            raise TransferError(
+                f"{err} (after {len(posted)} chunk(s) of this packed WRITE were posted and did "
+                f"not all complete)",
+                maybe_sent=True,
+            ) from err
         raise
     return posted
 
 
-def _settle_quietly(transport: Any, posted: list[PackedWrite], timeout_s: float) -> None:
-    """Wait (bounded) for chunks already posted, then release them (error path only)."""
+def _settle_quietly(transport: Any, posted: list[PackedWrite], timeout_s: float) -> bool:
+    """Wait (bounded) for chunks already posted, then release them (error path only).
+    Returns whether every one of them completed (none in flight or failed when released)."""
     from kvpush.core.transport import TransferState
 
     deadline = time.monotonic() + timeout_s
+    complete = True
     for write in posted:
-        while transport.poll(write.handle) is TransferState.PENDING and time.monotonic() < deadline:
+        state = transport.poll(write.handle)
+        while state is TransferState.PENDING and time.monotonic() < deadline:
             time.sleep(0.0005)
+            state = transport.poll(write.handle)
+        complete = complete and state is TransferState.DONE
         transport.release(write.handle)
         transport.release_list(write.local_list)
         transport.release_list(write.remote_list)
+    return complete
 
 
 def scatter_plan(

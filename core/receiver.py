@@ -76,6 +76,12 @@ ALIAS_CHARS = 24
 FENCE_WARN_S = 1.0
 """A fence the transport has not confirmed is logged this often (its blocks stay held)."""
 
+_KEPT_STAGING: list[Any] = []
+"""Staging pools of D workers that closed with requests no producer acknowledged: a copy of a
+producer on this host (UCX CMA, a kernel) may still land in them, so their memory stays with
+the process, as the engine keeps those requests' blocks (never handed back to the allocator,
+whose next allocation of that size would get the same address)."""
+
 
 @attrs.define(eq=False)
 class _PendingFence:
@@ -677,6 +683,10 @@ class PushReceiver(RankWorker):
                     len(pending),
                     pending[:10],
                 )
+            if pending and self.staging is not None:
+                # Their producers may still copy into the staging ranges they reserved: keep
+                # the pool's memory for the process's life, like the blocks the engine keeps.
+                _KEPT_STAGING.append(self.staging)
             for rid in pending:
                 self._failed.setdefault(
                     rid,

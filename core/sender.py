@@ -105,6 +105,10 @@ class PushSender(RankWorker):
         self._keys: dict[str, str] = {}
         """Match key -> request id of prefills finished and not yet reported (a second finish of
         a key is refused; close() reports what is left)."""
+        self._ids: dict[str, str] = {}
+        """Request id -> match key of the same prefills: a request id still held is refused under
+        another key too (``get_finished`` reports by request id: two prefills under one id could
+        not be told apart, and the engine would free one's blocks on the other's outcome)."""
         self._packing_stats = {"packed_writes": 0, "packed_fallbacks": 0, "slow_ready_queries": 0}
         self._region_groups: tuple[Any, tuple[int, ...]] | None = None
         self._block_bytes: dict[int, tuple[Any, dict[int, int]]] = {}
@@ -189,7 +193,7 @@ class PushSender(RankWorker):
         self._check_running("request_finished")
         blocks = self._check_blocks(request_id, block_ids, "block_ids")
         if num_tokens is not None:
-            blocks = self._prompt_blocks(blocks, num_tokens)
+            blocks = self._prompt_blocks(blocks, num_tokens, block_start)
         if num_tokens is not None or block_start is not None:
             blocks = self._stated(blocks, block_start, num_tokens)
         key = request_id if match_key is None else match_key
@@ -210,14 +214,24 @@ class PushSender(RankWorker):
         with self._results_lock:
             if key in self._keys:
                 raise ConfigError(f"match_key {key!r} is already being pushed by this rank; finish it once")
+            held = self._ids.get(request_id)
+            if held is not None:
+                raise ConfigError(
+                    f"request_id {request_id!r} is still being pushed by this rank under match key "
+                    f"{held!r}; get_finished() reports by request id, so a second prefill under it "
+                    f"could not be told apart: use a fresh request id, or finish once the first is "
+                    f"reported"
+                )
             self._keys[key] = request_id
+            self._ids[request_id] = key
         finished = _Finished(key, request_id, blocks, decode_engine_id or "", ready, fingerprint)
         self.run_on_writer(lambda: self._finished(finished))
 
-    def _prompt_blocks(self, blocks: BlockIds, num_tokens: Any) -> BlockIds:
+    def _prompt_blocks(self, blocks: BlockIds, num_tokens: Any, block_start: Any = None) -> BlockIds:
         """The prompt's blocks of a one-group block table: its first ``ceil(num_tokens /
-        block_size)`` (``ConfigError`` for a bad count, one past the table, or several groups,
-        whose windows a token count does not place)."""
+        block_size) - start`` (the table holds the request's blocks from ``block_start`` on;
+        ``ConfigError`` for a bad count, one past the table, or several groups, whose windows a
+        token count does not place)."""
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
             raise ConfigError(f"num_tokens must be a non-negative int (or None), got {num_tokens!r}")
         if self.config.model.num_groups > 1:
@@ -225,13 +239,25 @@ class PushSender(RankWorker):
                 "num_tokens trims a one-group block table; this model has "
                 f"{self.config.model.num_groups} KV groups: pass each group's prompt blocks exactly"
             )
-        need = -(-num_tokens // self.config.model.block_size)
+        from kvpush.core.types import to_block_start
+
+        start = to_block_start(block_start)
+        first = start[0] if start else 0
+        total = -(-num_tokens // self.config.model.block_size)
+        need = total - first
         ids = blocks[0] if blocks else ()
+        if ids and need <= 0:
+            raise ConfigError(
+                f"block_start={first} is past the last block of a {num_tokens}-token prompt "
+                f"({total} blocks of {self.config.model.block_size} tokens)"
+            )
         if need > len(ids):
+            where = f" from block_start={first}" if first else ""
             raise ConfigError(
                 f"num_tokens={num_tokens} needs {need} blocks of {self.config.model.block_size} "
-                f"tokens; block_ids hold {len(ids)}"
+                f"tokens{where}; block_ids hold {len(ids)}"
             )
+        need = max(need, 0)
         return (tuple(ids[:need]),)
 
     def _stated(self, blocks: BlockIds, block_start: Any, num_tokens: int | None) -> BlockIds:
@@ -418,6 +444,8 @@ class PushSender(RankWorker):
     def _report(self, report: Report) -> None:
         with self._results_lock:
             self._keys.pop(report.key, None)
+            if self._ids.get(report.request_id) == report.key:
+                del self._ids[report.request_id]
             if report.outcome == "sent":
                 self._sent.append(report.request_id)
             else:

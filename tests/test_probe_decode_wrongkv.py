@@ -13,9 +13,10 @@ there next (the next worker's staging: a request reported done with another prom
 Finding 2 (section 4): a producer counted by its old process's DONE, read after its exit was
 seen, is registered again with the new process; the request is then done (blocks to the
 engine, staging freed) while that registration may still be written.
-Fix for both: /work/notes/probeD-fix.diff.
-
-A test marked ``xfail(strict=True)`` is a finding: it fails on main today, for the reason named.
+Both fixed (2026-12-02): a closed worker that left requests unacknowledged keeps its staging
+pool's memory for the process's life (``core/receiver.py``, ``_KEPT_STAGING``), and
+``DecodeCore._reregister`` registers no producer again that reported since its exit was seen.
+Each test failed before its fix.
 """
 
 from __future__ import annotations
@@ -267,15 +268,6 @@ def _wait_inflight(sender: Any, count: int, timeout_s: float = 10.0) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "finding 1: a D worker closed while a producer's packed WRITE may still copy (same host: "
-        "no fence stops it; close() reports the request failed and NOT released) still drops its "
-        "staging pool with the worker: the 64 MiB tensor goes back to the allocator, the next "
-        "allocation of the process gets the same address, and P's late CMA copy lands in it"
-    ),
-)
 def test_a_closed_decode_worker_keeps_the_staging_a_held_packed_write_may_still_copy_into() -> None:
     """Real NIXL (UCX CMA on one host). P's packed WRITE is a copy stalled past D's
     ``close_timeout_s`` (the ``faulty`` transport's slow kernel copy, as in
@@ -313,15 +305,6 @@ def test_a_closed_decode_worker_keeps_the_staging_a_held_packed_write_may_still_
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "finding 1 (its consequence): the staging pool a closed D worker dropped is where the next "
-        "worker of the process puts its own; P's stalled copy for the closed worker's request lands "
-        "in the new worker's reservation at the same offset, and the new request is reported done "
-        "with the other prompt's KV"
-    ),
-)
 def test_a_stalled_copy_for_a_closed_worker_does_not_become_the_next_workers_kv() -> None:
     """As above; then the engine starts a new D worker in the process (a new engine id, as a
     vLLM instance gets). Its 64 MiB staging pool takes the freed memory and its first request
@@ -434,15 +417,6 @@ def _exit_reregister_then_finish(packed: bool) -> tuple[_D, list[str], list[Any]
     return d, regs, last
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "finding 2: _reregister registers again every producer in rereg, also one whose old "
-        "process's DONE was read after its exit was seen and counted it (reported); stage 1's "
-        "DONE then completes r1 (blocks back to the engine) while the new stage-0 process holds "
-        "the fresh PUSH_REG D just sent it, and its WRITE lands in blocks D released"
-    ),
-)
 def test_a_producer_counted_after_its_exit_was_seen_is_not_registered_again_behind_done() -> None:
     d, regs, _ = _exit_reregister_then_finish(packed=False)
     done = ("r1", "done") in d.reports
@@ -453,14 +427,6 @@ def test_a_producer_counted_after_its_exit_was_seen_is_not_registered_again_behi
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "finding 2 (packed): as above with stage 0's two chunks read after its exit; r1's staging "
-        "range is freed at done while the new stage-0 process holds a PUSH_REG naming it: its "
-        "chunks land in the next request's reservation"
-    ),
-)
 def test_a_packed_producer_counted_after_its_exit_does_not_leave_a_registration_on_freed_staging() -> None:
     d, regs, last = _exit_reregister_then_finish(packed=True)
     freed = [a.offset for a in last if isinstance(a, FreeStaging)]

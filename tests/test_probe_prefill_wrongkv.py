@@ -2,7 +2,17 @@
 outside the demo's happy conditions: the engine API used as real engines use (and misuse) it,
 P's source blocks handed back to the engine while a push still needs them.
 
-Each finding is a test that fails on main, marked ``xfail(strict=True)`` with its cause.
+Findings (each test failed before its fix, 2026-12-02):
+1. A request id still being pushed under one match key was accepted again under another;
+   ``get_finished`` reports by request id, so an engine freed (and reused) the retry's blocks
+   on the first prefill's outcome while D was still written from them. ``request_finished`` now
+   refuses a request id still held (``ConfigError`` naming its key).
+2. A packed WRITE whose later chunk's post failed with ``maybe_sent=False`` told D nothing was
+   on the way, though earlier chunks were still in flight when released: D reused the staging
+   without a fence and the old chunk landed in the next request's. ``post_packed`` now raises
+   ``maybe_sent=True`` unless every posted chunk completed.
+3. (liveness) ``num_tokens`` with ``block_start`` trimmed the block list as if it began at block
+   0, refusing a prompt's tail stated with its start.
 The in-process clusters run on the loopback transport unless a test says otherwise.
 """
 
@@ -45,17 +55,6 @@ def _d_holds(cluster: Cluster, d_ids: list[int], want: dict[str, torch.Tensor]) 
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "finding 1: PushSender.request_finished refuses a second finish of a match key but "
-        "accepts a P request id that is still being pushed under ANOTHER key; get_finished() "
-        "reports by request id only, so the first push's outcome reads as the second's: an "
-        "engine that frees the id's blocks on it hands back blocks the second push still reads, "
-        "and D reports that request done with another prefill's KV (sender.py: _keys is keyed "
-        "by match key alone)"
-    ),
-)
 @pytest.mark.parametrize("transport", ["loopback", "nixl"])
 def test_a_p_request_id_pending_under_another_key_is_refused_or_never_reported_ambiguously(
     transport: str,
@@ -86,17 +85,6 @@ def test_a_p_request_id_pending_under_another_key_is_refused_or_never_reported_a
             assert _d_holds(cluster, [1, 2], retry_kv), "D reported d-2 done with blocks P's engine reused"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "side finding 2 (liveness, named reason): request_finished(num_tokens=n, block_start=s) "
-        "trims block_ids to their first ceil(n / block_size) ids as if they started at block 0 "
-        "(sender._prompt_blocks ignores block_start): a one-group window tail (s > 0, holding "
-        "ceil(n / bs) - s blocks) is refused with ConfigError 'needs 3 blocks; block_ids hold 2' "
-        "(the vLLM adapter passes both for one-group models), and a tail holding a block past "
-        "the prompt keeps it as if it were the prompt's"
-    ),
-)
 def test_a_prompt_tail_stated_with_its_start_and_length_is_pushed() -> None:
     """A one-group sliding-window engine passes the prompt's last blocks (the window), states
     where they start and the prompt's length; D, with a prefix hit, registers the same blocks."""
@@ -108,18 +96,6 @@ def test_a_prompt_tail_stated_with_its_start_and_length_is_pushed() -> None:
         assert _d_holds(cluster, [1, 2], want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "finding 2: packing.post_packed posts a destination's chunks one by one; when a later "
-        "chunk's post raises, it waits at most settle_timeout_s (5 s) for the chunks already "
-        "posted, releases them still in flight, frees P's staging and re-raises THAT chunk's "
-        "error, whose maybe_sent=False speaks for it alone: the core then answers D "
-        "FAIL(unsettled=False), D releases the request's staging and blocks without a fence, "
-        "and the stuck chunk's bytes land in the range D gave the next request (another P "
-        "stage's connection wrote it): D reports that request done with the old request's bytes"
-    ),
-)
 def test_a_refused_chunk_after_a_stuck_chunk_never_tells_d_nothing_is_on_the_way(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -198,15 +174,6 @@ def test_a_refused_chunk_after_a_stuck_chunk_never_tells_d_nothing_is_on_the_way
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "finding 1, over real NIXL between rank processes, with the project's own engine model "
-        "(kvpush.demo.rank, reuse_failed_blocks: P's engine keys finished prefills by request id "
-        "and overwrites a failed one's blocks at once): the reused id's first push fails at its "
-        "lease, the engine overwrites the retry's blocks, and D reports the retry done with them"
-    ),
-)
 def test_processes_a_p_request_id_reused_under_another_key_never_reaches_d_done_with_reused_blocks() -> None:
     from kvpush.core.sidechannel import SideChannelServer
     from kvpush.core.types import ParallelConfig
