@@ -169,6 +169,9 @@ class _Request:
     checked (and answered) at the finish with the others."""
     cancel_acks: dict[str, str] = attrs.field(factory=dict)
     """D agent -> D request id of cancels to acknowledge once nothing is in flight."""
+    cut: set[int] = attrs.field(factory=set)
+    """D ranks whose registration P dropped when their endpoint broke, nothing posted to them
+    (:meth:`PrefillCore._rank_gone`): asked for again by the next heartbeat naming the key."""
     cancelled: bool = False
     write_at_cancel: bool = False
     """A WRITE was in flight when D's CANCEL arrived (settled before the ack is sent)."""
@@ -765,6 +768,7 @@ class PrefillCore:
             ):
                 return out
         request.regs[rank] = _Reg(reg, agent, self._fresh_until(reg, now))
+        request.cut.discard(rank)
         if rank not in engine.agents:
             out += self._connect(engine, rank, now, reg.decode_incarnation)
         if request.blocks is None:
@@ -946,11 +950,14 @@ class PrefillCore:
                 self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
             # A heartbeat names keys, not registrations: it keeps the key's lease and renews no
             # grant (another D request of this rank under the key may be the one P holds). A
-            # registration waiting for a fresh grant is asked for: D sends its PUSH_REG again.
+            # registration waiting for a fresh grant is asked for: D sends its PUSH_REG again;
+            # so is one P dropped when the rank's endpoint broke (D may not know it was lost).
             entry = request.regs.get(rank)
             dest = request.dests.get(rank) if request.dests else None
-            waiting = dest is not None and dest.state is _Dest.WAIT_FRESH
-            if waiting and entry is not None and self._loaded_from(engine, rank, entry):
+            stale = dest is not None and dest.state is _Dest.WAIT_FRESH
+            stale = stale and entry is not None and self._loaded_from(engine, rank, entry)
+            cut = entry is None and rank in request.cut  # dropped when its endpoint broke
+            if stale or cut:
                 want.append(key)
         answer = wire.encode_heartbeat_answer(
             self.s.rank, now, self.s.incarnation, want, failed, unknown, settled
@@ -1352,6 +1359,7 @@ class PrefillCore:
                 continue
             if keep_unposted and not wrote and (dest is None or dest.state in waiting):
                 del request.regs[rank]
+                request.cut.add(rank)
                 if dest is not None and request.dests is not None:
                     request.dests[rank] = _DestState()  # nothing planned from a registration gone
                 self.stats["registrations_cut"] += 1

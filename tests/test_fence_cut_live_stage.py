@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 from test_reregister_after_layout_change import A0, A1, P0, P1, _note, _pp2, _registered, _sent
 
@@ -144,3 +145,32 @@ def test_p_lets_a_kept_registration_go_at_its_lease_when_d_never_registers_again
     reports = [a for a in out if isinstance(a, Report)]
     assert [r.key for r in reports] == ["k1"] and "lease" in str(reports[0]), (t, out)
     assert t <= 2.0 + 3.0 + 0.25
+
+
+def test_p_asks_for_a_cut_registration_at_the_next_heartbeat_naming_its_key() -> None:
+    """D may not know the registration was lost (a fence that reconnects without registering
+    again, or a connection that broke by itself): once P loaded the rank again, the first
+    heartbeat naming the key is answered with the key in ``want``, and D sends its PUSH_REG
+    again (``DecodeCore._renew``)."""
+    p = _loaded_with_r1()  # r1 registered, its prefill not finished
+    p.unreachable(D_AGENT, "NIXL_ERR_REMOTE_DISCONNECT", 0.3)
+    hello = PushRegistration(
+        request_id="(hello)",
+        match_key="(none)",
+        decode_engine_id="D",
+        decode_host="d.example",
+        decode_port=5700,
+        decode_tp_size=1,
+        block_ids=(),
+        remote_engine_id="(any)",
+        decode_incarnation="d1",
+        fresh_s=1.0,
+    )
+    out = p.notification(D_AGENT, _note(wire.encode_hello(hello, 0)), 0.4)
+    assert [a for a in out if isinstance(a, Connect)], out
+    p.connected("D", 0, D_AGENT, "d1", 1, "", 0.4)  # D's rank loaded again
+    beat = wire.encode_heartbeat(["k1"], attrs.evolve(hello, request_id="(heartbeat)", grant=0.5), 0)
+    (answer,) = [a for a in p.notification(D_AGENT, _note(beat), 0.5) if isinstance(a, Send)]
+    assert list(_note(answer.message).want) == ["k1"], answer
+    out = _reconnect(p, 0.6) + p.finished("k1", "p-k1", ((0,),), "D", 0.7)
+    assert [a for a in out if isinstance(a, Post)], out
