@@ -1238,8 +1238,12 @@ class DecodeCore:
                 _, evicted = self._unanswered.popitem(last=False)
                 for _, old_rid, _ in evicted.values():
                     self._unanswered_ids.pop(old_rid, None)
+        # The report goes first: the driver writes each action's result under its own hold of
+        # the results lock, and an engine polling in between must never see ``released``
+        # without ``cancelled`` (it may add the id again at once, and a late ``cancelled``
+        # would then be read as the new request's).
         report = [Report(rid, "cancelled", f"{receive.reason} ({how})")] if receive.cancelled else []
-        out = self._end(rid, receive, None, release=True) + report
+        out = report + self._end(rid, receive, None, release=True)
         engine = self._engines.get(receive.engine_id)
         return out + (self._maybe_forget(engine) if engine is not None else [])
 

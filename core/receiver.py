@@ -140,6 +140,9 @@ class PushReceiver(RankWorker):
         self._failed: dict[str, str] = {}
         self._cancelled: dict[str, str] = {}
         self._released: list[str] = []
+        self._uncollected: set[str] = set()
+        """Engine ids named in results ``get_finished()`` has not returned yet: an add of one is
+        refused (its results name only the id, and would be read as the new request's)."""
         self._fences: dict[int, _PendingFence] = {}
         """Fences the transport has not confirmed yet (checked every writer step)."""
 
@@ -180,7 +183,8 @@ class PushReceiver(RankWorker):
         """Start receiving ``request``: handshake with P if needed, then send ``PUSH_REG``.
 
         A request with no blocks (a full prefix hit) is done at once. Raises ``ConfigError``
-        naming the argument for an empty or non-string id, an id already in progress, negative,
+        naming the argument for an empty or non-string id, an id already in progress, an id
+        whose earlier request's results ``get_finished()`` has not returned yet, negative,
         repeated or out-of-range block ids, block ids another request on this rank still holds
         (not yet done, or failed/cancelled and not yet released), a missing match key, an
         advertised address P could not reach, or a worker that is not running."""
@@ -200,7 +204,15 @@ class PushReceiver(RankWorker):
         with self._results_lock:
             if rid in self._active:
                 raise ConfigError(f"request_id {rid!r} is already being received on this rank")
+            if rid in self._uncollected:
+                raise ConfigError(
+                    f"request_id {rid!r} has results on this rank that get_finished() has not "
+                    f"returned yet (an earlier request of that id: done, failed, cancelled or "
+                    f"released); results name only the id, so they would be read as this "
+                    f"request's. Call get_finished() first, then add it again"
+                )
             if not any(request.block_ids):
+                self._uncollected.add(rid)
                 self._done.append(rid)
                 self._completed_at[rid] = time.perf_counter()
                 self._results_ready.notify_all()
@@ -330,6 +342,7 @@ class PushReceiver(RankWorker):
             failed, self._failed = self._failed, {}
             cancelled, self._cancelled = self._cancelled, {}
             released, self._released = tuple(self._released), []
+            self._uncollected.clear()
         return ReceiveResults(
             done=done, failed=failed, cancelled=cancelled, released=released, completed_at=completed
         )
@@ -424,6 +437,7 @@ class PushReceiver(RankWorker):
             with self._results_ready:
                 rid = self._ended(action.request_id)
                 self._released.append(rid)
+                self._uncollected.add(rid)
                 self._active.discard(rid)
                 if self._claims is not None:
                     self._claims.release(rid)
@@ -450,6 +464,7 @@ class PushReceiver(RankWorker):
         with self._results_ready:
             done = report.outcome == "done"
             rid = self._ended(report.request_id) if done else self._engine_id(report.request_id)
+            self._uncollected.add(rid)
             if done:
                 self._done.append(rid)
                 self._completed_at[rid] = time.perf_counter()
@@ -688,6 +703,7 @@ class PushReceiver(RankWorker):
                 # the pool's memory for the process's life, like the blocks the engine keeps.
                 _KEPT_STAGING.append(self.staging)
             for rid in pending:
+                self._uncollected.add(rid)
                 self._failed.setdefault(
                     rid,
                     "the decode worker closed before the request finished; its blocks are NOT "
