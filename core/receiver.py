@@ -702,13 +702,15 @@ class PushReceiver(RankWorker):
                 # Their producers may still copy into the staging ranges they reserved: keep
                 # the pool's memory for the process's life, like the blocks the engine keeps.
                 _KEPT_STAGING.append(self.staging)
+            closed = (
+                "the decode worker closed before the request finished; its blocks are NOT "
+                "released (P never acknowledged: do not reuse them while P may write)"
+            )
             for rid in pending:
                 self._uncollected.add(rid)
-                self._failed.setdefault(
-                    rid,
-                    "the decode worker closed before the request finished; its blocks are NOT "
-                    "released (P never acknowledged: do not reuse them while P may write)",
-                )
+                # One failed earlier and not yet collected says so too: no release will follow.
+                earlier = self._failed.get(rid)
+                self._failed[rid] = f"{earlier}; then {closed}" if earlier else closed
             self._active.clear()
             self._live.clear()
             if self._claims is not None:

@@ -200,6 +200,28 @@ def test_closing_d_does_not_release_what_an_unacknowledged_producer_may_still_wr
         assert "decode worker closed" in results.failed["d-1"] and "d-1" not in results.released
 
 
+def test_a_request_failed_and_held_then_closed_says_its_blocks_are_not_released() -> None:
+    """Failed at D's watchdog while P's kernel copy is stalled (held: no fence stops it), not
+    collected by the engine yet, then the worker closes: its reason must say no release will
+    follow (it kept the first reason alone, and an engine waited for a release that never came)."""
+    options = {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 30.0, "kernel_copies": True}
+    with Cluster(
+        transport="faulty",
+        transport_options=options,
+        close_timeout_s=0.3,
+        request_timeout_s=1.0,
+        heartbeat_interval_s=5.0,
+    ) as cluster:
+        sender, receiver = cluster.senders[P0], cluster.receivers[0]
+        cluster.add("d-1", [[3]], "x-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        _wait_posted(sender)
+        wait_until(lambda: receiver.call_on_writer(lambda: "d-1" in receiver._failed), what="watchdog")
+        receiver.close()
+        results = receiver.get_finished()
+        assert "NOT released" in results.failed["d-1"] and "d-1" not in results.released, results
+
+
 # ---------------------------------------------------------------------------- a broken endpoint
 
 
