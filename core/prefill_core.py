@@ -169,9 +169,10 @@ class _Request:
     checked (and answered) at the finish with the others."""
     cancel_acks: dict[str, str] = attrs.field(factory=dict)
     """D agent -> D request id of cancels to acknowledge once nothing is in flight."""
-    cut: set[int] = attrs.field(factory=set)
-    """D ranks whose registration P dropped when their endpoint broke, nothing posted to them
-    (:meth:`PrefillCore._rank_gone`): asked for again by the next heartbeat naming the key."""
+    cut: dict[int, str] = attrs.field(factory=dict)
+    """D rank -> the D incarnation of the registration P dropped when the rank's endpoint
+    broke, nothing posted to it (:meth:`PrefillCore._rank_gone`): asked for again by the next
+    heartbeat naming the key; failed once another start of the rank is loaded."""
     cancelled: bool = False
     write_at_cancel: bool = False
     """A WRITE was in flight when D's CANCEL arrived (settled before the ack is sent)."""
@@ -768,7 +769,7 @@ class PrefillCore:
             ):
                 return out
         request.regs[rank] = _Reg(reg, agent, self._fresh_until(reg, now))
-        request.cut.discard(rank)
+        request.cut.pop(rank, None)
         if rank not in engine.agents:
             out += self._connect(engine, rank, now, reg.decode_incarnation)
         if request.blocks is None:
@@ -1232,6 +1233,7 @@ class PrefillCore:
         # D (same agent name, new incarnation) may use again for a request P is about to write.
         owed = engine.owed.pop(rank, ())
         out: list[Any] = [Send(a, m) for a, inc, m in owed if a == agent and inc == incarnation]
+        out += self._cut_by_another_start(engine, rank, incarnation, now)
         hello = engine.hellos.pop(rank, None)
         said = engine.hello_incarnations.pop(rank, None)
         if said is not None and said < incarnation:
@@ -1355,11 +1357,12 @@ class PrefillCore:
         for request in list(self._requests.values()):
             dest = request.dests.get(rank) if request.dests else None
             wrote = dest is not None and (dest.unsettled or dest.state in (_Dest.INFLIGHT, _Dest.DONE))
-            if request.engine_id != engine.engine_id or not (rank in request.regs or wrote):
+            # A registration dropped when the rank's endpoint broke was this start's too.
+            held = rank in request.regs or (not keep_unposted and rank in request.cut)
+            if request.engine_id != engine.engine_id or not (held or wrote):
                 continue
             if keep_unposted and not wrote and (dest is None or dest.state in waiting):
-                del request.regs[rank]
-                request.cut.add(rank)
+                request.cut[rank] = request.regs.pop(rank).reg.decode_incarnation
                 if dest is not None and request.dests is not None:
                     request.dests[rank] = _DestState()  # nothing planned from a registration gone
                 self.stats["registrations_cut"] += 1
@@ -1369,6 +1372,21 @@ class PrefillCore:
             out += self._fail_request(request, reason, now, untold=rank)
         engine.replacing[rank] = reason
         return out + self._maybe_drop_rank(engine, rank, now)
+
+    def _cut_by_another_start(self, engine: _Decode, rank: int, incarnation: str, now: float) -> list[Any]:
+        """D rank ``rank`` was loaded as ``incarnation``: a registration P dropped when the
+        rank's endpoint broke (:meth:`_rank_gone`) that another start of the rank sent ended
+        with it (that start restarted, its request gone): the request fails, as it would had
+        P still held the registration when the restart showed."""
+        out: list[Any] = []
+        for request in list(self._requests.values()):
+            cut = request.cut.get(rank)
+            if request.engine_id != engine.engine_id or cut is None or cut == incarnation:
+                continue
+            del request.cut[rank]
+            why = f"D rank {rank} restarted (incarnation {cut} -> {incarnation}) after its endpoint broke"
+            out += self._fail_request(request, why, now, untold=rank)
+        return out
 
     def _maybe_drop_rank(self, engine: _Decode, rank: int, now: float) -> list[Any]:
         """Drop a restarted D rank's old agent once no WRITE to it is in flight, then handle

@@ -174,3 +174,28 @@ def test_p_asks_for_a_cut_registration_at_the_next_heartbeat_naming_its_key() ->
     assert list(_note(answer.message).want) == ["k1"], answer
     out = _reconnect(p, 0.6) + p.finished("k1", "p-k1", ((0,),), "D", 0.7)
     assert [a for a in out if isinstance(a, Post)], out
+
+
+def test_a_cut_registration_of_a_d_rank_that_then_restarted_fails_at_once() -> None:
+    """The endpoint broke because D's rank restarted: the registration P kept for it belonged
+    to the old start, gone with its request. When the new start shows itself (its HELLO, a
+    new incarnation), the request fails at once (P's blocks go back), not at its lease."""
+    p = _loaded_with_r1()
+    p.finished("k1", "p-k1", ((0,),), "D", 2.0)  # stale grant: waits for a fresh one
+    p.unreachable(D_AGENT, "NIXL_ERR_REMOTE_DISCONNECT", 2.1)
+    hello = PushRegistration(
+        request_id="(hello)",
+        match_key="(none)",
+        decode_engine_id="D",
+        decode_host="d.example",
+        decode_port=5700,
+        decode_tp_size=1,
+        block_ids=(),
+        remote_engine_id="(any)",
+        decode_incarnation="d2",  # the new start
+        fresh_s=1.0,
+    )
+    out = p.notification(D_AGENT, _note(wire.encode_hello(hello, 0)), 2.2)
+    out += p.connected("D", 0, D_AGENT, "d2", 1, "", 2.2) if any(isinstance(a, Connect) for a in out) else []
+    reports = [a for a in out if isinstance(a, Report)]
+    assert [(r.key, r.outcome) for r in reports] == [("k1", "failed")], out
