@@ -109,6 +109,9 @@ class PushSender(RankWorker):
         """Request id -> match key of the same prefills: a request id still held is refused under
         another key too (``get_finished`` reports by request id: two prefills under one id could
         not be told apart, and the engine would free one's blocks on the other's outcome)."""
+        self._uncollected: set[str] = set()
+        """Request ids reported since the last ``get_finished``: refused too until collected
+        (the next ``get_finished`` would name the id for the earlier prefill)."""
         self._packing_stats = {"packed_writes": 0, "packed_fallbacks": 0, "slow_ready_queries": 0}
         self._region_groups: tuple[Any, tuple[int, ...]] | None = None
         self._block_bytes: dict[int, tuple[Any, dict[int, int]]] = {}
@@ -222,6 +225,12 @@ class PushSender(RankWorker):
                     f"could not be told apart: use a fresh request id, or finish once the first is "
                     f"reported"
                 )
+            if request_id in self._uncollected:
+                raise ConfigError(
+                    f"request_id {request_id!r} has a result get_finished() has not returned yet "
+                    f"(an earlier prefill of that id, sent or failed); results name only the id, "
+                    f"so it would be read as this prefill's: call get_finished() first"
+                )
             self._keys[key] = request_id
             self._ids[request_id] = key
         finished = _Finished(key, request_id, blocks, decode_engine_id or "", ready, fingerprint)
@@ -310,6 +319,7 @@ class PushSender(RankWorker):
         with self._results_lock:
             sent, self._sent = tuple(self._sent), []
             failed, self._failed = self._failed, {}
+            self._uncollected.clear()
         return PushResults(sent=sent, failed=failed)
 
     # ------------------------------------------------------------------ feeding the core
@@ -446,6 +456,7 @@ class PushSender(RankWorker):
             self._keys.pop(report.key, None)
             if self._ids.get(report.request_id) == report.key:
                 del self._ids[report.request_id]
+            self._uncollected.add(report.request_id)
             if report.outcome == "sent":
                 self._sent.append(report.request_id)
             else:

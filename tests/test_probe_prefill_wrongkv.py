@@ -253,3 +253,19 @@ def test_processes_a_p_request_id_reused_under_another_key_never_reaches_d_done_
         _stop(ranks)
         p_server.close()
         d_server.close()
+
+
+def test_a_p_request_id_reported_but_not_collected_is_refused_until_get_finished() -> None:
+    """The same ambiguity one step later (D's side had it too: tests/test_probe_decode_engine_api.py):
+    the first prefill of ``p-1`` was reported (its lease ran out) but the engine has not called
+    ``get_finished()`` yet. Finished again now, the next ``get_finished()`` would name ``p-1`` in
+    ``.failed`` for the earlier prefill, and the engine would free the new one's blocks while P
+    pushes them. Refused until the result is collected; accepted after."""
+    with Cluster(transport="loopback", lease_s=0.5, request_timeout_s=30.0) as cluster:
+        sender = cluster.senders[P0]
+        sender.request_finished("p-1", [[3, 4]], match_key="x-1")  # its D never registers
+        wait_until(lambda: "p-1" in sender._failed, 10.0, what="p-1's lease to run out")
+        with pytest.raises(ConfigError, match="get_finished"):
+            sender.request_finished("p-1", [[7, 8]], match_key="x-2")
+        assert "lease" in sender.get_finished().failed["p-1"]
+        sender.request_finished("p-1", [[7, 8]], match_key="x-2")  # collected: a new prefill
