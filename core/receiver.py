@@ -224,7 +224,9 @@ class PushReceiver(RankWorker):
             self._active.add(rid)
             request = self._registered_as(request)
             self._live[request.request_id] = rid
-        self.run_on_writer(lambda: self._add_guarded(request))
+            # Queued under the lock: a cancel of this id from another thread (which resolves
+            # the id under it too) is queued after the add, never before it (and lost).
+            self.run_on_writer(lambda: self._add_guarded(request))
 
     def _check_start(self, request: RequestMetadata) -> None:
         """``block_start`` names one start per KV group of ``block_ids``; with ``num_tokens`` too,
@@ -331,8 +333,9 @@ class PushReceiver(RankWorker):
         WRITE deadline have passed and P's connection was dropped. Free the blocks only then.
         A request already done is not affected."""
         self._check_running("cancel")
-        core_id = self._core_id(request_id)
-        self.run_on_writer(lambda: self._guarded(core_id, lambda now: self.core.cancel(core_id, now)))
+        with self._results_lock:  # ordered with the add it cancels (see add_request)
+            core_id = self._alias_of.get(request_id, request_id)
+            self.run_on_writer(lambda: self._guarded(core_id, lambda now: self.core.cancel(core_id, now)))
 
     def get_finished(self) -> ReceiveResults:
         """Requests done, failed, cancelled and released since the last call."""

@@ -187,3 +187,36 @@ def test_cancel_of_an_id_never_added_does_not_touch_a_later_request_of_that_id()
         cluster.finish("p-3", [[9]], "x-3")
         assert cluster.wait_decode("b") == {0: None}
         assert _block(cluster, 3, 9) and "b" not in cluster.released[0]
+
+
+def test_a_cancel_from_another_thread_is_never_queued_before_the_add_it_cancels() -> None:
+    """The engine's scheduler adds ``a`` while another thread (an abort handler) cancels it.
+    ``add_request`` queued the add for the writer after releasing the results lock, and
+    ``cancel`` resolved the id and queued under its own hold: a cancel could reach the core
+    before the add it names (ignored as unknown), and the request ran on though the engine
+    had cancelled it. The add is now queued under the lock, so the cancel follows it."""
+    import threading
+    import time
+
+    with Cluster(transport="loopback", request_timeout_s=30.0) as cluster:
+        receiver = cluster.receivers[0]
+        queue = receiver.run_on_writer
+        calls: list[str] = []
+
+        def racing(command: Any) -> None:
+            if not calls:  # the add: a cancel from another thread tries to go first
+                calls.append("add")
+                threading.Thread(target=receiver.cancel, args=("a",), daemon=True).start()
+                time.sleep(0.2)
+            queue(command)
+
+        receiver.run_on_writer = racing  # type: ignore[method-assign]
+        cluster.add("a", [[3]], "x-a")  # P never finishes x-a: only the cancel can end it
+        receiver.run_on_writer = queue  # type: ignore[method-assign]
+        deadline = time.monotonic() + 10.0
+        cancelled, released = {}, ()
+        while time.monotonic() < deadline and "a" not in released:
+            results = receiver.get_finished()
+            cancelled, released = {**cancelled, **results.cancelled}, (*released, *results.released)
+            time.sleep(0.05)
+        assert "a" in cancelled and "a" in released, (cancelled, released)
