@@ -43,6 +43,10 @@ from kvpush.core.worker import FRESH_WINDOW_S, RankWorker, lease_clock
 
 logger = logging.getLogger(__name__)
 
+_KEPT_STAGING: list[Any] = []
+"""Staging pools of P workers closed with a packed WRITE still in flight: it may still read
+them, so their memory is kept for the process's life (as D keeps its own)."""
+
 
 @attrs.frozen
 class PushResults:
@@ -112,6 +116,9 @@ class PushSender(RankWorker):
         self._uncollected: set[str] = set()
         """Request ids reported since the last ``get_finished``: refused too until collected
         (the next ``get_finished`` would name the id for the earlier prefill)."""
+        self._inflight_at_close: set[str] = set()
+        """Match keys with a WRITE still in flight when close() stopped waiting: their blocks
+        are reported NOT released (the WRITE may still read them)."""
         self._packing_stats = {"packed_writes": 0, "packed_fallbacks": 0, "slow_ready_queries": 0}
         self._region_groups: tuple[Any, tuple[int, ...]] | None = None
         self._block_bytes: dict[int, tuple[Any, dict[int, int]]] = {}
@@ -214,7 +221,12 @@ class PushSender(RankWorker):
         from kvpush.core.fingerprint import check_fingerprint  # here: an edit local to this method
 
         fingerprint = check_fingerprint(prompt_fingerprint, "prompt_fingerprint")
+        finished = _Finished(key, request_id, blocks, decode_engine_id or "", ready, fingerprint)
         with self._results_lock:
+            # Checked again under the lock: a close() on another thread reports what _keys holds
+            # (under this lock) after it stopped the writer; a finish registered after that
+            # would be queued to no writer and never reported.
+            self._check_running("request_finished")
             if key in self._keys:
                 raise ConfigError(f"match_key {key!r} is already being pushed by this rank; finish it once")
             held = self._ids.get(request_id)
@@ -233,8 +245,9 @@ class PushSender(RankWorker):
                 )
             self._keys[key] = request_id
             self._ids[request_id] = key
-        finished = _Finished(key, request_id, blocks, decode_engine_id or "", ready, fingerprint)
-        self.run_on_writer(lambda: self._finished(finished))
+            # Queued under the lock: an abort() that saw this key held (on another thread) is
+            # queued after it, never ahead of the finish it names (the core would drop it).
+            self.run_on_writer(lambda: self._finished(finished))
 
     def _prompt_blocks(self, blocks: BlockIds, num_tokens: Any, block_start: Any = None) -> BlockIds:
         """The prompt's blocks of a one-group block table: its first ``ceil(num_tokens /
@@ -292,7 +305,7 @@ class PushSender(RankWorker):
         with self._results_lock:
             if self._keys.get(key) != request_id:
                 return  # not the prefill held under the key (reported already, or a retry's)
-        self.run_on_writer(lambda: self._abort(key, request_id))
+            self.run_on_writer(lambda: self._abort(key, request_id))  # after the finish it saw
 
     def request_abandoned(
         self, request_id: str, match_key: str | None = None, reason: str = "the prefill was abandoned"
@@ -830,6 +843,7 @@ class PushSender(RankWorker):
             self.call_on_writer(lambda: self._execute(core.shutdown(reason, lease_clock())))
             while self.call_on_writer(lambda: len(core.inflight_handles())):
                 if time.monotonic() >= deadline:
+                    self.call_on_writer(self._keep_what_is_still_read)
                     logger.warning(
                         "%s closing with WRITEs still in flight after %gs: D decides their "
                         "requests at its own deadline",
@@ -843,6 +857,14 @@ class PushSender(RankWorker):
             self.call_on_writer(self._say_goodbye)
         except WaitTimeout as err:
             logger.warning("%s could not tell D it is closing: %s", self.agent_name, err)
+
+    def _keep_what_is_still_read(self) -> None:
+        """close() stops waiting with WRITEs in flight (writer thread): their prefills are
+        reported NOT released, and a packed one's staging pool is kept for the process's life."""
+        assert self.core is not None
+        self._inflight_at_close = {key for key, _ in self.core.inflight_handles().values()}
+        if self._packed and self.staging is not None:
+            _KEPT_STAGING.append(self.staging)
 
     def _say_goodbye(self) -> None:
         """``BYE`` to every loaded D rank, and remember in this process that the incarnation
@@ -869,7 +891,16 @@ class PushSender(RankWorker):
                 self.agent_name,
                 len(pending),
             )
+        still_read = (
+            f"the prefill worker closed with a WRITE of this request still in flight after "
+            f"close_timeout_s={self.config.close_timeout_s}s; its blocks are NOT released (the "
+            f"WRITE may still read them: do not reuse them, and keep the cache tensors allocated "
+            f"while the process lives)"
+        )
         for key, request_id in pending:
-            self._report(
-                Report(request_id, "failed", "the prefill worker closed before the push finished", key)
+            reason = (
+                still_read
+                if key in self._inflight_at_close
+                else "the prefill worker closed before the push finished"
             )
+            self._report(Report(request_id, "failed", reason, key))
