@@ -61,6 +61,7 @@ from kvpush.core.worker import (
     WRITE_DEADLINE_KEY,
     WRITES_ABORTABLE_KEY,
     RankWorker,
+    keep_for_process_life,
     lease_clock,
 )
 
@@ -75,12 +76,6 @@ ALIAS_CHARS = 24
 
 FENCE_WARN_S = 1.0
 """A fence the transport has not confirmed is logged this often (its blocks stay held)."""
-
-_KEPT_STAGING: list[Any] = []
-"""Staging pools of D workers that closed with requests no producer acknowledged: a copy of a
-producer on this host (UCX CMA, a kernel) may still land in them, so their memory stays with
-the process, as the engine keeps those requests' blocks (never handed back to the allocator,
-whose next allocation of that size would get the same address)."""
 
 
 @attrs.define(eq=False)
@@ -704,7 +699,7 @@ class PushReceiver(RankWorker):
             if pending and self.staging is not None:
                 # Their producers may still copy into the staging ranges they reserved: keep
                 # the pool's memory for the process's life, like the blocks the engine keeps.
-                _KEPT_STAGING.append(self.staging)
+                keep_for_process_life(self.staging)
             closed = (
                 "the decode worker closed before the request finished; its blocks are NOT "
                 "released (P never acknowledged: do not reuse them while P may write)"

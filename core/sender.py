@@ -39,13 +39,9 @@ from kvpush.core.types import (
     Role,
     read_only,
 )
-from kvpush.core.worker import FRESH_WINDOW_S, RankWorker, lease_clock
+from kvpush.core.worker import FRESH_WINDOW_S, RankWorker, keep_for_process_life, lease_clock
 
 logger = logging.getLogger(__name__)
-
-_KEPT_STAGING: list[Any] = []
-"""Staging pools of P workers closed with a packed WRITE still in flight: it may still read
-them, so their memory is kept for the process's life (as D keeps its own)."""
 
 
 @attrs.frozen
@@ -864,7 +860,7 @@ class PushSender(RankWorker):
         assert self.core is not None
         self._inflight_at_close = {key for key, _ in self.core.inflight_handles().values()}
         if self._packed and self.staging is not None:
-            _KEPT_STAGING.append(self.staging)
+            keep_for_process_life(self.staging)
 
     def _say_goodbye(self) -> None:
         """``BYE`` to every loaded D rank, and remember in this process that the incarnation

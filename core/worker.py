@@ -158,6 +158,16 @@ class WorkerConfig:
             )
 
 
+_KEPT_FOR_PROCESS: list[Any] = []
+
+
+def keep_for_process_life(memory: Any) -> None:
+    """Keep ``memory`` (a staging pool) allocated while the process lives: a worker closed with
+    a copy that may still read or write it (one no fence or deadline stops) must not hand it
+    back to the allocator, whose next allocation of that size would get the same address."""
+    _KEPT_FOR_PROCESS.append(memory)
+
+
 def lease_clock() -> float:
     """Seconds on a clock that keeps counting while the host is suspended (CLOCK_BOOTTIME on
     Linux): a P that wakes from a suspend must see its registrations as stale."""

@@ -14,7 +14,7 @@ Finding 2 (section 4): a producer counted by its old process's DONE, read after 
 seen, is registered again with the new process; the request is then done (blocks to the
 engine, staging freed) while that registration may still be written.
 Both fixed (2026-12-02): a closed worker that left requests unacknowledged keeps its staging
-pool's memory for the process's life (``core/receiver.py``, ``_KEPT_STAGING``), and
+pool's memory for the process's life (``core/worker.py``, ``keep_for_process_life``), and
 ``DecodeCore._reregister`` registers no producer again that reported since its exit was seen.
 Each test failed before its fix.
 """
