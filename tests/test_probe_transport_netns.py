@@ -7,7 +7,7 @@ deadline (releases the handle, drops D's agent); D fences P (there is no connect
 and the fence is confirmed. Then the partition heals. If P's kernel still completes that
 connection and P's UCX still sends the queued WRITE, its bytes land in blocks D released.
 
-Found (open, xfail): the whole 16 MiB WRITE lands after the fence was confirmed, with
+Found (fixed since, see below): the whole 16 MiB WRITE landed after the fence was confirmed, with
 ``ucx_error_handling_mode`` ``none`` (every run) and ``peer`` (most runs). The bytes come on a
 connection P opened after the partition healed; releasing the NIXL handle does not cancel
 UCX's queued PUT, and removing the agent closes the endpoint in flush mode, which delivers it.
@@ -22,7 +22,9 @@ posts by hand (``tests/test_probe_grant_after_load.py``); this test keeps the tr
 behaviour on record. A fence that refuses the peer at D's UCX listeners (``tcp_fence.refuse``,
 not yet called by ``NixlTransport``) drops the connection request of the connection P opens
 after the partition heals: with it wired in, both cases passed (one run each, 20:50 UTC
-2026-12-01).
+2026-12-01; then 8 of 8 runs each on 2026-12-02, so the xfail marks are gone). Still open, in
+docs/reliability.md's residual risks: D's reload of P lifts the refusal, and a WRITE P's UCX
+still holds could then go out on the new connection.
 
 Everything made here (two namespaces, the veth pair, iptables rules inside them, two
 processes) is removed at the end; every wait is bounded.
@@ -74,25 +76,13 @@ def _iptables(pair: Any, *args: str) -> None:
         subprocess.run(pair.exec_args(ns, "iptables", *args), check=True, capture_output=True, timeout=20)
 
 
-OPEN = (
-    "open (transport probe): NIXL 1.5.1 / UCX keep a WRITE queued on an endpoint whose connection "
-    "was not up yet after its handle is released and its agent removed, and send it in full once "
-    "a connection comes up; D's fence cannot shut a connection that does not exist yet. The "
-    "protocol no longer posts on such a connection (P waits for a grant issued since it loaded "
-    "D's agent: tests/test_probe_grant_after_load.py). Since NixlTransport.fence_peer refuses "
-    "the fenced peer's connection requests (tcp_fence.refuse) both cases passed (one run each); "
-    "kept non-strict until more runs show it, and because D's reload of P lifts the refusal"
-)
-
-
 @pytest.mark.parametrize(
     "err_mode",
     [
-        # landed in every run here (5 of 5) but it is a matter of timing: not strict, so that a
-        # lucky run does not fail the suite
-        pytest.param("none", id="error-mode-none", marks=pytest.mark.xfail(strict=False, reason=OPEN)),
-        # landed in most runs, not all
-        pytest.param("peer", id="error-mode-peer", marks=pytest.mark.xfail(strict=False, reason=OPEN)),
+        # before the refusal, landed in every run (5 of 5)
+        pytest.param("none", id="error-mode-none"),
+        # before the refusal, landed in most runs
+        pytest.param("peer", id="error-mode-peer"),
     ],
 )
 def test_a_write_queued_behind_a_connect_during_a_partition_never_lands_after_the_fence(
