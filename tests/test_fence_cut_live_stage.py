@@ -83,6 +83,22 @@ def _reg(grant: float) -> bytes:
     )
 
 
+def _hello_reg(incarnation: str) -> PushRegistration:
+    """The registration coordinates a HELLO of D's rank 0 (in ``incarnation``) carries."""
+    return PushRegistration(
+        request_id="(hello)",
+        match_key="(none)",
+        decode_engine_id="D",
+        decode_host="d.example",
+        decode_port=5700,
+        decode_tp_size=1,
+        block_ids=(),
+        remote_engine_id="(any)",
+        decode_incarnation=incarnation,
+        fresh_s=1.0,
+    )
+
+
 def _loaded_with_r1() -> PrefillCore:
     """P with D's rank loaded and r1's registration held (its prefill not finished)."""
     p = _p()
@@ -154,18 +170,7 @@ def test_p_asks_for_a_cut_registration_at_the_next_heartbeat_naming_its_key() ->
     again (``DecodeCore._renew``)."""
     p = _loaded_with_r1()  # r1 registered, its prefill not finished
     p.unreachable(D_AGENT, "NIXL_ERR_REMOTE_DISCONNECT", 0.3)
-    hello = PushRegistration(
-        request_id="(hello)",
-        match_key="(none)",
-        decode_engine_id="D",
-        decode_host="d.example",
-        decode_port=5700,
-        decode_tp_size=1,
-        block_ids=(),
-        remote_engine_id="(any)",
-        decode_incarnation="d1",
-        fresh_s=1.0,
-    )
+    hello = _hello_reg("d1")
     out = p.notification(D_AGENT, _note(wire.encode_hello(hello, 0)), 0.4)
     assert [a for a in out if isinstance(a, Connect)], out
     p.connected("D", 0, D_AGENT, "d1", 1, "", 0.4)  # D's rank loaded again
@@ -183,18 +188,7 @@ def test_a_cut_registration_of_a_d_rank_that_then_restarted_fails_at_once() -> N
     p = _loaded_with_r1()
     p.finished("k1", "p-k1", ((0,),), "D", 2.0)  # stale grant: waits for a fresh one
     p.unreachable(D_AGENT, "NIXL_ERR_REMOTE_DISCONNECT", 2.1)
-    hello = PushRegistration(
-        request_id="(hello)",
-        match_key="(none)",
-        decode_engine_id="D",
-        decode_host="d.example",
-        decode_port=5700,
-        decode_tp_size=1,
-        block_ids=(),
-        remote_engine_id="(any)",
-        decode_incarnation="d2",  # the new start
-        fresh_s=1.0,
-    )
+    hello = _hello_reg("d2")  # the new start
     out = p.notification(D_AGENT, _note(wire.encode_hello(hello, 0)), 2.2)
     out += p.connected("D", 0, D_AGENT, "d2", 1, "", 2.2) if any(isinstance(a, Connect) for a in out) else []
     reports = [a for a in out if isinstance(a, Report)]
