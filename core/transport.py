@@ -43,6 +43,9 @@ class TransportCounters:
     notifs_sent: int = 0
     notifs_received: int = 0
     handles_released: int = 0
+    fences_unconfirmable: int = 0
+    """Fences that can never be confirmed (NIXL: the peer's UCX connection requests could not
+    be refused); the blocks waiting on them stay held."""
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)

@@ -204,6 +204,7 @@ def test_write_lands_bytes_and_notifies_the_peer(local: tuple[Transport, Any], p
         "notifs_sent": 0,
         "notifs_received": 1,
         "handles_released": 1,
+        "fences_unconfirmable": 0,
     }
     peer_counters = peer.call("counters")
     assert peer_counters["notifs_received"] == 1

@@ -35,6 +35,8 @@ pytest.importorskip("nixl._api")
 
 BLOCKS = 64
 FILL = 0xAB
+IPV6 = {"ucx_tls": "tcp", "ucx_env": {"UCX_TCP_AF_PRIO": "inet6"}}
+"""UCX over TCP on IPv6 interfaces only (its listeners and connections; an IPv6-only host)."""
 
 
 def P(name: str, options: dict[str, Any]) -> Agent:
@@ -122,7 +124,7 @@ def _busy_cpus(count: int) -> Iterator[None]:
     [0, 2],
     ids=["idle", "two-busy-cores"],
 )
-@pytest.mark.parametrize("options", [{"ucx_tls": "tcp"}], ids=["tcp"])
+@pytest.mark.parametrize("options", [{"ucx_tls": "tcp"}, IPV6], ids=["tcp", "tcp-ipv6"])
 def test_a_connection_p_opened_before_the_fence_but_not_yet_accepted_is_fenced_too(
     options: dict[str, Any], busy: int
 ) -> None:
@@ -242,6 +244,50 @@ def test_a_connection_d_reopens_to_p_after_the_fence_is_fenced_too() -> None:
         p.stop()
 
 
+@pytest.mark.parametrize("options", [{"ucx_tls": "tcp"}, IPV6], ids=["tcp", "tcp-ipv6"])
+def test_a_peer_stalled_through_the_fence_cannot_reconnect_after_it(options: dict[str, Any]) -> None:
+    """P loads D and WRITEs at once (its connection request waits in D's socket: D has not
+    progressed), then stalls (stopped) while D fences it and the fence is confirmed. When P
+    runs again its UCX finds the connection shut and opens a new one by itself; only the
+    listener refusal keeps D's UCX from accepting it and P from sending its queued WRITE into
+    blocks D has released. The refusal covered IPv4 listeners only, and a fence whose refusal
+    failed was confirmed anyway: over IPv6 the WRITE landed after the confirmation."""
+    from kvpush.transports.nixl import NixlTransport
+
+    suffix = os.urandom(3).hex()
+    d = NixlTransport(TransportConfig(agent_name=f"fx-D-{suffix}", options=options))
+    buf = torch.zeros(BLOCK * BLOCKS, dtype=torch.uint8)
+    d.register_buffer(buf.data_ptr(), buf.numel(), "DRAM", 0)
+    p = P(f"fx-P-{suffix}", options)
+    try:
+        name = d.load_peer(p.blob)
+        p.call("load", d.metadata())
+        p.call("write", d.agent_name, buf.data_ptr(), BLOCKS, b"big")
+        time.sleep(0.5)
+        notes: list[tuple[str, bytes]] = []
+        os.kill(p.process.pid, signal.SIGSTOP)
+        try:
+            d.fence_peer(name)
+            deadline = time.monotonic() + WAIT_S
+            while not d.fenced(name):
+                assert time.monotonic() < deadline, "the fence was never confirmed"
+                notes += d.drain_notifs()
+                time.sleep(0.001)
+            at_fence = _landed(buf)
+        finally:
+            os.kill(p.process.pid, signal.SIGCONT)
+        notes += _progress(d, 3.0)
+        after = _landed(buf)
+        states = p.call("states")
+        assert after == at_fence, (
+            f"{after - at_fence} bytes of P landed after the fence was confirmed "
+            f"({at_fence} before; P's WRITE states {states}; notifications {[m for _, m in notes]})"
+        )
+    finally:
+        d.close()
+        p.stop()
+
+
 def test_fence_peer_refuses_the_peers_connections_until_it_is_loaded_again() -> None:
     """``fence_peer`` makes this agent's UCX listeners refuse the peer's connection requests
     before it shuts anything (shutting one the peer's UCX is still setting up makes it open a
@@ -340,7 +386,7 @@ def test_a_refused_peers_connection_requests_never_arrive_and_admit_lifts_it() -
 
     try:
         assert tcp_fence.conn_req_source(_conn_req(*refused)) == refused
-        assert tcp_fence.refuse([refused, ("::1", 7)], own), "the IPv4 address is refused"
+        assert tcp_fence.refuse([refused], own)
         assert tcp_fence.refused(own) == {refused}
         assert arrives(_conn_req(*refused)) is None
         assert arrives(_conn_req("127.0.0.1", 4445)) == _conn_req("127.0.0.1", 4445)
@@ -370,7 +416,122 @@ def test_a_refused_peers_connection_requests_never_arrive_and_admit_lifts_it() -
         listener.close()
 
 
-@pytest.mark.parametrize("options", [{"ucx_tls": "tcp"}], ids=["tcp"])
+def _conn_req6(host: str, port: int, length: int = tcp_fence.CONN_REQ_LEN_V6) -> bytes:
+    """The same request from an IPv6 interface (layout: tcp_fence.CONN_REQ_LEN_V6)."""
+    out = bytearray(length)
+    out[0:8] = tcp_fence.UCX_MAGIC.to_bytes(8, "little")
+    out[8] = 32
+    out[9:13] = (length - 13).to_bytes(4, "little")
+    out[13] = 1
+    out[26:28] = socket.AF_INET6.to_bytes(2, "little")
+    out[28:30] = port.to_bytes(2, "big")
+    if length >= 50:
+        out[34:50] = socket.inet_pton(socket.AF_INET6, host)
+    return bytes(out)
+
+
+def test_an_ipv6_listener_refuses_requests_naming_a_refused_ipv6_or_wildcard_listener() -> None:
+    """The filter reads the request's address family: an IPv6 request naming a refused IPv6
+    listener (or any host at a refused wildcard's port) is dropped; one naming another address
+    or port, an IPv4 request naming the same port, a request cut short and other bytes pass."""
+    listener = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    own = [listener.getsockname()[:2]]
+    refused, wildcard = ("fd00::7", 4444), ("::", 6666)
+
+    def arrives(payload: bytes) -> bytes | None:
+        with socket.create_connection(own[0]) as client:
+            server, _ = listener.accept()
+            with server:
+                client.sendall(payload)
+                server.settimeout(1.0)  # a request refused is dropped: nothing ever arrives
+                try:
+                    return server.recv(1 << 16)
+                except TimeoutError:
+                    return None
+
+    try:
+        assert tcp_fence.conn_req_source(_conn_req6(*refused)) == refused
+        assert tcp_fence.refuse([refused, wildcard, ("192.0.2.9", 5555)], own)
+        assert arrives(_conn_req6(*refused)) is None
+        assert arrives(_conn_req6("fd00::8", 6666)) is None, "the wildcard's port, any host"
+        for passes in (
+            _conn_req6("fd00::7", 4445),
+            _conn_req6("fd00::8", 4444),
+            _conn_req6("fd00::7", 4444, length=tcp_fence.CONN_REQ_LEN),
+            _conn_req("127.0.0.1", 4444),
+            b"plain bytes",
+        ):
+            assert arrives(passes) == passes
+        assert arrives(_conn_req("192.0.2.9", 5555)) is None
+        tcp_fence.admit([refused, wildcard], own)
+        assert arrives(_conn_req6(*refused)) == _conn_req6(*refused)
+    finally:
+        tcp_fence.admit([("192.0.2.9", 5555)], own)
+        listener.close()
+
+
+def _fill_filters(own: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Refuse as many IPv6 addresses on ``own`` as its filters hold (the kernel's limits:
+    ``BPF_MAXINSNS`` instructions, the socket's option memory); returns them, refused."""
+    low, high = 0, tcp_fence.MAX_REFUSED
+    addresses = [(f"fd00::{i + 1:x}", 1000 + i) for i in range(high)]
+    while low < high:
+        middle = (low + high + 1) // 2
+        fits = tcp_fence.refuse(addresses[:middle], own)
+        tcp_fence.admit(addresses[:middle], own)
+        time.sleep(0.05)  # the kernel frees a replaced filter's memory after an RCU grace period
+        low, high = (middle, high) if fits else (low, middle - 1)
+    assert low > 0 and tcp_fence.refuse(addresses[:low], own)
+    return addresses[:low]
+
+
+def test_a_refusal_the_filter_cannot_hold_is_reported() -> None:
+    """A listener's filter is bounded (``MAX_REFUSED`` addresses, ``BPF_MAXINSNS`` instructions,
+    the socket's option memory: here ~300 IPv6 addresses): an address past that is not refused
+    and ``refuse`` says so (attaching it raised ENOMEM before); so is a listener that is not an
+    IP address."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    own = [listener.getsockname()]
+    fits = _fill_filters(own)
+    try:
+        assert tcp_fence.refuse(fits, own)
+        assert not tcp_fence.refuse([("fd01::1", 7)], own), "one more does not fit"
+        assert ("fd01::1", 7) not in tcp_fence.refused(own)
+        assert not tcp_fence.refuse([("p.example", 7), ("fd00::1", 1000)], own), "a host name"
+    finally:
+        tcp_fence.admit(fits, own)
+        listener.close()
+
+
+def test_a_fence_whose_refusal_failed_is_never_confirmed() -> None:
+    """Without the refusal a peer stalled through the fence reconnects and sends its queued
+    WRITE after the confirmation (``test_a_peer_stalled_through_the_fence_cannot_reconnect_after_it``
+    over IPv6 before the filter read IPv6): a fence whose refusal failed (here: the listener's
+    filter full) is never confirmed, so the blocks waiting on it stay held. The same for a peer
+    that published no listeners."""
+    from kvpush.transports.framing import frame, unframe
+    from kvpush.transports.nixl import MAGIC, NixlTransport
+
+    local = NixlTransport(TransportConfig(agent_name="fx-unrefusable-local", options={"ucx_tls": "tcp"}))
+    other = NixlTransport(TransportConfig(agent_name="fx-unrefusable-peer", options={"ucx_tls": "tcp"}))
+    fill = _fill_filters(local._tcp_listeners)
+    try:
+        inner, _ = unframe(MAGIC, other.metadata(), "nixl")
+        full = local.load_peer(frame(MAGIC, {"tcp_listeners": [["10.0.0.1", 1111]]}, inner))
+        local.fence_peer(full)
+        silent = local.load_peer(frame(MAGIC, {}, inner))
+        assert silent == full
+        local.fence_peer(silent)
+        assert local.counters.fences_unconfirmable == 2
+        _progress(local, 1.0)
+        assert not local.fenced(full), "confirmed although its connection requests are not refused"
+    finally:
+        tcp_fence.admit(fill, local._tcp_listeners)
+        local.close()
+        other.close()
+
+
+@pytest.mark.parametrize("options", [{"ucx_tls": "tcp"}, IPV6], ids=["tcp", "tcp-ipv6"])
 def test_ucx_connection_requests_name_the_peers_published_listener(options: dict[str, Any]) -> None:
     """The refusal rests on the layout of UCX's connection request (``tcp_fence.CONN_REQ_LEN``):
     the first bytes P's UCX sends on a connection into D's listener name P's published listener.
@@ -395,7 +556,8 @@ def test_ucx_connection_requests_name_the_peers_published_listener(options: dict
             for row in tcp_fence.peer_sockets(listeners, d._tcp_listeners, inbound_only=True):
                 if row.rx_queue >= tcp_fence.CONN_REQ_LEN and row.inode in mine:
                     with socket.socket(fileno=os.dup(mine[row.inode])) as sock:
-                        source = tcp_fence.conn_req_source(sock.recv(tcp_fence.CONN_REQ_LEN, socket.MSG_PEEK))
+                        head = sock.recv(tcp_fence.CONN_REQ_LEN_V6, socket.MSG_PEEK)
+                        source = tcp_fence.conn_req_source(head)
                     assert source in listeners, f"a connection request naming {source}, not {listeners}"
                     named.add(source)
             time.sleep(0.01)

@@ -366,16 +366,29 @@ class NixlTransport:
         """Remove ``peer`` and shut down every TCP connection that can carry its data here."""
         self.remove_peer(peer)
         inodes: list[int] = []
+        refusal_failed = False
         if tcp_fence.supported():
             listeners = self._peer_listeners.get(peer)
-            if listeners is None:
+            if listeners is None and self._tcp_listeners:
                 # A peer that published no listeners (an older release): its connections cannot
-                # be told apart, so every connection into ours is shut (safe; others reconnect).
-                logger.warning(
-                    "fencing %s: it published no UCX TCP listeners; shutting every inbound one", peer
+                # be told apart, so every connection into ours is shut (others reconnect), and
+                # its connection requests cannot be refused.
+                refusal_failed = True
+            elif listeners and self._tcp_listeners:
+                refusal_failed = not tcp_fence.refuse(listeners, self._tcp_listeners)
+            if refusal_failed:
+                # The peer's UCX reconnects by itself once its connection is shut, and sends what
+                # it queued on the new one: without the refusal nothing stops that, however
+                # long after the shut sockets drained. The fence is never confirmed.
+                logger.error(
+                    "fencing %s: its UCX connection requests cannot be refused (published "
+                    "listeners %s, ours %s); the fence will not be confirmed and the blocks "
+                    "waiting on it stay held",
+                    peer,
+                    listeners,
+                    self._tcp_listeners,
                 )
-            if listeners and not tcp_fence.refuse(listeners, self._tcp_listeners):
-                logger.warning("fencing %s: its new connections could not be refused", peer)
+                self.counters.fences_unconfirmable += 1
             found = tcp_fence.peer_sockets(listeners, self._tcp_listeners)
             inodes = tcp_fence.shut_down(s.inode for s in found)
             if inodes:
@@ -385,7 +398,7 @@ class NixlTransport:
                     len(inodes),
                     [f"{s.local[1]}->{s.remote[0]}:{s.remote[1]}" for s in found],
                 )
-        self._fences[peer] = _Fence(inodes, self._drains, time.monotonic())
+        self._fences[peer] = _Fence(inodes, self._drains, time.monotonic(), refusal_failed)
 
     def fenced(self, peer: str) -> bool:
         """True once nothing ``peer`` sent before its latest :meth:`fence_peer` can still be
@@ -412,6 +425,8 @@ class NixlTransport:
             return peer not in self._peers
         if entry.confirmed:
             return True
+        if entry.refusal_failed:
+            return False
         if self._drains <= entry.drains:
             return False
         if tcp_fence.supported():
@@ -563,15 +578,17 @@ class NixlTransport:
 
 class _Fence:
     """A peer's latest fence: the sockets it shut, UCX's drain count when it last shut any, when
-    it last shut them, and whether it was confirmed (then it stays so)."""
+    it last shut them, whether it was confirmed (then it stays so), and whether the peer's
+    connection requests could not be refused (then it is never confirmed)."""
 
-    __slots__ = ("confirmed", "drains", "inodes", "when")
+    __slots__ = ("confirmed", "drains", "inodes", "refusal_failed", "when")
 
-    def __init__(self, inodes: list[int], drains: int, when: float) -> None:
+    def __init__(self, inodes: list[int], drains: int, when: float, refusal_failed: bool = False) -> None:
         self.inodes = inodes
         self.drains = drains
         self.when = when
         self.confirmed = False
+        self.refusal_failed = refusal_failed
 
 
 def _listeners(info: dict[str, Any] | None) -> list[tuple[str, int]] | None:

@@ -265,18 +265,32 @@ def _unread(fd: int, inode: int) -> int:
 UCX_MAGIC = 0xCAFEBABE12345678
 """First 8 bytes (little-endian) a UCX TCP endpoint sends on a connection it opened."""
 CONN_REQ_LEN = 42
-"""A UCX 1.23 connection request: magic (8), AM header (id 32 at 8, length 29 at 9), event at 13
-(bit 0: request), flags, connection id, then the sender's interface ``sockaddr_in`` at 26 (family
-2 in host order, the port and IPv4 address in network order): the address it listens on, which
-it publishes. Checked against a real UCX by ``tests/test_probe_transport_fence.py``."""
+"""A UCX 1.23 connection request from an IPv4 interface: magic (8), AM header (id 32 at 8, its
+length as 4 bytes at 9), event at 13 (bit 0: request), flags, connection id, then the sender's
+interface ``sockaddr_in`` at 26 (family 2 in host order, the port and IPv4 address in network
+order): the address it listens on, which it publishes. Checked against a real UCX by
+``tests/test_probe_transport_fence.py``."""
+CONN_REQ_LEN_V6 = 54
+"""The same request from an IPv6 interface (UCX picks IPv6 on a host without IPv4 addresses, or
+with ``UCX_TCP_AF_PRIO=inet6``): a ``sockaddr_in6`` at 26 (family 10 in host order, the port in
+network order at 28, flow info, the 16-byte address at 34, scope id)."""
 _AM_ID_CM, _EVENT_AT, _ADDR_AT = 32, 13, 26
+_PORT_AT, _V4_AT, _V6_AT = 28, 30, 34
+BPF_MAXINSNS = 4096
+"""The longest classic BPF program the kernel takes."""
 MAX_REFUSED = 700
-"""Addresses one listener can refuse (five filter instructions each; the kernel takes 4096)."""
+"""Addresses one listener can refuse (an IPv4 one takes five filter instructions, an IPv6 one
+eleven; a program longer than :data:`BPF_MAXINSNS` is not attached: the refusal fails)."""
 SO_ATTACH_FILTER, SO_DETACH_FILTER = 26, 27
 
 _refusals: dict[int, set[tuple[str, int]]] = {}
 """Listener inode -> the peer addresses its filter refuses."""
 _refusals_lock = threading.Lock()
+
+
+def _family_code(family: int) -> int:
+    """A ``sa_family`` as the filter's big-endian halfword load reads it (stored in host order)."""
+    return int.from_bytes(family.to_bytes(2, "little"), "big")
 
 
 def conn_req_source(payload: bytes) -> tuple[str, int] | None:
@@ -287,29 +301,36 @@ def conn_req_source(payload: bytes) -> tuple[str, int] | None:
     if payload[8] != _AM_ID_CM or not payload[_EVENT_AT] & 1:
         return None
     family = int.from_bytes(payload[_ADDR_AT : _ADDR_AT + 2], "little")
-    if family != socket.AF_INET:
-        return None
-    port = int.from_bytes(payload[_ADDR_AT + 2 : _ADDR_AT + 4], "big")
-    return str(ipaddress.IPv4Address(payload[_ADDR_AT + 4 : _ADDR_AT + 8])), port
+    port = int.from_bytes(payload[_PORT_AT : _PORT_AT + 2], "big")
+    if family == socket.AF_INET:
+        return str(ipaddress.IPv4Address(payload[_V4_AT : _V4_AT + 4])), port
+    if family == socket.AF_INET6 and len(payload) >= CONN_REQ_LEN_V6:
+        return str(ipaddress.IPv6Address(payload[_V6_AT : _V6_AT + 16])), port
+    return None
 
 
-def _program(refused: Iterable[tuple[str, int]]) -> list[tuple[int, int, int, int]]:
+Instruction = tuple[int, int, int, int]
+
+
+def _program(refused: Iterable[tuple[str, int]]) -> list[Instruction]:
     """A classic BPF socket filter (run by the kernel on every TCP segment, ``skb->data`` at the
     TCP header) that drops a segment whose payload is a UCX connection request naming one of
-    ``refused`` and keeps every other segment whole."""
+    ``refused`` (IPv4 or IPv6 listeners; a wildcard host matches the port in both families) and
+    keeps every other segment whole."""
     keep, drop = (0x06, 0, 0, 0xFFFFFFFF), (0x06, 0, 0, 0)
 
-    def must_equal(load: tuple[int, int, int, int], value: int) -> list[tuple[int, int, int, int]]:
+    def must_equal(load: Instruction, value: int) -> list[Instruction]:
         return [load, (0x15, 1, 0, value), keep]  # jeq value: skip the keep, else keep
 
-    ldb_ind, ldh_ind, ld_ind = 0x50, 0x48, 0x40
-    prog = [
+    ldb_ind, ldh_ind, ld_ind, ld_mem, st_mem, ja = 0x50, 0x48, 0x40, 0x60, 0x02, 0x05
+    prog: list[Instruction] = [
         (0x30, 0, 0, 12),  # ldb [12]: TCP data offset (high nibble)
         (0x54, 0, 0, 0xF0),  # and #0xf0
         (0x74, 0, 0, 2),  # rsh #2: header length in bytes
         (0x07, 0, 0, 0),  # tax
         (0x80, 0, 0, 0),  # ld len
         (0x1C, 0, 0, 0),  # sub x: payload length
+        (st_mem, 0, 0, 0),  # st M[0]: kept for the IPv6 length check
         (0x35, 1, 0, CONN_REQ_LEN),  # jge #CONN_REQ_LEN: skip the keep
         keep,
     ]
@@ -318,16 +339,36 @@ def _program(refused: Iterable[tuple[str, int]]) -> list[tuple[int, int, int, in
     prog += must_equal((ld_ind, 0, 0, 4), int.from_bytes(magic[4:], "big"))
     prog += must_equal((ldb_ind, 0, 0, 8), _AM_ID_CM)
     prog += [(ldb_ind, 0, 0, _EVENT_AT), (0x45, 1, 0, 1), keep]  # jset #1: a request
-    prog += must_equal((ldh_ind, 0, 0, _ADDR_AT), int.from_bytes(socket.AF_INET.to_bytes(2, "little"), "big"))
+
+    v4: list[Instruction] = []
+    v6: list[Instruction] = [(ld_mem, 0, 0, 0), (0x35, 1, 0, CONN_REQ_LEN_V6), keep]
     for host, port in sorted(refused):
-        prog.append((ldh_ind, 0, 0, _ADDR_AT + 2))
+        port_is = (ldh_ind, 0, 0, _PORT_AT)
         if host in WILDCARDS:
-            prog += [(0x15, 0, 1, port), drop]  # jeq port: drop, else skip it
+            v4 += [port_is, (0x15, 0, 1, port), drop]  # jeq port: drop, else skip it
+            v6 += [port_is, (0x15, 0, 1, port), drop]
+            continue
+        address = ipaddress.ip_address(host)
+        if address.version == 4:
+            v4 += [port_is, (0x15, 0, 3, port), (ld_ind, 0, 0, _V4_AT), (0x15, 0, 1, int(address)), drop]
         else:
-            ip = int(ipaddress.IPv4Address(host))
-            prog += [(0x15, 0, 3, port), (ld_ind, 0, 0, _ADDR_AT + 4), (0x15, 0, 1, ip), drop]
-    prog.append(keep)
-    return prog
+            words = [int.from_bytes(address.packed[i : i + 4], "big") for i in range(0, 16, 4)]
+            v6 += [port_is, (0x15, 0, 9, port)]  # each word's jeq skips to past the drop
+            for i, word in enumerate(words):
+                v6 += [(ld_ind, 0, 0, _V6_AT + 4 * i), (0x15, 0, 7 - 2 * i, word)]
+            v6.append(drop)
+    v4.append(keep)
+    v6.append(keep)
+    # the address family: jump to its section (``ja`` reaches past 255 instructions; jeq cannot)
+    prog += [
+        (ldh_ind, 0, 0, _ADDR_AT),
+        (0x15, 0, 1, _family_code(socket.AF_INET)),
+        (ja, 0, 0, 3),  # to v4
+        (0x15, 0, 1, _family_code(socket.AF_INET6)),
+        (ja, 0, 0, 1 + len(v4)),  # to v6
+        keep,
+    ]
+    return prog + v4 + v6
 
 
 def _attach(fd: int, inode: int, prog: list[tuple[int, int, int, int]] | None) -> bool:
@@ -349,7 +390,10 @@ def _attach(fd: int, inode: int, prog: list[tuple[int, int, int, int]] | None) -
             code = b"".join(struct.pack("HBBI", *ins) for ins in prog)
             buf = ctypes.create_string_buffer(code, len(code))
             fprog = struct.pack("HL", len(prog), ctypes.addressof(buf))
-            sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+            except OSError:  # ENOMEM: past the socket's option memory (net.core.optmem_max)
+                return False
             return True
     finally:
         if dup >= 0:
@@ -369,13 +413,18 @@ def _own_listener_sockets(
     ]
 
 
-def _refusable(peer_listeners: Iterable[tuple[str, int]] | None) -> set[tuple[str, int]]:
-    out = set()
+def _refusable(peer_listeners: Iterable[tuple[str, int]] | None) -> tuple[set[tuple[str, int]], bool]:
+    """The peer's listener addresses a filter can name, and whether that is all of them."""
+    out, whole = set(), True
     for host, port in peer_listeners or ():
-        with contextlib.suppress(ValueError):
-            if host in WILDCARDS or ipaddress.ip_address(host).version == 4:
-                out.add((host, port))
-    return out
+        try:
+            if host not in WILDCARDS:
+                ipaddress.ip_address(host)
+        except ValueError:
+            whole = False
+            continue
+        out.add((host, port))
+    return out, whole
 
 
 def _update(own_listeners: Iterable[tuple[str, int]], change: Any, *, accepted: bool = False) -> list[int]:
@@ -389,10 +438,16 @@ def _update(own_listeners: Iterable[tuple[str, int]], change: Any, *, accepted: 
         for inode in [i for i in _refusals if i not in mine]:
             del _refusals[inode]  # a listener closed since
         for inode, fd, address in held:
-            refused = change(set(_refusals.get(inode, ())))
+            before = _refusals.get(inode, set())
+            refused = change(set(before))
+            if refused == before and not accepted:
+                done.append(inode)  # its filter already says so
+                continue
             if len(refused) > MAX_REFUSED:
                 continue
             program = _program(refused) if refused else None
+            if program is not None and len(program) > BPF_MAXINSNS:
+                continue
             if not _attach(fd, inode, program):
                 continue
             if refused:
@@ -413,16 +468,18 @@ def refuse(
     """From now on, the kernel drops every UCX connection request naming one of
     ``peer_listeners`` that reaches one of this process's ``own_listeners``, on connections
     accepted after this call (an earlier one must be shut down): the peer's UCX cannot set up a
-    connection here, so nothing it queued can be sent here. True if every listener refuses them
-    (False: a peer that published no IPv4 listener, a listener already refusing
-    :data:`MAX_REFUSED` addresses)."""
-    peer = _refusable(peer_listeners)
+    connection here, so nothing it queued can be sent here. True only if every listener refuses
+    every one of them (False: a peer that published no listener or one that is not an IP
+    address, no listener of ours found, a filter grown past :data:`MAX_REFUSED` addresses or
+    :data:`BPF_MAXINSNS` instructions): a fence must not rely on a refusal that returned False."""
+    peer, whole = _refusable(peer_listeners)
     own = list(own_listeners)
     if not peer or not own:
         return False
     held = _update(own, lambda refused: refused | peer)
     return (
-        bool(held)
+        whole
+        and bool(held)
         and len(held) == len(_own_listener_sockets(own))
         and all(peer <= _refusals.get(inode, set()) for inode in held)
     )
@@ -433,7 +490,7 @@ def admit(peer_listeners: Iterable[tuple[str, int]] | None, own_listeners: Itera
     again), on the listeners and on the connections they accepted meanwhile: the peer's UCX may
     still be retransmitting a refused connection request on one of those (its endpoint waits
     for the acknowledgement), and that endpoint is the one its new traffic uses."""
-    peer = _refusable(peer_listeners)
+    peer, _ = _refusable(peer_listeners)
     if peer:
         _update(list(own_listeners), lambda refused: refused - peer, accepted=True)
 
