@@ -34,6 +34,7 @@ The rules it keeps (docs/reliability.md):
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -148,6 +149,8 @@ class _Producer:
     waiting: list[str] = attrs.field(factory=list)
     """Requests waiting for the engine to be ready."""
     hello_pending: set[str] = attrs.field(factory=set)
+    hello_id: int = 0
+    """The id of the HELLO attempt running (or last made): a refusal echoing another is late."""
     stamps: dict[str, float] = attrs.field(factory=dict)
     """Newest stamp per P agent (P's clock, opaque here): echoed back as the grant."""
     stamped: dict[str, float] = attrs.field(factory=dict)
@@ -308,6 +311,10 @@ class DecodeCore:
         self._warned = RateLimit(per_s=10)
         self._fences: dict[int, _Fence] = {}
         self._fence_seq = 0
+        self._hello_seq = _hello_seed(settings.incarnation)
+        """The id of the newest HELLO attempt (to any engine): each attempt's HELLOs carry it.
+        It starts from this start's incarnation, so a refusal of a HELLO an earlier process
+        under the same agent name sent does not echo a current id."""
         self._seq = 0
         """Counts stamps and ends: orders "a stamp arrived" against "a key ended" here."""
         self._unanswered: OrderedDict[tuple[str, str], dict[str, tuple[str, str, bytes]]] = OrderedDict()
@@ -340,6 +347,7 @@ class DecodeCore:
             "exited_producers": 0,
             "reregistered": 0,
             "reregistrations_refused": 0,
+            "late_refusals": 0,
         }
 
     # ------------------------------------------------------------------ queries
@@ -601,6 +609,8 @@ class DecodeCore:
             self._agent_engine[agent] = engine_id
         engine.state = _EngineState.HELLO
         engine.hello_pending = set(info.agents.values())
+        self._hello_seq += 1
+        engine.hello_id = self._hello_seq
         self._timers.arm(("hello", engine_id), now + self.s.hello_timeout_s)
         return out + self._send_hellos(engine, now)
 
@@ -632,7 +642,7 @@ class DecodeCore:
         HELLO must not fail every request waiting for the engine)."""
         resend = min(self.s.heartbeat_interval_s, self.s.hello_timeout_s / 4)
         self._timers.arm(("hello_resend", engine.engine_id), now + resend)
-        hello = wire.encode_hello(self._coordinates(""), self.s.tp_rank)
+        hello = wire.encode_hello(self._coordinates(""), self.s.tp_rank, hello_id=engine.hello_id)
         return [Send(agent, hello) for agent in sorted(engine.hello_pending)]
 
     def _probe_unanswered(self, engine: _Producer) -> list[Any]:
@@ -1938,10 +1948,13 @@ class DecodeCore:
         """A producer answered this rank's HELLO with FAIL: it refused this rank's handshake
         metadata (the reason names the cause and the fix). Accepted only from a producer
         agent of the engine this rank is handshaking with, for its own rank, while its HELLO is
-        unanswered. The engine fails like any other (:meth:`_engine_failed`): requests that sent
-        no PUSH_REG end at once (nothing was registered, so nothing can be written), registered
-        ones (a reconnect) go through the quarantine as usual, since the refusal settles
-        nothing; the next handshake waits for the backoff."""
+        unanswered, and only when it echoes that HELLO (or, from a P of an earlier release, names
+        none): a refusal of an earlier HELLO, held in the network past an outage, is dropped
+        and counted (``late_refusals``). The engine fails like any other
+        (:meth:`_engine_failed`): requests that sent no PUSH_REG end at once (nothing was
+        registered, so nothing can be written), registered ones (a reconnect) go through the
+        quarantine as usual, since the refusal settles nothing; the next handshake waits for
+        the backoff."""
         info = engine.info if engine is not None else None
         if (
             engine is None
@@ -1952,6 +1965,16 @@ class DecodeCore:
             or info.agents.get(note.producer) != agent
         ):
             self._reject(agent, note, "a refusal of a handshake this rank is not running with that agent")
+            return []
+        if note.hello_id is not None and note.hello_id != engine.hello_id:
+            self.stats["late_refusals"] += 1
+            logger.debug(
+                "dropped %s's refusal of HELLO %d from %s: this rank's HELLO now is %d",
+                engine.engine_id,
+                note.hello_id,
+                agent,
+                engine.hello_id,
+            )
             return []
         engine.dead = {}  # a refusal is no dead process: the backoff grows as for any failure
         out = self._engine_failed(engine, note.reason, now)
@@ -2267,6 +2290,13 @@ class DecodeCore:
             block_start=receive.meta.block_start if receive is not None else None,
             num_tokens=receive.meta.num_tokens if receive is not None else None,
         )
+
+
+def _hello_seed(incarnation: str) -> int:
+    """Where a start's HELLO ids begin: 48 bits of a hash of its incarnation, times 4096, so
+    two starts under one agent name count their attempts in different ranges (below 2**63)."""
+    digest = hashlib.blake2b(incarnation.encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "big") << 12
 
 
 def _needs_agents(receive: _Receive) -> bool:

@@ -27,7 +27,9 @@ Direction and meaning (docs/reliability.md):
   grant for, and the keys it no longer holds (``failed``); since 2.4 optionally ``fs``, those of
   them no WRITE of which ended unsettled (absent: not stated, D fences before it releases).
 - ``HELLO`` D → P: sent once after D's notif-only handshake; P answers with an ``HB`` stamp,
-  which proves the notification path works both ways before any request depends on it.
+  which proves the notification path works both ways before any request depends on it. Since
+  2.6 optionally ``h``, the id of that HELLO attempt (resends of it carry the same id; a
+  later attempt a larger one, within one D incarnation); absent: not stated.
 - ``DONE`` / ``FAIL`` P → D: one producer ``(pp, tp)`` (and its TP size) finished or failed a
   request; a packed DONE carries the manifest D scatters from.
 - ``CANCEL`` D → P and ``CANCEL_ACK`` P → D: see docs/reliability.md, "Cancel".
@@ -35,6 +37,11 @@ Direction and meaning (docs/reliability.md):
   worker's incarnation: D counts them only for a request that registered with that incarnation
   of the agent (an old process still alive under a restarted worker's name cannot complete or
   settle the new registration; absent: not stated, the agent's name alone decides).
+- Since 2.6 a ``FAIL`` answering a HELLO (request id ``(hello)``: P refused D's handshake
+  metadata) optionally carries ``h``, the id of the HELLO it answers: D takes it only while
+  that HELLO is the one it waits on (a refusal of an earlier attempt, held in the network
+  past an outage, is dropped); absent, as from a 2.5 P or to a D that stated no id, it
+  answers whatever HELLO D waits on.
 - ``BYE`` P → D (since 2.3): a P worker closed (its producer rank and incarnation): it posts nothing more
   and every WRITE it posted to this D rank ended (``unsettled``: one ended without completing).
   Since 2.4 optionally ``done``: the D request ids whose WRITE (and so its DONE) to this D rank
@@ -63,7 +70,7 @@ from kvpush.core.types import (
 from kvpush.core.wire import MAX_PARALLEL as WIRE_MAX_PARALLEL
 from kvpush.core.wire import pack, unpack
 
-NOTIF_VERSION = (2, 5)
+NOTIF_VERSION = (2, 6)
 """(major, minor) of the notification format; only the major must match."""
 MAX_BLOCK_ID = (1 << 31) - 1
 MAX_PARALLEL = WIRE_MAX_PARALLEL
@@ -79,6 +86,8 @@ MAX_REASON = 2000
 MAX_STAGING_OFFSET = 1 << 48
 MAX_TOKENS = 1 << 40
 """Largest prompt length (tokens) a PUSH_REG may state."""
+MAX_HELLO_ID = (1 << 63) - 1
+"""Largest HELLO id (``h``) a HELLO, or the FAIL answering it, may state (ids start at 1)."""
 
 PUSH_REG_PREFIX = b"PUSH_REG:"
 DONE_PREFIX = b"DONE:"
@@ -165,11 +174,21 @@ def encode_done(
 
 
 def encode_failed(
-    request_id: str, producer: RankKey, reason: str, unsettled: bool = True, incarnation: str = ""
+    request_id: str,
+    producer: RankKey,
+    reason: str,
+    unsettled: bool = True,
+    incarnation: str = "",
+    *,
+    hello_id: int | None = None,
 ) -> bytes:
     """``unsettled``: a WRITE posted to this D rank ended without completing (bytes may follow);
-    True unless P knows otherwise. ``incarnation``: the sending P worker's (since 2.5)."""
+    True unless P knows otherwise. ``incarnation``: the sending P worker's (since 2.5).
+    ``hello_id``: for a FAIL answering a HELLO, the id that HELLO stated (since 2.6; None: it
+    stated none)."""
     body = _result(request_id, producer, incarnation, reason=reason[:MAX_REASON], unsettled=unsettled)
+    if hello_id is not None:
+        body["h"] = hello_id
     return _msg(FAIL_PREFIX, body)
 
 
@@ -230,9 +249,14 @@ def encode_heartbeat_answer(
     return _msg(HEARTBEAT_PREFIX, body)
 
 
-def encode_hello(reg: PushRegistration, decode_tp_rank: int) -> bytes:
-    """D → P after the notif-only handshake (``reg`` carries D's coordinates only)."""
-    return _msg(HELLO_PREFIX, _coordinates(reg, decode_tp_rank))
+def encode_hello(reg: PushRegistration, decode_tp_rank: int, *, hello_id: int | None = None) -> bytes:
+    """D → P after the notif-only handshake (``reg`` carries D's coordinates only).
+    ``hello_id``: the id of this HELLO attempt, echoed by P's refusal (since 2.6; None: not
+    stated)."""
+    body = _coordinates(reg, decode_tp_rank)
+    if hello_id is not None:
+        body["h"] = hello_id
+    return _msg(HELLO_PREFIX, body)
 
 
 def encode_goodbye(
@@ -279,6 +303,13 @@ def _int_field(
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise WireError(f"{what} field {name!r} must be an int in [{low}, {high}], got {str(value)[:80]!r}")
     return value
+
+
+def _hello_id(body: Mapping[str, Any], what: str) -> int | None:
+    """A HELLO's id, or the one a FAIL answering it echoes (``h``, since 2.6): None when absent."""
+    if body.get("h") is None:
+        return None
+    return _int_field(body, "h", what, low=1, high=MAX_HELLO_ID)
 
 
 def _float_field(body: Mapping[str, Any], name: str, what: str) -> float | None:
@@ -525,6 +556,7 @@ def decode_notification(message: bytes) -> Notification | None:
             registration=reg,
             producer=RankKey(0, reg.decode_tp_rank),
             incarnation=reg.decode_incarnation,
+            hello_id=_hello_id(body, what),
         )
     if kind is NotificationKind.GOODBYE:
         return Notification(
@@ -566,6 +598,7 @@ def decode_notification(message: bytes) -> Notification | None:
             reason=reason,
             unsettled=unsettled,
             incarnation=_str_field(body, "inc", what, optional=True),
+            hello_id=_hello_id(body, what),
         )
     return Notification(kind=kind, request_id=request_id, producer=producer, reason=reason)
 

@@ -210,6 +210,8 @@ class _Decode:
     """D ranks whose HELLO awaits the handshake, by the agent the HELLO came from."""
     hello_incarnations: dict[int, str] = attrs.field(factory=dict)
     """The incarnation each of those HELLOs stated."""
+    hello_ids: dict[int, int] = attrs.field(factory=dict)
+    """The id each of those HELLOs stated (since 2.6; absent: none), echoed by a refusal."""
     last_want: dict[str, float] = attrs.field(factory=dict)
     want_pending: dict[str, set[str]] = attrs.field(factory=dict)
     """Keys per D agent whose fresh grant is to be asked once the rate limit allows."""
@@ -977,8 +979,16 @@ class PrefillCore:
         if rank in engine.agents:
             self._reject(agent, note, f"D rank {rank} speaks through {engine.agents[rank]!r}")
             return []
+        # The newest HELLO of that start: within one incarnation D's ids only grow, so a
+        # delayed copy of an earlier HELLO does not replace the id a refusal echoes.
+        same_start = engine.hello_incarnations.get(rank) == reg.decode_incarnation
+        newest = engine.hello_ids.get(rank) if same_start else None
         engine.hellos[rank] = agent
         engine.hello_incarnations[rank] = reg.decode_incarnation
+        if note.hello_id is None:
+            engine.hello_ids.pop(rank, None)
+        elif newest is None or note.hello_id > newest:
+            engine.hello_ids[rank] = note.hello_id
         return self._connect(engine, rank, now, reg.decode_incarnation, hello=True)
 
     def _on_cancel(self, agent: str, note: Notification, now: float) -> list[Any]:
@@ -1236,6 +1246,7 @@ class PrefillCore:
         out += self._cut_by_another_start(engine, rank, incarnation, now)
         hello = engine.hellos.pop(rank, None)
         said = engine.hello_incarnations.pop(rank, None)
+        engine.hello_ids.pop(rank, None)
         if said is not None and said < incarnation:
             # The HELLO came from a start that sorts before the one D's side channel serves:
             # one that died (its HELLO late), not the live one. Its further messages are stale,
@@ -1292,10 +1303,13 @@ class PrefillCore:
                 out.append(Send(told, message))
 
         hello, hello_incarnation = engine.hellos.pop(rank, None), engine.hello_incarnations.pop(rank, None)
+        hello_id = engine.hello_ids.pop(rank, None)
         if told and hello == told and hello_incarnation == refusal.incarnation:  # type: ignore[union-attr]
-            out.append(
-                Send(told, wire.encode_failed(HELLO_REQUEST_ID, self.s.rank, why, False, self.s.incarnation))
+            # Echo the HELLO answered: D takes a refusal only for the HELLO it waits on.
+            message = wire.encode_failed(
+                HELLO_REQUEST_ID, self.s.rank, why, False, self.s.incarnation, hello_id=hello_id
             )
+            out.append(Send(told, message))
         owed = engine.owed.pop(rank, ())  # unanswered otherwise: those end at D's timeout
         out += [Send(a, m) for a, inc, m in owed if told and a == told and inc == refusal.incarnation]  # type: ignore[union-attr]
         for request in list(self._requests.values()):
@@ -1406,6 +1420,7 @@ class PrefillCore:
             self._remember_replaced(engine.engine_id, rank, gone)
         engine.hellos.pop(rank, None)
         engine.hello_incarnations.pop(rank, None)
+        engine.hello_ids.pop(rank, None)
         engine.owed.pop(rank, None)  # as when the whole engine is dropped
         engine.delivered.pop(rank, None)  # the old start's ids: a new start may use them again
         if agent is not None:

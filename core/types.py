@@ -658,6 +658,9 @@ class Notification:
     delivered: tuple[str, ...] = field(default=(), converter=tuple)
     """P → D goodbye: D request ids whose WRITE to this D rank completed lately; their DONE may
     arrive after the goodbye (UCX can deliver a later notification first)."""
+    hello_id: int | None = None
+    """D → P HELLO: the id of that HELLO attempt; P → D FAIL of ``(hello)``: the id of the HELLO
+    it answers (since 2.6). None: not stated (an earlier release)."""
 
 
 @frozen(kw_only=True)
