@@ -33,6 +33,20 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def may_be_this_host(host: Any) -> bool:
+    """Whether a published :func:`host_identity` may name the host this process runs on: equal,
+    or the same hostname where either side could not read its boot id (``?``: unknown is never
+    "another host")."""
+    here = host_identity()
+    if host == here:
+        return True
+    if not isinstance(host, str):
+        return False
+    name, _, boot = host.rpartition("/")
+    here_name, _, here_boot = here.rpartition("/")
+    return name == here_name and "?" in (boot, here_boot)
+
+
 def _pid_namespace() -> str:
     try:
         return os.readlink(f"{PROC}/self/ns/pid")
@@ -41,11 +55,13 @@ def _pid_namespace() -> str:
 
 
 def _stat(pid: int | str) -> tuple[str, int] | None:
-    """``(state, start time in clock ticks since boot)`` of a process or thread, None if gone."""
+    """``(state, start time in clock ticks since boot)`` of a process or thread, None if it has
+    no ``/proc`` entry; raises ``OSError`` when the entry is there but cannot be read (``/proc``
+    mounted ``hidepid=1``, another user's process: it runs)."""
     try:
         with open(f"{PROC}/{pid}/stat") as f:
             text = f.read()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
     fields = text[text.rfind(")") + 2 :].split()  # after "pid (comm) ": state is field 3
     return fields[0], int(fields[19])  # field 22: starttime
@@ -62,7 +78,10 @@ def _pid_max() -> int:
 
 def this_process() -> dict[str, Any]:
     """This process's identity: host, PID namespace, pid and start time (pids are reused)."""
-    stat = _stat("self")
+    try:
+        stat = _stat("self")
+    except OSError:
+        stat = None
     return {
         "host": host_identity(),
         "pidns": _pid_namespace(),
@@ -86,14 +105,28 @@ def has_exited(identity: Mapping[str, Any]) -> bool | None:
         return None
     if host != host_identity() or pidns != _pid_namespace() or pidns == "?" or start < 0:
         return None
-    stat = _stat(pid)
-    if stat is None or stat[1] != start:
-        return True  # gone, or the pid now belongs to a later process
+    try:
+        stat = _stat(pid)
+    except OSError:
+        return None  # an entry this process may not read (hidepid=1): it exists
+    if stat is None:
+        # No entry: gone, or hidden from this user (hidepid=2). Only the kernel tells them apart.
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return None  # EPERM: a process has that pid (maybe a later one): cannot tell
+        return None
+    if stat[1] != start:
+        return True  # the pid now belongs to a later process
     if stat[0] not in ("Z", "X"):
         return False
     # A zombie leader may still have live threads (it called pthread_exit): check them all.
     try:
         threads = os.listdir(f"{PROC}/{pid}/task")
+        return all((s := _stat(f"{pid}/task/{t}")) is None or s[0] in ("Z", "X") for t in threads)
+    except FileNotFoundError:
+        return True  # reaped meanwhile
     except OSError:
-        return True
-    return all((s := _stat(f"{pid}/task/{t}")) is None or s[0] in ("Z", "X") for t in threads)
+        return None

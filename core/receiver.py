@@ -42,7 +42,7 @@ from kvpush.core.ended_workers import ENDED_KEY
 from kvpush.core.errors import ConfigError, HandshakeError, PeerProcessExited, WaitTimeout
 from kvpush.core.notifications import MAX_ID_CHARS
 from kvpush.core.peers import PeerEngine
-from kvpush.core.process_identity import has_exited, host_identity
+from kvpush.core.process_identity import has_exited, may_be_this_host
 from kvpush.core.types import (
     AgentMetadata,
     BlockIdsLike,
@@ -565,10 +565,9 @@ class PushReceiver(RankWorker):
         say) its failed requests' blocks are held until it acknowledges or its process exited,
         never released on a fence alone."""
         agents = list(agents)
-        if bool(getattr(self.transport, "same_host_copies", True)):
-            here = host_identity()
-            if any(processes.get(agent, {}).get("host") == here for agent in agents):
-                return False
+        same_host = (may_be_this_host(processes.get(agent, {}).get("host")) for agent in agents)
+        if bool(getattr(self.transport, "same_host_copies", True)) and any(same_host):
+            return False
         if extensions.get(WRITES_ABORTABLE_KEY) is True:
             return True
         may_copy_in = getattr(self.transport, "may_copy_in", None)
@@ -614,21 +613,17 @@ class PushReceiver(RankWorker):
         loaded = self.peers.engines.get(action.engine_id)
         if loaded is not None and {r.agent for r in loaded.ranks.values()} & set(action.agents):
             self.peers.remove(action.engine_id)  # the core reconnects or forgets the engine
-        fence_peer = getattr(self.transport, "fence_peer", None)
         for agent in action.agents:
-            if fence_peer is not None:
-                fence_peer(agent)
-            else:
-                self.transport.remove_peer(agent)
+            self.transport.fence_peer(agent)  # checked at start: a decode transport has the fence
         self._fences[action.fence_id] = _PendingFence(action, time.monotonic())
 
     def _check_fences(self) -> None:
         assert self.core is not None and self.transport is not None
-        fenced = getattr(self.transport, "fenced", None)
+        fenced = self.transport.fenced  # checked at start: never a confirmation by default
         now = time.monotonic()
         for fence_id, pending in list(self._fences.items()):
             agents = pending.action.agents
-            if fenced is not None and not all(fenced(agent) for agent in agents):
+            if not all(fenced(agent) for agent in agents):
                 if now - pending.warned_at >= FENCE_WARN_S:
                     pending.warned_at = now
                     logger.warning(

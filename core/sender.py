@@ -95,6 +95,10 @@ class PushSender(RankWorker):
         self.core: PrefillCore | None = None
         self._packed: dict[Any, Any] = {}
         """Packed WRITEs in flight by transfer handle (:class:`kvpush.core.packing.PackedWrite`)."""
+        self._unabortable: dict[Any, bool] = {}
+        """Handles posted ``abortable=False`` (kernel copies) -> whether a raising poll of it was
+        logged: only the transport's own answer ends them; a ``poll`` that raises says nothing
+        about whether the copy still runs."""
         self._deferred: list[Any] = []
         self._unready: dict[str, tuple[_Finished, float]] = {}
         """Match key -> finished prefills whose ``ready`` has not turned True yet, and since when
@@ -644,10 +648,15 @@ class PushSender(RankWorker):
         self._fresh_until = time.monotonic() + FRESH_WINDOW_S
         abortable = getattr(self.transport, "abortable", None)  # optional: kernel copies are not
         try:
-            can_abort = abortable is None or all(bool(abortable(handle)) for handle in handles)
+            if abortable is None:  # no per-WRITE answer: what the transport publishes for all
+                can_abort = bool(getattr(self.transport, "writes_abortable", True))
+            else:
+                can_abort = all(bool(abortable(handle)) for handle in handles)
         except Exception as err:  # the WRITE is posted: it is tracked whatever this says
             logger.warning("abortable() of a posted WRITE raised %r; it is waited for, not aborted", err)
             can_abort = False
+        if not can_abort:
+            self._unabortable.update(dict.fromkeys(handles, False))
         now = lease_clock()
         self._execute(self.core.posted(post.key, post.dst, handles, nbytes, now, abortable=can_abort))
 
@@ -788,7 +797,15 @@ class PushSender(RankWorker):
             error = ""
             try:
                 state = self.transport.poll(handle)
-            except Exception as err:  # contained: a raising poll is a failed WRITE
+            except Exception as err:  # contained: a raising poll is a failed WRITE ...
+                if handle in self._unabortable:
+                    # ... unless nothing takes the WRITE back (a kernel copy): it may still run,
+                    # and D, told it ended, would fence (which does not stop it) and release the
+                    # blocks under it. It stays in flight (its deadline waits, counted overdue).
+                    if not self._unabortable[handle]:
+                        self._unabortable[handle] = True
+                        logger.warning("polling a copy of %s raised %r; it is still waited for", key, err)
+                    continue
                 logger.warning("polling a WRITE of %s raised %r; taking it as failed", key, err)
                 state, error = TransferState.FAILED, f"{type(err).__name__}: {err}"
             if state is TransferState.PENDING:
@@ -799,6 +816,7 @@ class PushSender(RankWorker):
     def _release_handle(self, handle: Any) -> None:
         """Release a WRITE handle and, for a packed WRITE, its lists and staging bytes."""
         assert self.transport is not None
+        self._unabortable.pop(handle, None)
         try:
             self.transport.release(handle)
         except Exception as err:

@@ -263,6 +263,16 @@ class RankWorker:
         self.transport = provider.create(
             TransportConfig(agent_name=self.agent_name, options=dict(self.config.transport_options))
         )
+        if self.role is Role.DECODE:
+            missing = [m for m in ("fence_peer", "fenced") if not callable(getattr(self.transport, m, None))]
+            if missing:
+                # D releases a failed request's blocks only once the transport confirmed that
+                # nothing P sent can still land; without the fence it has nothing to confirm.
+                raise ConfigError(
+                    f"transport {self.config.transport!r} has no {' / '.join(missing)}: a decode "
+                    f"rank needs the fence (fence_peer, fenced; docs/plugins.md) before it may give "
+                    f"back blocks a failed P may have been writing"
+                )
         self.transport.register_regions(regions)
         staging = self._start_staging(regions)
         meta = AgentMetadata(

@@ -282,6 +282,9 @@ class NixlTransport:
         self._lists: set[int] = set()
         self._remote_lists: dict[str, set[int]] = {}
         self._peers: set[str] = set()
+        self._unremoved: set[str] = set()
+        """Peers whose agent NIXL failed to remove: their endpoints may still carry data (over
+        RDMA removing the agent is the whole fence), so a fence of them is not confirmed."""
         self._handles: set[int] = set()
         self.counters = TransportCounters()
 
@@ -346,6 +349,7 @@ class NixlTransport:
             if oldest in self._peers:
                 break
             del self._peer_listeners[oldest]
+        self._unremoved.discard(name)  # loaded afresh under the name
         if name not in self._peers:
             self._peers.add(name)
             self.counters.peers_loaded += 1
@@ -358,12 +362,28 @@ class NixlTransport:
             self._peers.discard(peer)
             try:
                 self._agent.remove_remote_agent(peer)
-            except Exception as err:  # the peer may already be gone
+            except Exception as err:  # the peer may already be gone, or its endpoints not
                 logger.warning("removing NIXL peer %s failed: %s", peer, err)
+                self._unremoved.add(peer)
             self.counters.peers_removed += 1
 
     def fence_peer(self, peer: str) -> None:
         """Remove ``peer`` and shut down every TCP connection that can carry its data here."""
+        try:
+            self._fence_peer(peer)
+        except OSError as err:
+            # This process's sockets could not be read (EMFILE: the fd table is full): nothing
+            # is known to be shut or refused. Never confirmed, like a refusal that failed.
+            logger.error(
+                "fencing %s: this process's sockets cannot be read (%s); the fence will not be "
+                "confirmed and the blocks waiting on it stay held",
+                peer,
+                err,
+            )
+            self.counters.fences_unconfirmable += 1
+            self._fences[peer] = _Fence([], self._drains, time.monotonic(), True)
+
+    def _fence_peer(self, peer: str) -> None:
         self.remove_peer(peer)
         inodes: list[int] = []
         refusal_failed = False
@@ -401,6 +421,22 @@ class NixlTransport:
         self._fences[peer] = _Fence(inodes, self._drains, time.monotonic(), refusal_failed)
 
     def fenced(self, peer: str) -> bool:
+        """:meth:`_fenced`; False (not yet) while this process's sockets cannot be read, or
+        while NIXL has not removed the peer's agent (tried again here)."""
+        if peer in self._unremoved:
+            try:
+                self._agent.remove_remote_agent(peer)
+            except Exception as err:
+                logger.debug("fence of %s: removing its agent failed again: %s", peer, err)
+                return False
+            self._unremoved.discard(peer)
+        try:
+            return self._fenced(peer)
+        except OSError as err:
+            logger.debug("fence of %s: this process's sockets cannot be read (%s); not confirmed", peer, err)
+            return False
+
+    def _fenced(self, peer: str) -> bool:
         """True once nothing ``peer`` sent before its latest :meth:`fence_peer` can still be
         read: every socket that fence shut is closed or drained, and UCX progressed since.
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import errno
 import fcntl
 import ipaddress
 import os
@@ -83,13 +84,15 @@ def _address(field: str) -> tuple[str, int]:
 
 
 def sockets() -> list[TcpSocket]:
-    """Every TCP socket of this process's network namespace (not only this process's)."""
+    """Every TCP socket of this process's network namespace (not only this process's). Raises
+    ``OSError`` when a table that exists cannot be read (EMFILE: the fd table is full): an
+    empty answer would read as "no connection left", and a fence would be confirmed on it."""
     out = []
     for table in TCP_TABLES:
         try:
             lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
+        except FileNotFoundError:
+            continue  # tcp6 without IPv6
         for line in lines:
             fields = line.split()
             if len(fields) < 10:
@@ -108,16 +111,16 @@ def sockets() -> list[TcpSocket]:
 
 
 def own_socket_fds() -> dict[int, int]:
-    """Socket inode -> one fd of this process that holds it."""
+    """Socket inode -> one fd of this process that holds it. Raises ``OSError`` when
+    ``/proc/self/fd`` cannot be listed (EMFILE): "no socket" would shut nothing and confirm."""
     out: dict[int, int] = {}
-    with contextlib.suppress(OSError):
-        for entry in os.scandir("/proc/self/fd"):
-            try:
-                target = os.readlink(entry.path)
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                out.setdefault(int(target[8:-1]), int(entry.name))
+    for entry in os.scandir("/proc/self/fd"):
+        try:
+            target = os.readlink(entry.path)
+        except FileNotFoundError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            out.setdefault(int(target[8:-1]), int(entry.name))
     return out
 
 
@@ -207,8 +210,10 @@ def shut_down(inodes: Iterable[int]) -> list[int]:
             continue
         try:
             dup = os.dup(fd)
-        except OSError:
-            continue  # closed meanwhile: nothing left to fence
+        except OSError as err:
+            if err.errno == errno.EBADF:
+                continue  # closed meanwhile: nothing left to fence
+            raise  # EMFILE: it was not shut
         try:
             info = os.fstat(dup)
             if not stat.S_ISSOCK(info.st_mode) or info.st_ino != inode:
@@ -242,19 +247,19 @@ def fence_complete(inodes: Iterable[int]) -> bool:
 
 
 def _unread(fd: int, inode: int) -> int:
-    """Bytes left to read in socket ``inode`` held as ``fd`` (0 once it is closed)."""
+    """Bytes left to read in socket ``inode`` held as ``fd`` (0 once it is closed). Raises
+    ``OSError`` when that cannot be asked (EMFILE): unknown is not empty."""
     try:
         dup = os.dup(fd)
-    except OSError:
-        return 0
+    except OSError as err:
+        if err.errno == errno.EBADF:
+            return 0  # closed
+        raise
     try:
         if os.fstat(dup).st_ino != inode:
             return 0  # closed and the number reused
         count = array.array("i", [0])
-        try:
-            fcntl.ioctl(dup, termios.FIONREAD, count)
-        except OSError:
-            return 0
+        fcntl.ioctl(dup, termios.FIONREAD, count)
         return count[0]
     finally:
         os.close(dup)
