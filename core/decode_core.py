@@ -860,6 +860,8 @@ class DecodeCore:
                 out += self._on_exited(name, now)
             elif kind == "restart":
                 out += self._on_restart_timeout(name, now)
+            elif kind == "forget_failed":
+                self._on_forget_failed(name, now)
             elif kind == "retry":
                 engine = self._engines.get(name)
                 waiting = self._wanting(engine) if engine is not None else []
@@ -2089,6 +2091,7 @@ class DecodeCore:
         engine.failed_at = now
         self._timers.disarm(("hello", engine.engine_id))
         self._timers.disarm(("hello_resend", engine.engine_id))
+        self._timers.arm(("forget_failed", engine.engine_id), now + self._forget_failed_after())
         for rid in sorted(engine.requests):
             receive = self._requests.get(rid)
             if receive is None:
@@ -2103,6 +2106,26 @@ class DecodeCore:
         # Tear the connection down now, before any quarantined block is released: a WRITE stuck
         # in the network (TCP retransmitting through a partition) must find no connection here.
         return out + (self._maybe_forget(engine) if had_agents else [])
+
+    def _forget_failed_after(self) -> float:
+        return self.s.retry_backoff_max_s + self.s.request_timeout_s
+
+    def _on_forget_failed(self, engine_id: str, now: float) -> None:
+        """A failed engine no request used since (and none will wait for: its backoff is long
+        over) is forgotten, as the driver's eviction forgets a loaded one: nothing else did, so
+        every P engine id D ever failed (vLLM gives each P start a fresh one) stayed for D's life."""
+        engine = self._engines.get(engine_id)
+        if engine is None or engine.state is not _EngineState.FAILED:
+            return
+        if engine.info is not None:
+            return  # loaded: the driver's eviction forgets it
+        if engine.requests or engine.waiting:
+            self._timers.arm(("forget_failed", engine_id), now + self._forget_failed_after())
+            return
+        if now < engine.failed_at + self._forget_failed_after():
+            self._timers.arm(("forget_failed", engine_id), engine.failed_at + self._forget_failed_after())
+            return
+        self.forget_engine(engine_id)
 
     def _maybe_forget(self, engine: _Producer) -> list[Any]:
         """Drop a failed engine's agents (its requests keep their producers' identities)."""

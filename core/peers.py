@@ -118,6 +118,10 @@ def check_geometry(local: AgentMetadata, peer: AgentMetadata, alignment: RegionA
     return problems
 
 
+HANDSHAKE_SAMPLES = 128
+"""Handshake times kept per mode (``PeerRegistry.handshake_ms``): the latest."""
+
+
 class PeerRegistry:
     """Handshakes and loaded peers of one rank. Loaded state is touched on the writer only."""
 
@@ -292,7 +296,10 @@ class PeerRegistry:
         engine.ranks.update(fetched)
         engine.refusal = refusal
         engine.handshake_ms = (time.perf_counter() - started) * 1e3
-        self.handshake_ms[mode.value].append(engine.handshake_ms)
+        samples = self.handshake_ms[mode.value]
+        samples.append(engine.handshake_ms)
+        if len(samples) > 2 * HANDSHAKE_SAMPLES:
+            del samples[:-HANDSHAKE_SAMPLES]  # the latest (one per handshake, for the worker's life)
         logger.debug(
             "handshake with %s ranks %s done in %.1f ms (fetch %.1f ms, notif_agents_only=%s)",
             engine_id,

@@ -228,6 +228,20 @@ class _Decode:
     """Per D rank: its agent and the D request ids whose WRITE to it completed lately (at most
     ``MAX_DELIVERED``). The goodbye names them: UCX may deliver the goodbye before a WRITE's
     DONE, and D must not fail a request whose DONE is on its way."""
+    touched: float = 0.0
+    """P's clock at the last message naming this engine (an engine never loaded is forgotten
+    ``registration_ttl_s`` after it: see ``PrefillCore._unloaded``)."""
+
+    def unused(self) -> bool:
+        """Nothing loaded, handshaking, in flight or waiting for it."""
+        return not (
+            self.agents
+            or self.connecting
+            or self.inflight
+            or self.deferred
+            or self.replacing
+            or self.drop_when_idle
+        )
 
 
 MAX_REPLACED = 4096
@@ -706,7 +720,7 @@ class PrefillCore:
         if candidate and request.bound:
             self._reject(agent, note, f"match key {key!r} belongs to D engine {request.engine_id!r}")
             return []
-        engine = self._engine_for(reg)
+        engine = self._engine_for(reg, now)
         if (reg.decode_host, reg.decode_port) != (engine.host, engine.port):
             self._reject(
                 agent,
@@ -868,7 +882,7 @@ class PrefillCore:
             why = self._differ_reason(key, tomb.fingerprint, reg, f"P's prefill of the key (already {ended})")
             return self._refuse(reg, agent, why, tomb.unsettled, now)
         if tomb.outcome == "failed":  # answered FAIL: now, or once P loaded that D rank
-            engine = self._engine_for(reg)
+            engine = self._engine_for(reg, now)
             same_address = (reg.decode_host, reg.decode_port) == (engine.host, engine.port)
             if same_address and engine.agents.get(rank) in (None, agent):
                 why = f"P no longer holds {key!r}: {tomb.failure or tomb.outcome}"
@@ -970,7 +984,7 @@ class PrefillCore:
     def _on_hello(self, agent: str, note: Notification, now: float) -> list[Any]:
         reg = note.registration
         assert reg is not None
-        engine = self._engine_for(reg)
+        engine = self._engine_for(reg, now)
         rank = reg.decode_tp_rank
         if self._restarted(engine, reg, hello=True) and engine.agents.get(rank) in (None, agent):
             return self._decode_restarted(engine, reg, agent, note, now)
@@ -1127,7 +1141,7 @@ class PrefillCore:
         ack = wire.encode_cancel_ack(
             reg.request_id, self.s.rank, False, unsettled=unsettled, incarnation=self.s.incarnation
         )
-        engine = self._engine_for(reg)
+        engine = self._engine_for(reg, now)
         if (reg.decode_host, reg.decode_port) != (engine.host, engine.port):
             self._reject(agent, note, f"CANCEL names D engine {engine.engine_id!r} at another address")
             return []
@@ -1140,12 +1154,34 @@ class PrefillCore:
 
     # ------------------------------------------------------------------ handshakes
 
-    def _engine_for(self, reg: PushRegistration) -> _Decode:
+    def _engine_for(self, reg: PushRegistration, now: float) -> _Decode:
         engine = self._engines.get(reg.decode_engine_id)
         if engine is None:
             engine = _Decode(reg.decode_engine_id, reg.decode_host, reg.decode_port)
             self._engines[engine.engine_id] = engine
+        engine.touched = max(engine.touched, now)
+        if engine.unused() and self._timers.when(("unloaded", engine.engine_id)) is None:
+            self._timers.arm(("unloaded", engine.engine_id), now + self.s.registration_ttl_s)
         return engine
+
+    def _unloaded(self, engine_id: str, now: float) -> None:
+        """An engine P never loaded (its handshake deferred behind another engine id at its
+        address, or refused by the address's backoff), named by no message for
+        ``registration_ttl_s``, is forgotten: nothing else forgets it (the driver evicts only
+        loaded engines), so every such engine id (a D restarted with a fresh id, or anyone
+        sending without the shared secret) was remembered for P's life, pinned to the address
+        it was first named at."""
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            return
+        if not engine.unused():
+            return  # loaded (the driver evicts it when idle) or busy; a later message re-arms
+        due = engine.touched + self.s.registration_ttl_s
+        if now < due:
+            self._timers.arm(("unloaded", engine_id), due)
+            return
+        del self._engines[engine_id]  # what it owed is moot: D's registrations timed out
+        self._unsettled_to = {e for e in self._unsettled_to if e[0] != engine_id}
 
     def _connect(
         self, engine: _Decode, rank: int, now: float, incarnation: str = "", *, hello: bool = False
@@ -1591,7 +1627,7 @@ class PrefillCore:
         if entry is None:
             dest.state = _Dest.WAIT_REG
             return []
-        engine = self._engine_for(entry.reg)
+        engine = self._engine_for(entry.reg, now)
         if rank not in engine.agents:
             dest.state = _Dest.WAIT_CONNECT
             return self._connect(engine, rank, now, entry.reg.decode_incarnation)
@@ -1874,6 +1910,8 @@ class PrefillCore:
                 self._refused.pop(key, None)
             elif kind == "refusal":
                 self._refusals.pop(key, None)
+            elif kind == "unloaded":
+                self._unloaded(key, now)
             elif kind == "backoff":
                 backoff_entry = self._address_backoff.get(key)
                 until = backoff_entry.until if backoff_entry is not None else 0.0

@@ -257,7 +257,12 @@ class PushReceiver(RankWorker):
         self._used_ids[rid] = None
         self._used_ids.move_to_end(rid)
         if len(self._used_ids) > ID_MEMORY:
-            self._used_ids.popitem(last=False)
+            forgotten, _ = self._used_ids.popitem(last=False)
+            if self._alias_of.get(forgotten) not in self._live:
+                # Forgotten with the id (a live alias stays until its request ends: _ended).
+                # Kept, it grew by every id ever reused, and a late cancel of the id named its
+                # old alias, which may by then be another request's own id.
+                self._alias_of.pop(forgotten, None)
         if not used:
             self._alias_of.pop(rid, None)
             return request
@@ -285,6 +290,8 @@ class PushReceiver(RankWorker):
         remembered (a cancelled report follows its release). Returns the engine's id."""
         rid = self._engine_id(core_id)
         self._live.pop(core_id, None)
+        if core_id != rid and rid not in self._used_ids and self._alias_of.get(rid) == core_id:
+            del self._alias_of[rid]  # its id was forgotten while it ran
         if core_id != rid:
             self._engine_id_of[core_id] = rid
             self._engine_id_of.move_to_end(core_id)

@@ -288,6 +288,58 @@ def test_a_peer_stalled_through_the_fence_cannot_reconnect_after_it(options: dic
         p.stop()
 
 
+def test_a_listener_turned_allow_only_stops_a_stalled_peer_and_takes_a_new_one() -> None:
+    """Past ``EXACT_REFUSALS`` refused addresses (every fenced P process's listeners stay refused:
+    a restarted one comes back on other ports) a listener refuses every connection request but
+    those of the peers loaded now and its own: the stalled peer of the test above is still kept
+    out after the confirmed fence, and a peer loaded afterwards connects and WRITEs."""
+    from kvpush.transports.nixl import NixlTransport
+
+    suffix = os.urandom(3).hex()
+    options = {"ucx_tls": "tcp"}
+    d = NixlTransport(TransportConfig(agent_name=f"fx-D-{suffix}", options=options))
+    buf = torch.zeros(BLOCK * BLOCKS, dtype=torch.uint8)
+    d.register_buffer(buf.data_ptr(), buf.numel(), "DRAM", 0)
+    long_gone = [(f"10.9.{i // 200}.{i % 200 + 1}", 40000 + i) for i in range(tcp_fence.EXACT_REFUSALS + 8)]
+    p = P(f"fx-P-{suffix}", options)
+    fresh = None
+    try:
+        assert tcp_fence.refuse(long_gone, d._tcp_listeners)
+        name = d.load_peer(p.blob)
+        p.call("load", d.metadata())
+        p.call("write", d.agent_name, buf.data_ptr(), BLOCKS, b"big")
+        time.sleep(0.5)
+        os.kill(p.process.pid, signal.SIGSTOP)
+        try:
+            d.fence_peer(name)
+            deadline = time.monotonic() + WAIT_S
+            while not d.fenced(name):
+                assert time.monotonic() < deadline, "the fence was never confirmed"
+                d.drain_notifs()
+                time.sleep(0.001)
+            at_fence = _landed(buf)
+        finally:
+            os.kill(p.process.pid, signal.SIGCONT)
+        assert tcp_fence.allowed(d._tcp_listeners) == set(d._tcp_listeners), "allow-only: its own"
+        _progress(d, 3.0)
+        assert _landed(buf) == at_fence, "the fenced peer's WRITE landed after the confirmation"
+        buf.zero_()
+        fresh = P(f"fx-P2-{suffix}", options)
+        fresh_name = d.load_peer(fresh.blob)
+        assert set(d._peer_listeners[fresh_name] or ()) <= (tcp_fence.allowed(d._tcp_listeners) or set())
+        fresh.call("load", d.metadata())
+        fresh.call("write", d.agent_name, buf.data_ptr(), 1, b"fresh")
+        deadline = time.monotonic() + WAIT_S
+        while not any(m == b"fresh" for _, m in d.drain_notifs()):
+            assert time.monotonic() < deadline, "a peer loaded after the switch could not WRITE"
+        assert _landed(buf) == BLOCK
+    finally:
+        d.close()
+        p.stop()
+        if fresh is not None:
+            fresh.stop()
+
+
 def test_fence_peer_refuses_the_peers_connections_until_it_is_loaded_again() -> None:
     """``fence_peer`` makes this agent's UCX listeners refuse the peer's connection requests
     before it shuts anything (shutting one the peer's UCX is still setting up makes it open a

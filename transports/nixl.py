@@ -274,6 +274,9 @@ class NixlTransport:
         )
         """UCX's TCP listeners of this agent (published, so a peer can fence its connections)."""
         self._peer_listeners: dict[str, list[tuple[str, int]] | None] = {}
+        self._loaded_listeners: dict[str, list[tuple[str, int]]] = {}
+        """Loaded peer -> the listeners its latest load published (a fence's refusal turns
+        allow-only past the filter's size, and then takes exactly these)."""
         self._fences: dict[str, _Fence] = {}
         """Peer -> its latest fence."""
         self._drains = 0
@@ -337,10 +340,11 @@ class NixlTransport:
         # name, and the old process's connections (bytes its kernel still holds) must be fenced.
         earlier = self._peer_listeners.pop(name, None)
         listeners = _listeners(info)
+        self._loaded_listeners[name] = list(listeners or ())
         if listeners and tcp_fence.supported():
             # Loaded again: its connections are accepted again (an earlier fence refused them).
             # Only the listeners this load publishes: a restarted peer's old ones stay refused.
-            tcp_fence.admit(listeners, self._tcp_listeners)
+            tcp_fence.admit(listeners, self._tcp_listeners, loaded=self._loaded())
         if listeners is not None and earlier:
             listeners = list(dict.fromkeys(earlier + listeners))[-MAX_LISTENERS_PER_PEER:]
         self._peer_listeners[name] = listeners
@@ -355,7 +359,14 @@ class NixlTransport:
             self.counters.peers_loaded += 1
         return name
 
+    def _loaded(self) -> list[tuple[str, int]]:
+        """The listeners of every peer loaded now (their latest loads), and this agent's own
+        (UCX connects an agent to itself: those requests name its own listeners)."""
+        loaded = [a for listeners in self._loaded_listeners.values() for a in listeners]
+        return loaded + list(self._tcp_listeners)
+
     def remove_peer(self, peer: str) -> None:
+        self._loaded_listeners.pop(peer, None)
         for handle in self._remote_lists.pop(peer, set()):
             self.release_list(handle)
         if peer in self._peers:
@@ -395,7 +406,7 @@ class NixlTransport:
                 # its connection requests cannot be refused.
                 refusal_failed = True
             elif listeners and self._tcp_listeners:
-                refusal_failed = not tcp_fence.refuse(listeners, self._tcp_listeners)
+                refusal_failed = not tcp_fence.refuse(listeners, self._tcp_listeners, loaded=self._loaded())
             if refusal_failed:
                 # The peer's UCX reconnects by itself once its connection is shut, and sends what
                 # it queued on the new one: without the refusal nothing stops that, however

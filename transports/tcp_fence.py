@@ -47,7 +47,6 @@ import termios
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import attrs
 
@@ -286,10 +285,21 @@ BPF_MAXINSNS = 4096
 MAX_REFUSED = 700
 """Addresses one listener can refuse (an IPv4 one takes five filter instructions, an IPv6 one
 eleven; a program longer than :data:`BPF_MAXINSNS` is not attached: the refusal fails)."""
+EXACT_REFUSALS = 32
+"""Refused addresses past which a listener turns allow-only (when given the loaded peers' listeners
+and they are fewer): attaching a filter charges the socket's option memory (``net.core.optmem_max``)
+for the old and the new filter at once, ~180 bytes per IPv4 address each, so a listener holds at
+most ~360 refused addresses with 128 KiB (the default since Linux 6.9) and ~57 with 20 KiB (before)."""
 SO_ATTACH_FILTER, SO_DETACH_FILTER = 26, 27
 
 _refusals: dict[int, set[tuple[str, int]]] = {}
 """Listener inode -> the peer addresses its filter refuses."""
+_allowed: dict[int, set[tuple[str, int]]] = {}
+"""Listener inode -> the only peer addresses whose connection requests its filter takes, for a
+listener in allow-only mode: its refused set outgrew the filter (addresses of fenced processes
+are lifted only when the same address is loaded again, so the set grows with every P restart).
+Refusing every address but the loaded peers' refuses at least what the refused set did, and is
+bounded by the peers loaded now instead of by every process ever fenced."""
 _refusals_lock = threading.Lock()
 
 
@@ -317,12 +327,14 @@ def conn_req_source(payload: bytes) -> tuple[str, int] | None:
 Instruction = tuple[int, int, int, int]
 
 
-def _program(refused: Iterable[tuple[str, int]]) -> list[Instruction]:
+def _program(refused: Iterable[tuple[str, int]], *, allow_only: bool = False) -> list[Instruction]:
     """A classic BPF socket filter (run by the kernel on every TCP segment, ``skb->data`` at the
     TCP header) that drops a segment whose payload is a UCX connection request naming one of
     ``refused`` (IPv4 or IPv6 listeners; a wildcard host matches the port in both families) and
-    keeps every other segment whole."""
+    keeps every other segment whole. ``allow_only``: drops every UCX connection request *but*
+    those naming one of ``refused`` (then the addresses allowed)."""
     keep, drop = (0x06, 0, 0, 0xFFFFFFFF), (0x06, 0, 0, 0)
+    hit, miss = (keep, drop) if allow_only else (drop, keep)
 
     def must_equal(load: Instruction, value: int) -> list[Instruction]:
         return [load, (0x15, 1, 0, value), keep]  # jeq value: skip the keep, else keep
@@ -346,24 +358,24 @@ def _program(refused: Iterable[tuple[str, int]]) -> list[Instruction]:
     prog += [(ldb_ind, 0, 0, _EVENT_AT), (0x45, 1, 0, 1), keep]  # jset #1: a request
 
     v4: list[Instruction] = []
-    v6: list[Instruction] = [(ld_mem, 0, 0, 0), (0x35, 1, 0, CONN_REQ_LEN_V6), keep]
+    v6: list[Instruction] = [(ld_mem, 0, 0, 0), (0x35, 1, 0, CONN_REQ_LEN_V6), miss]
     for host, port in sorted(refused):
         port_is = (ldh_ind, 0, 0, _PORT_AT)
         if host in WILDCARDS:
-            v4 += [port_is, (0x15, 0, 1, port), drop]  # jeq port: drop, else skip it
-            v6 += [port_is, (0x15, 0, 1, port), drop]
+            v4 += [port_is, (0x15, 0, 1, port), hit]  # jeq port: hit, else skip it
+            v6 += [port_is, (0x15, 0, 1, port), hit]
             continue
         address = ipaddress.ip_address(host)
         if address.version == 4:
-            v4 += [port_is, (0x15, 0, 3, port), (ld_ind, 0, 0, _V4_AT), (0x15, 0, 1, int(address)), drop]
+            v4 += [port_is, (0x15, 0, 3, port), (ld_ind, 0, 0, _V4_AT), (0x15, 0, 1, int(address)), hit]
         else:
             words = [int.from_bytes(address.packed[i : i + 4], "big") for i in range(0, 16, 4)]
-            v6 += [port_is, (0x15, 0, 9, port)]  # each word's jeq skips to past the drop
+            v6 += [port_is, (0x15, 0, 9, port)]  # each word's jeq skips to past the hit
             for i, word in enumerate(words):
                 v6 += [(ld_ind, 0, 0, _V6_AT + 4 * i), (0x15, 0, 7 - 2 * i, word)]
-            v6.append(drop)
-    v4.append(keep)
-    v6.append(keep)
+            v6.append(hit)
+    v4.append(miss)
+    v6.append(miss)
     # the address family: jump to its section (``ja`` reaches past 255 instructions; jeq cannot)
     prog += [
         (ldh_ind, 0, 0, _ADDR_AT),
@@ -371,7 +383,7 @@ def _program(refused: Iterable[tuple[str, int]]) -> list[Instruction]:
         (ja, 0, 0, 3),  # to v4
         (0x15, 0, 1, _family_code(socket.AF_INET6)),
         (ja, 0, 0, 1 + len(v4)),  # to v6
-        keep,
+        miss,
     ]
     return prog + v4 + v6
 
@@ -432,33 +444,73 @@ def _refusable(peer_listeners: Iterable[tuple[str, int]] | None) -> tuple[set[tu
     return out, whole
 
 
-def _update(own_listeners: Iterable[tuple[str, int]], change: Any, *, accepted: bool = False) -> list[int]:
-    """Apply ``change`` to the refused set of each listener; ``accepted``: give the connections
-    each one accepted (which carry the filter it had then) its new filter too."""
+def _fits(program: list[Instruction] | None) -> bool:
+    return program is None or len(program) <= BPF_MAXINSNS
+
+
+def _update(
+    own_listeners: Iterable[tuple[str, int]],
+    add: set[tuple[str, int]] = frozenset(),  # type: ignore[assignment]
+    remove: set[tuple[str, int]] = frozenset(),  # type: ignore[assignment]
+    *,
+    accepted: bool = False,
+    loaded: Iterable[tuple[str, int]] | None = None,
+) -> list[int]:
+    """Refuse ``add`` and lift ``remove`` on each listener; ``accepted``: give the connections
+    each one accepted (which carry the filter it had then) its new filter too. ``loaded``: the
+    listeners of every peer loaded now; a listener whose refused set no longer fits its filter
+    then turns allow-only (:data:`_allowed`), which takes only their connection requests."""
     done = []
+    live = None if loaded is None else _refusable(loaded)[0]
     with _refusals_lock:
         table = sockets()
         held = _own_listener_sockets(own_listeners, table)
         mine = own_socket_fds()
-        for inode in [i for i in _refusals if i not in mine]:
-            del _refusals[inode]  # a listener closed since
+        for stale in (_refusals, _allowed):
+            for inode in [i for i in stale if i not in mine]:
+                del stale[inode]  # a listener closed since
         for inode, fd, address in held:
-            before = _refusals.get(inode, set())
-            refused = change(set(before))
-            if refused == before and not accepted:
-                done.append(inode)  # its filter already says so
-                continue
-            if len(refused) > MAX_REFUSED:
-                continue
-            program = _program(refused) if refused else None
-            if program is not None and len(program) > BPF_MAXINSNS:
-                continue
-            if not _attach(fd, inode, program):
-                continue
-            if refused:
-                _refusals[inode] = refused
+            allowed = _allowed.get(inode)
+            if allowed is not None:
+                # allow-only: the loaded peers' listeners, never one being refused now
+                new = (set(live) if live is not None else allowed | remove) - add
+                if new == allowed and not accepted:
+                    done.append(inode)
+                    continue
+                program: list[Instruction] | None = _program(new, allow_only=True)
+                if not _fits(program) or not _attach(fd, inode, program):
+                    continue
+                _allowed[inode] = new
             else:
-                _refusals.pop(inode, None)
+                before = _refusals.get(inode, set())
+                refused = (before | add) - remove
+                if refused == before and not accepted:
+                    done.append(inode)  # its filter already says so
+                    continue
+                # Allow-only as soon as it is the shorter filter: a replaced filter's memory is
+                # still charged while its successor is attached, so a long one cannot be swapped
+                # for a short one once the socket's option memory is nearly spent.
+                smaller = live is not None and len(refused) > EXACT_REFUSALS and len(live) < len(refused)
+                program = _program(refused) if refused else None
+                if (
+                    not smaller
+                    and len(refused) <= MAX_REFUSED
+                    and _fits(program)
+                    and _attach(fd, inode, program)
+                ):
+                    if refused:
+                        _refusals[inode] = refused
+                    else:
+                        _refusals.pop(inode, None)
+                elif live is not None:
+                    new = set(live) - add
+                    program = _program(new, allow_only=True)
+                    if not _fits(program) or not _attach(fd, inode, program):
+                        continue
+                    _refusals.pop(inode, None)
+                    _allowed[inode] = new
+                else:
+                    continue
             done.append(inode)
             if accepted:
                 for row in table:
@@ -467,8 +519,17 @@ def _update(own_listeners: Iterable[tuple[str, int]], change: Any, *, accepted: 
     return done
 
 
+def _refuses(inode: int, peer: set[tuple[str, int]]) -> bool:
+    allowed = _allowed.get(inode)
+    if allowed is not None:
+        return not (peer & allowed) and not any((h, p) in allowed for h in WILDCARDS for _, p in peer)
+    return peer <= _refusals.get(inode, set())
+
+
 def refuse(
-    peer_listeners: Iterable[tuple[str, int]] | None, own_listeners: Iterable[tuple[str, int]]
+    peer_listeners: Iterable[tuple[str, int]] | None,
+    own_listeners: Iterable[tuple[str, int]],
+    loaded: Iterable[tuple[str, int]] | None = None,
 ) -> bool:
     """From now on, the kernel drops every UCX connection request naming one of
     ``peer_listeners`` that reaches one of this process's ``own_listeners``, on connections
@@ -476,34 +537,54 @@ def refuse(
     connection here, so nothing it queued can be sent here. True only if every listener refuses
     every one of them (False: a peer that published no listener or one that is not an IP
     address, no listener of ours found, a filter grown past :data:`MAX_REFUSED` addresses or
-    :data:`BPF_MAXINSNS` instructions): a fence must not rely on a refusal that returned False."""
+    :data:`BPF_MAXINSNS` instructions): a fence must not rely on a refusal that returned False.
+    ``loaded``: the listeners of every peer loaded now (the peer refused is not one of them); a
+    listener whose filter cannot hold one more refused address then refuses every address but
+    those (allow-only), so a fence never fails for the addresses of processes fenced long ago."""
     peer, whole = _refusable(peer_listeners)
     own = list(own_listeners)
     if not peer or not own:
         return False
-    held = _update(own, lambda refused: refused | peer)
-    return (
-        whole
-        and bool(held)
-        and len(held) == len(_own_listener_sockets(own))
-        and all(peer <= _refusals.get(inode, set()) for inode in held)
-    )
+    held = _update(own, add=peer, loaded=loaded)
+    with _refusals_lock:
+        return (
+            whole
+            and bool(held)
+            and len(held) == len(_own_listener_sockets(own))
+            and all(_refuses(inode, peer) for inode in held)
+        )
 
 
-def admit(peer_listeners: Iterable[tuple[str, int]] | None, own_listeners: Iterable[tuple[str, int]]) -> None:
+def admit(
+    peer_listeners: Iterable[tuple[str, int]] | None,
+    own_listeners: Iterable[tuple[str, int]],
+    loaded: Iterable[tuple[str, int]] | None = None,
+) -> None:
     """Lift :func:`refuse` for ``peer_listeners`` on ``own_listeners`` (the peer was loaded
     again), on the listeners and on the connections they accepted meanwhile: the peer's UCX may
     still be retransmitting a refused connection request on one of those (its endpoint waits
     for the acknowledgement), and that endpoint is the one its new traffic uses."""
     peer, _ = _refusable(peer_listeners)
     if peer:
-        _update(list(own_listeners), lambda refused: refused - peer, accepted=True)
+        _update(list(own_listeners), remove=peer, accepted=True, loaded=loaded)
 
 
 def refused(own_listeners: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
-    """The peer addresses this process's ``own_listeners`` refuse."""
+    """The peer addresses this process's ``own_listeners`` refuse (a listener in allow-only
+    mode refuses every address but :func:`allowed`'s, and adds none here)."""
     with _refusals_lock:
         out: set[tuple[str, int]] = set()
         for inode, _, _ in _own_listener_sockets(own_listeners):
             out |= _refusals.get(inode, set())
+        return out
+
+
+def allowed(own_listeners: Iterable[tuple[str, int]]) -> set[tuple[str, int]] | None:
+    """The only peer addresses ``own_listeners`` take connection requests from, once one of
+    them turned allow-only (None: none did)."""
+    with _refusals_lock:
+        out: set[tuple[str, int]] | None = None
+        for inode, _, _ in _own_listener_sockets(own_listeners):
+            if inode in _allowed:
+                out = (out or set()) | _allowed[inode]
         return out
