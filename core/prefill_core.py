@@ -1180,8 +1180,10 @@ class PrefillCore:
         if now < due:
             self._timers.arm(("unloaded", engine_id), due)
             return
-        del self._engines[engine_id]  # what it owed is moot: D's registrations timed out
-        self._unsettled_to = {e for e in self._unsettled_to if e[0] != engine_id}
+        # What it owed is moot (D's registrations timed out). ``_unsettled_to`` stays: a WRITE
+        # to one of its ranks that ended unsettled is still so (the BYE to that D process once
+        # loaded again, and ``wrote_unsettled`` for ended_workers), as after ``_maybe_drop_rank``.
+        del self._engines[engine_id]
 
     def _connect(
         self, engine: _Decode, rank: int, now: float, incarnation: str = "", *, hello: bool = False

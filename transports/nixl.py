@@ -274,7 +274,7 @@ class NixlTransport:
         )
         """UCX's TCP listeners of this agent (published, so a peer can fence its connections)."""
         self._peer_listeners: dict[str, list[tuple[str, int]] | None] = {}
-        self._loaded_listeners: dict[str, list[tuple[str, int]]] = {}
+        self._loaded_listeners: dict[str, list[tuple[str, int]] | None] = {}
         """Loaded peer -> the listeners its latest load published (a fence's refusal turns
         allow-only past the filter's size, and then takes exactly these)."""
         self._fences: dict[str, _Fence] = {}
@@ -340,8 +340,11 @@ class NixlTransport:
         # name, and the old process's connections (bytes its kernel still holds) must be fenced.
         earlier = self._peer_listeners.pop(name, None)
         listeners = _listeners(info)
-        self._loaded_listeners[name] = list(listeners or ())
-        if listeners and tcp_fence.supported():
+        # None: it published none (an earlier release) or one a filter cannot name: while it
+        # is loaded, no listener may take only the loaded peers' connection requests.
+        known = listeners is not None and tcp_fence._refusable(listeners)[1]
+        self._loaded_listeners[name] = list(listeners or ()) if known else None
+        if tcp_fence.supported() and (listeners or not known) and self._tcp_listeners:
             # Loaded again: its connections are accepted again (an earlier fence refused them).
             # Only the listeners this load publishes: a restarted peer's old ones stay refused.
             tcp_fence.admit(listeners, self._tcp_listeners, loaded=self._loaded())
@@ -359,10 +362,13 @@ class NixlTransport:
             self.counters.peers_loaded += 1
         return name
 
-    def _loaded(self) -> list[tuple[str, int]]:
+    def _loaded(self) -> list[tuple[str, int]] | None:
         """The listeners of every peer loaded now (their latest loads), and this agent's own
-        (UCX connects an agent to itself: those requests name its own listeners)."""
-        loaded = [a for listeners in self._loaded_listeners.values() for a in listeners]
+        (UCX connects an agent to itself: those requests name its own listeners); None while a
+        loaded peer's are unknown (its connection requests cannot be told apart)."""
+        if any(listeners is None for listeners in self._loaded_listeners.values()):
+            return None
+        loaded = [a for listeners in self._loaded_listeners.values() for a in listeners or ()]
         return loaded + list(self._tcp_listeners)
 
     def remove_peer(self, peer: str) -> None:

@@ -459,7 +459,9 @@ def _update(
     """Refuse ``add`` and lift ``remove`` on each listener; ``accepted``: give the connections
     each one accepted (which carry the filter it had then) its new filter too. ``loaded``: the
     listeners of every peer loaded now; a listener whose refused set no longer fits its filter
-    then turns allow-only (:data:`_allowed`), which takes only their connection requests."""
+    then turns allow-only (:data:`_allowed`), which takes only their connection requests.
+    None: not known (a loaded peer published none): a listener refuses exactly (an allow-only
+    one goes back to its refused set, kept for this, where that fits; else it is not done)."""
     done = []
     live = None if loaded is None else _refusable(loaded)[0]
     with _refusals_lock:
@@ -471,20 +473,23 @@ def _update(
                 del stale[inode]  # a listener closed since
         for inode, fd, address in held:
             allowed = _allowed.get(inode)
-            if allowed is not None:
+            before = _refusals.get(inode, set())
+            refused = (before | add) - remove
+            program: list[Instruction] | None
+            if allowed is not None and live is not None:
                 # allow-only: the loaded peers' listeners, never one being refused now
-                new = (set(live) if live is not None else allowed | remove) - add
+                new = set(live) - add
                 if new == allowed and not accepted:
+                    _remember(inode, refused)
                     done.append(inode)
                     continue
-                program: list[Instruction] | None = _program(new, allow_only=True)
+                program = _program(new, allow_only=True)
                 if not _fits(program) or not _attach(fd, inode, program):
                     continue
                 _allowed[inode] = new
+                _remember(inode, refused)
             else:
-                before = _refusals.get(inode, set())
-                refused = (before | add) - remove
-                if refused == before and not accepted:
+                if refused == before and allowed is None and not accepted:
                     done.append(inode)  # its filter already says so
                     continue
                 # Allow-only as soon as it is the shorter filter: a replaced filter's memory is
@@ -498,17 +503,26 @@ def _update(
                     and _fits(program)
                     and _attach(fd, inode, program)
                 ):
-                    if refused:
-                        _refusals[inode] = refused
-                    else:
-                        _refusals.pop(inode, None)
+                    _allowed.pop(inode, None)
+                    _remember(inode, refused)
                 elif live is not None:
                     new = set(live) - add
                     program = _program(new, allow_only=True)
                     if not _fits(program) or not _attach(fd, inode, program):
                         continue
-                    _refusals.pop(inode, None)
                     _allowed[inode] = new
+                    _remember(inode, refused)  # kept: the way back to exact refusal
+                elif allowed is not None:
+                    # Its refused set no longer fits: it stays allow-only (a loaded peer whose
+                    # listeners are unknown stays refused), refusing ``add`` too.
+                    new = allowed - add
+                    program = _program(new, allow_only=True)
+                    if (new != allowed or accepted) and (
+                        not _fits(program) or not _attach(fd, inode, program)
+                    ):
+                        continue
+                    _allowed[inode] = new
+                    _remember(inode, refused)
                 else:
                     continue
             done.append(inode)
@@ -517,6 +531,13 @@ def _update(
                     if row.local == address and row.state != LISTEN and row.inode in mine:
                         _attach(mine[row.inode], row.inode, program)
     return done
+
+
+def _remember(inode: int, refused: set[tuple[str, int]]) -> None:
+    if refused:
+        _refusals[inode] = refused
+    else:
+        _refusals.pop(inode, None)
 
 
 def _refuses(inode: int, peer: set[tuple[str, int]]) -> bool:
@@ -565,13 +586,13 @@ def admit(
     still be retransmitting a refused connection request on one of those (its endpoint waits
     for the acknowledgement), and that endpoint is the one its new traffic uses."""
     peer, _ = _refusable(peer_listeners)
-    if peer:
+    if peer or loaded is None:  # None: a peer whose listeners are unknown is loaded (refuse exactly)
         _update(list(own_listeners), remove=peer, accepted=True, loaded=loaded)
 
 
 def refused(own_listeners: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
     """The peer addresses this process's ``own_listeners`` refuse (a listener in allow-only
-    mode refuses every address but :func:`allowed`'s, and adds none here)."""
+    mode refuses these and every other address but :func:`allowed`'s)."""
     with _refusals_lock:
         out: set[tuple[str, int]] = set()
         for inode, _, _ in _own_listener_sockets(own_listeners):
