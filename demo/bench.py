@@ -664,6 +664,8 @@ class BenchPair:
             index = torch.tensor(d_ids, device=next(iter(self.ceiling_caches.values())).device)
             for tensor in self.ceiling_caches.values():
                 tensor.index_fill_(1, index, 0)
+            # zeroed before the copy runs (the copier's stream waits for no other stream)
+            torch.cuda.synchronize(index.device)
             self.run(method, p_ids, d_ids)
             if not np.array_equal(
                 _block_sums(self.caches, p_ids).numpy(), _block_sums(self.ceiling_caches, d_ids)
