@@ -24,7 +24,9 @@ it is about to load, has exited."""
 
 
 def host_identity() -> str:
-    """``hostname/boot id``: equal for two processes on the same running host."""
+    """``hostname/boot id``. The boot id names the running kernel: every process on it shares
+    it, whatever its hostname (a container has its own UTS namespace, hence hostname, and
+    UCX still moves bytes between two such processes through shared memory or CMA)."""
     try:
         with open(f"{PROC}/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -33,18 +35,29 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def same_kernel(host: Any) -> bool | None:
+    """Whether a published :func:`host_identity` names the kernel this process runs on, by boot
+    id alone (hostnames differ between containers on one kernel); None when either side could
+    not read its boot id, or ``host`` is not an identity."""
+    if not isinstance(host, str) or "/" not in host:
+        return None
+    boot = host.rpartition("/")[2]
+    here_boot = host_identity().rpartition("/")[2]
+    if "?" in (boot, here_boot) or not boot:
+        return None
+    return boot == here_boot
+
+
 def may_be_this_host(host: Any) -> bool:
-    """Whether a published :func:`host_identity` may name the host this process runs on: equal,
-    or the same hostname where either side could not read its boot id (``?``: unknown is never
-    "another host")."""
-    here = host_identity()
-    if host == here:
-        return True
+    """Whether a published :func:`host_identity` may name the host this process runs on (a
+    process there may copy into this one's memory by itself): the same kernel, or, where either
+    side could not read its boot id, the same hostname (unknown is never "another host")."""
+    kernel = same_kernel(host)
+    if kernel is not None:
+        return kernel
     if not isinstance(host, str):
         return False
-    name, _, boot = host.rpartition("/")
-    here_name, _, here_boot = here.rpartition("/")
-    return name == here_name and "?" in (boot, here_boot)
+    return host.rpartition("/")[0] == host_identity().rpartition("/")[0]
 
 
 def _pid_namespace() -> str:
@@ -103,7 +116,9 @@ def has_exited(identity: Mapping[str, Any]) -> bool | None:
     # process can have: one past pid_max has no /proc entry and read as "exited".
     if type(pid) is not int or type(start) is not int or not 0 < pid <= _pid_max():
         return None
-    if host != host_identity() or pidns != _pid_namespace() or pidns == "?" or start < 0:
+    # /proc answers for a pid only on the same kernel (boot id) and in the same PID namespace
+    # (namespace inode numbers repeat between kernels: the initial one is the same everywhere).
+    if same_kernel(host) is not True or pidns != _pid_namespace() or pidns == "?" or start < 0:
         return None
     try:
         stat = _stat(pid)

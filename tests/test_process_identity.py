@@ -58,3 +58,22 @@ def test_what_cannot_be_seen_from_here_is_never_called_exited() -> None:
     assert has_exited({**me, "pidns": "pid:[1]"}) is None
     assert has_exited({"pid": me["pid"]}) is None
     assert has_exited({**me, "pid": "not a pid"}) is None
+
+
+def test_another_hostname_on_this_kernel_is_this_host() -> None:
+    """Containers on one kernel have their own hostnames (UTS namespaces) and share the boot id;
+    UCX still copies between two such processes through shared memory or CMA (measured here:
+    a P in its own UTS namespace, hostname 'p-container', WRITEs into D with
+    ``UCX_TLS=shm,self``, and the bytes land), so a P whose identity names another hostname
+    with this boot id may copy in by itself and is held, not fenced; and /proc answers for it
+    when its PID namespace is this one. Before, the hostname decided: such a P was taken for a
+    remote one, fenced, and its blocks released under a copy no fence stops."""
+    from kvpush.core.process_identity import host_identity, may_be_this_host, same_kernel
+
+    boot = host_identity().rpartition("/")[2]
+    other_name = f"p-container/{boot}"
+    assert same_kernel(other_name) is True and may_be_this_host(other_name)
+    assert not may_be_this_host("p-container/00000000-0000-0000-0000-000000000000")
+    assert same_kernel("p-container/?") is None and not may_be_this_host("p-container/?")
+    mine = {**this_process(), "host": other_name}
+    assert has_exited(mine) is False, "this process, named with another hostname, runs"
