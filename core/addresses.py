@@ -6,7 +6,8 @@ back). The two differ when the bind address is a wildcard (``0.0.0.0``) or when 
 container network sits in between. The rule (documented in docs/deployment.md):
 
 1. ``side_channel_advertise_host`` set: advertise it (it must not be a wildcard).
-2. else ``network_interface`` set: advertise that interface's IPv4 address.
+2. else ``network_interface`` set: advertise that interface's IPv4 address (else its
+   global IPv6 address: an IPv6-only host).
 3. else the bind address, unless it is a wildcard: a wildcard binds every interface and names
    none, so the configuration must say which one (``ConfigError``).
 
@@ -40,7 +41,7 @@ IFNAMSIZ = 16
 Resolver = Callable[[str], Iterable[str]]
 """Host name -> its IP addresses (``getaddrinfo`` by default)."""
 InterfaceLookup = Callable[[str], str]
-"""Interface name -> its IPv4 address."""
+"""Interface name -> its IPv4 address (else its global IPv6 one)."""
 
 
 def _strip(host: str) -> str:
@@ -55,6 +56,65 @@ def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         return ipaddress.ip_address(_strip(host))
     except ValueError:
         return None
+
+
+def is_ipv6(host: str, resolver: Resolver | None = None) -> bool:
+    """True for an IPv6 literal (bare or ``[bracketed]``) and for a name that resolves to IPv6
+    addresses only: a ZMQ socket needs ``zmq.IPV6`` to bind or connect it."""
+    ip = _ip(host)
+    if ip is not None:
+        return ip.version == 6
+    addresses = [a for a in (resolver or resolve)(_strip(host)) if _ip(a) is not None]
+    return bool(addresses) and all(_ip(a).version == 6 for a in addresses)  # type: ignore[union-attr]
+
+
+def check_host(host: object, what: str = "host") -> str:
+    """``host`` as given, if it is an IP literal (IPv4, IPv6 bare or ``[bracketed]``) or a
+    host name; ``ConfigError`` naming ``what`` otherwise (a port or scheme glued on, brackets
+    around something that is not IPv6, an empty string, whitespace)."""
+    if not isinstance(host, str) or not host or host != host.strip():
+        raise ConfigError(f"{what} must be an IP address or host name, got {host!r}")
+    if host.startswith("[") or host.endswith("]"):
+        ip = _ip(host) if host.startswith("[") and host.endswith("]") else None
+        if ip is None or ip.version != 6:
+            raise ConfigError(f"{what} {host!r}: brackets are only for an IPv6 address, e.g. '[fd00::1]'")
+        return host
+    if _ip(host) is not None:
+        return host
+    if (
+        ":" in host
+        or "/" in host
+        or len(host) > 253
+        or not all(
+            label and len(label) <= 63 and all(c.isalnum() or c in "-_" for c in label)
+            for label in host.rstrip(".").split(".")
+        )
+    ):
+        raise ConfigError(
+            f"{what} {host!r} is neither an IP address nor a host name (an IPv6 address is written "
+            f"bare or in brackets, without a port: 'fd00::1' or '[fd00::1]')"
+        )
+    return host
+
+
+def canonical_host(host: object, what: str = "host") -> str:
+    """:func:`check_host`, then one spelling per IP address: an IPv6 literal bare and compressed
+    (``[FD00:0::1]`` -> ``fd00::1``), so two spellings of one engine's address compare equal;
+    IPv4 addresses and host names as given."""
+    checked = check_host(host, what)
+    ip = _ip(checked)
+    return str(ip) if ip is not None and ip.version == 6 else checked
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes in a URL: an IPv6 literal in brackets (``tcp://[fd00::1]:5600``)."""
+    ip = _ip(host)
+    return f"[{ip}]" if ip is not None and ip.version == 6 else _strip(host)
+
+
+def tcp_url(host: str, port: int | str) -> str:
+    """``tcp://host:port`` with an IPv6 literal bracketed."""
+    return f"tcp://{url_host(host)}:{port}"
 
 
 def resolve(host: str) -> list[str]:
@@ -85,20 +145,45 @@ def is_loopback(host: str, resolver: Resolver | None = None) -> bool:
 
 
 def interface_address(name: str) -> str:
-    """The IPv4 address of network interface ``name`` (``ConfigError`` when it has none)."""
+    """The IPv4 address of network interface ``name``, else its global IPv6 address
+    (``ConfigError`` when it has neither)."""
     if not name or len(name.encode()) >= IFNAMSIZ or "/" in name:
         raise ConfigError(f"network_interface {name!r} is not an interface name (e.g. 'eth0')")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
             packed = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()))
         except OSError as err:
+            v6 = interface_ipv6_address(name)  # an IPv6-only interface (many clusters are)
+            if v6 is not None:
+                return v6
             known = ", ".join(n for _, n in socket.if_nameindex()) or "none"
             raise ConfigError(
-                f"network_interface {name!r} has no IPv4 address here ({err.strerror}); "
-                f"interfaces: {known}. Set network_interface to one of them or set "
+                f"network_interface {name!r} has no IPv4 address and no global IPv6 address here "
+                f"({err.strerror}); interfaces: {known}. Set network_interface to one of them or set "
                 f"side_channel_advertise_host to the address peers should use"
             ) from None
     return socket.inet_ntoa(packed[20:24])
+
+
+IF_INET6 = "/proc/net/if_inet6"
+IFA_F_UNUSABLE = 0x08 | 0x20 | 0x40  # IFA_F_DADFAILED, IFA_F_DEPRECATED, IFA_F_TENTATIVE
+
+
+def interface_ipv6_address(name: str, table: str = IF_INET6) -> str | None:
+    """The lowest global-scope IPv6 address of interface ``name`` that is usable (not
+    deprecated, tentative or failed DAD), from ``/proc/net/if_inet6``; None when it has none."""
+    try:
+        with open(table) as rows:
+            lines = rows.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        fields = line.split()
+        global_scope = len(fields) == 6 and fields[5] == name and int(fields[3], 16) == 0
+        if global_scope and not int(fields[4], 16) & IFA_F_UNUSABLE:
+            found.append(ipaddress.IPv6Address(bytes.fromhex(fields[0])))
+    return str(min(found)) if found else None
 
 
 def advertised_host(

@@ -355,6 +355,15 @@ class PushReceiver(RankWorker):
     def wait_finished(self, timeout_s: float) -> ReceiveResults:
         """Block until something finished, failed, was cancelled or released, at most
         ``timeout_s``; raises ``WaitTimeout`` naming the requests still pending."""
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not timeout_s <= threading.TIMEOUT_MAX  # NaN and +inf too: no bound
+        ):
+            raise ConfigError(
+                f"wait_finished(timeout_s={timeout_s!r}): give a finite number of seconds "
+                f"(at most {threading.TIMEOUT_MAX:g}; 0 or less: check once without waiting)"
+            )
         with self._results_ready:
             if not self._results_ready.wait_for(
                 lambda: self._done or self._failed or self._cancelled or self._released, timeout_s

@@ -37,6 +37,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvpush.core import wire
+from kvpush.core.addresses import is_ipv6, tcp_url, url_host
 from kvpush.core.errors import ConfigError, HandshakeError, WireError
 from kvpush.core.sidechannel_auth import (
     AUTH_MAGIC,
@@ -126,9 +127,11 @@ def _unpack(data: bytes, what: str, limits: Mapping[str, int]) -> Any:
         raise WireError(f"{what} is not valid msgpack ({type(err).__name__}: {err})") from None
 
 
-def _positive(name: str, value: float, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"SideChannelServer {name}={value!r} must be a positive number; {fix}")
+def _positive(name: str, value: float, fix: str, *, integer: bool = False) -> None:
+    kinds = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < float("inf"):
+        what = "an int" if integer else "finite"
+        raise ConfigError(f"SideChannelServer {name}={value!r} must be a positive number ({what}); {fix}")
 
 
 class SideChannelServer:
@@ -159,12 +162,16 @@ class SideChannelServer:
                 f"to the same value on every engine, bind 127.0.0.1, or pass insecure=True if every "
                 f"host on that network is trusted"
             )
-        _positive("max_connections", max_connections, "e.g. 128")
+        _positive("max_connections", max_connections, "e.g. 128", integer=True)
         _positive("idle_timeout_s", idle_timeout_s, "e.g. 10")
         _positive("zmtp_handshake_timeout_s", zmtp_handshake_timeout_s, "e.g. 2")
-        _positive("max_queued_replies", max_queued_replies, "1 or 2")
+        _positive("max_queued_replies", max_queued_replies, "1 or 2", integer=True)
         if max_reply_bytes is not None:
-            _positive("max_reply_bytes", max_reply_bytes, f"at most {wire.MAX_FRAME_BYTES}")
+            _positive("max_reply_bytes", max_reply_bytes, f"at most {wire.MAX_FRAME_BYTES}", integer=True)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(
+                f"SideChannelServer port={port!r} must be a TCP port in [0, 65535] (0: a free one)"
+            )
         self.max_reply_bytes = max_reply_bytes or wire.MAX_FRAME_BYTES
         self._warnings = RateLimitedWarnings(logger, f"side channel of {engine_id}: ")
         self._replies: dict[RankKey, bytes] = {}
@@ -189,12 +196,14 @@ class SideChannelServer:
             keys = curve_keys(self._secret)
             self._router.curve_server = True
             self._router.curve_secretkey = keys.server_secret
+        if is_ipv6(host):  # an IPv6 literal (or '::'), or a name with IPv6 addresses only
+            self._router.setsockopt(zmq.IPV6, 1)  # without it ZMQ answers 'No such device'
         monitor_address = f"inproc://kvpush-side-channel-monitor-{uuid.uuid4().hex}"
         self._router.monitor(monitor_address, MONITORED_EVENTS)
         self._monitor = self._ctx.socket(zmq.PAIR)
         self._monitor.setsockopt(zmq.LINGER, 0)
         self._monitor.connect(monitor_address)
-        address = f"tcp://{host}"
+        address = f"tcp://{url_host(host)}"
         try:
             if port == 0:
                 self.port = self._router.bind_to_random_port(address)
@@ -220,7 +229,7 @@ class SideChannelServer:
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        return tcp_url(self.host, self.port)
 
     @property
     def connections(self) -> int:
@@ -505,12 +514,14 @@ def fetch_metadata(
         sock.curve_serverkey = keys.server_public
         sock.curve_publickey = keys.client_public
         sock.curve_secretkey = keys.client_secret
+    if is_ipv6(host):
+        sock.setsockopt(zmq.IPV6, 1)  # without it ZMQ cannot reach an IPv6 address
     monitor_address = f"inproc://kvpush-fetch-monitor-{uuid.uuid4().hex}"
     sock.monitor(monitor_address, HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
     monitor = ctx.socket(zmq.PAIR)
     monitor.setsockopt(zmq.LINGER, 0)
     monitor.connect(monitor_address)
-    address = f"tcp://{host}:{port}"
+    address = tcp_url(host, port)
     started = time.perf_counter()
     try:
         sock.connect(address)

@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple
 import attrs
 from attrs import field, frozen
 
+from kvpush.core.addresses import canonical_host
 from kvpush.core.errors import ConfigError
 from kvpush.core.fingerprint import check_fingerprint
 
@@ -432,7 +433,7 @@ class TransferParams:
         )
         return cls(
             remote_engine_id=params["remote_engine_id"],
-            remote_host=params["remote_host"],
+            remote_host=canonical_host(params["remote_host"], "kv_transfer_params['remote_host']"),
             remote_port=ints["remote_port"],
             tp_size=ints["tp_size"],
             pp_size=ints["pp_size"],

@@ -59,7 +59,8 @@ class WorkerConfig:
     """The address peers are told to reach this side channel at (D: in PUSH_REG, HB, CANCEL);
     None: ``network_interface``'s address, else ``side_channel_host`` (kvpush.core.addresses)."""
     network_interface: str | None = None
-    """Interface whose IPv4 address is advertised when ``side_channel_host`` is a wildcard."""
+    """Interface whose IPv4 address (else global IPv6 address) is advertised when
+    ``side_channel_host`` is a wildcard."""
     handshake_timeout_s: float = 5.0
     """Bound on each side-channel query of a handshake."""
     request_timeout_s: float = 120.0
@@ -131,30 +132,71 @@ class WorkerConfig:
         return self.peer_silence_s or 3 * self.heartbeat_s + self.handshake_timeout_s
 
     def __attrs_post_init__(self) -> None:
-        for name in (
-            "handshake_timeout_s",
-            "request_timeout_s",
-            "lease_s",
-            "registration_ttl_s",
-            "write_deadline_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"WorkerConfig.{name} must be positive, got {getattr(self, name)!r}")
-        if not self.close_timeout_s >= 0:
-            raise ConfigError(f"WorkerConfig.close_timeout_s must be >= 0, got {self.close_timeout_s!r}")
-        if not self.keepalive_s >= 0:
-            raise ConfigError(
-                f"WorkerConfig.keepalive_s must be >= 0 (0 turns it off), got {self.keepalive_s!r}"
-            )
-        if type(self.timer_slack_ns) is not int or self.timer_slack_ns < 0:
-            raise ConfigError(
-                f"WorkerConfig.timer_slack_ns must be an int >= 0 (0 keeps the default), got "
-                f"{self.timer_slack_ns!r}"
-            )
+        _check_numbers(self)
         if self.freshness_s >= self.silence_s:
             raise ConfigError(
                 f"WorkerConfig.fresh_s ({self.freshness_s:g}s) must be shorter than peer_silence_s "
                 f"({self.silence_s:g}s): P must stop writing before D declares it dead"
+            )
+
+
+MAX_SECONDS = float(1 << 40)
+"""Largest time bound a ``WorkerConfig`` takes: the wire's bound on a published WRITE deadline
+(a finite bound: a deadline of +inf never fires, and one of NaN, in the core's deadline heap,
+keeps every later deadline from firing)."""
+MAX_POLL_S = 1.0
+"""Largest writer poll interval (notifications wait up to one interval to be drained)."""
+MAX_TIMER_SLACK_NS = 1_000_000
+"""Largest writer timer slack: the kernel may end every timed wait of the writer this much late,
+and its polls are 50 µs - 2 ms."""
+
+# field -> (lower bound, lower bound allowed, upper bound, None allowed, what the value means)
+_SECONDS: dict[str, tuple[float, bool, float, bool, str]] = {
+    "handshake_timeout_s": (0.0, False, MAX_SECONDS, False, ""),
+    "request_timeout_s": (0.0, False, MAX_SECONDS, False, ""),
+    "lease_s": (0.0, False, MAX_SECONDS, False, ""),
+    "registration_ttl_s": (0.0, False, MAX_SECONDS, False, ""),
+    "early_notification_ttl_s": (0.0, False, MAX_SECONDS, False, ""),
+    "write_deadline_s": (0.0, False, MAX_SECONDS, False, ""),
+    "heartbeat_interval_s": (0.0, False, MAX_SECONDS, True, "; None: lease_s / 6"),
+    "fresh_s": (0.0, False, MAX_SECONDS, True, "; None: two heartbeat intervals"),
+    "peer_silence_s": (0.0, False, MAX_SECONDS, True, "; None: 3 heartbeats + handshake_timeout_s"),
+    "engine_ttl_s": (-MAX_SECONDS, True, MAX_SECONDS, False, "; <= 0 never evicts"),
+    "close_timeout_s": (0.0, True, MAX_SECONDS, False, ""),
+    "keepalive_s": (0.0, True, MAX_SECONDS, False, "; 0 turns it off"),
+    "busy_poll_s": (0.0, True, MAX_POLL_S, False, ""),
+    "idle_poll_s": (0.0, False, MAX_POLL_S, False, ""),
+}
+# field -> (lowest, highest, None allowed, what the value means)
+_INTS: dict[str, tuple[int, int, bool, str]] = {
+    "timer_slack_ns": (0, MAX_TIMER_SLACK_NS, False, "; 0 keeps the default"),
+    "staging_bytes": (0, 1 << 40, False, "; 0 disables packing"),
+    "side_channel_port": (0, 65535, False, "; a TCP port, 0 only on P"),
+    "cuda_device": (0, 1 << 16, True, "; None on CPU"),
+}
+
+
+def _check_numbers(config: WorkerConfig) -> None:
+    """Every number of ``config`` of the right type and in its range: a ``ConfigError`` naming
+    the field, the value and the range (a bool is no number here, though Python's is an int)."""
+    for name, (low, low_ok, high, none_ok, note) in _SECONDS.items():
+        value = getattr(config, name)
+        if value is None and none_ok:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and (low <= value if low_ok else low < value) and value <= high):
+            sign = (">= 0" if low_ok else "positive") if low == 0 else "finite"
+            raise ConfigError(
+                f"WorkerConfig.{name} must be {sign}: a number of seconds in {'[' if low_ok else '('}"
+                f"{low:g}, {high:g}]{note}; got {value!r}"
+            )
+    for name, (lowest, highest, none_ok, note) in _INTS.items():
+        value = getattr(config, name)
+        if value is None and none_ok:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not lowest <= value <= highest:
+            raise ConfigError(
+                f"WorkerConfig.{name} must be an int in [{lowest}, {highest}]{note}; got {value!r}"
             )
 
 
@@ -201,6 +243,8 @@ class RankWorker:
         self._wake.acquire()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._writer_ready = threading.Event()
+        self._writer_error: BaseException | None = None
         self._local_lists: dict[tuple[int, int], int] = {}
         self._running = False
         self._transport_closed = False
@@ -311,6 +355,16 @@ class RankWorker:
         )
         self._running = True
         self._thread.start()
+        if not self._writer_ready.wait(WRITER_START_S) or self._writer_error is not None:
+            self._running = False
+            self._stop.set()
+            self._signal()
+            err = self._writer_error
+            why = f"{type(err).__name__}: {err}" if err else f"it did not start within {WRITER_START_S:g}s"
+            raise ConfigError(
+                f"the writer thread of {self.agent_name} could not start ({why}); check "
+                f"cuda_device={self.config.cuda_device!r} and timer_slack_ns={self.config.timer_slack_ns!r}"
+            ) from err
         return self.metadata
 
     def _make_core(self) -> None:
@@ -438,11 +492,17 @@ class RankWorker:
         return box.get("result")
 
     def _writer_loop(self) -> None:
-        set_timer_slack(self.config.timer_slack_ns)
-        if self.config.cuda_device is not None:
-            import torch
+        try:
+            set_timer_slack(self.config.timer_slack_ns)
+            if self.config.cuda_device is not None:
+                import torch
 
-            torch.cuda.set_device(self.config.cuda_device)
+                torch.cuda.set_device(self.config.cuda_device)
+        except BaseException as err:  # start() reports it; the rank must not look alive
+            self._writer_error = err
+            return
+        finally:
+            self._writer_ready.set()
         while not self._stop.is_set():
             try:
                 self._step()
@@ -642,6 +702,9 @@ def new_incarnation() -> str:
     late message of a replaced start is recognised as stale), then random bits."""
     return f"{time.time_ns():016x}{os.urandom(4).hex()}"
 
+
+WRITER_START_S = 60.0
+"""Bound on the writer thread's set-up (timer slack, CUDA device: the first torch import)."""
 
 FRESH_POLL_S = 50e-6
 """The writer's poll interval for ``FRESH_WINDOW_S`` after a post (instead of ``busy_poll_s``)."""

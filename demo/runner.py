@@ -755,8 +755,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--p-pauses", type=int, default=0, metavar="N", help="soak: stop N P rank processes for 2 s mid-run"
     )
     hosts = parser.add_argument_group("placing P and D on different hosts (docs/deployment.md)")
-    hosts.add_argument("--prefill-host", default="127.0.0.1", help="P's address; its side channel binds it")
-    hosts.add_argument("--decode-host", default="127.0.0.1", help="D's address; bound and advertised to P")
+    hosts.add_argument(
+        "--prefill-host",
+        default="127.0.0.1",
+        type=_host_argument,
+        help="P's address (IPv4, IPv6 such as fd00::1, or a name); its side channel binds it",
+    )
+    hosts.add_argument(
+        "--decode-host",
+        default="127.0.0.1",
+        type=_host_argument,
+        help="D's address (IPv4, IPv6 such as fd00::1, or a name); bound and advertised to P",
+    )
     hosts.add_argument("--prefill-netns", default=None, help="run P's processes in this network namespace")
     hosts.add_argument("--decode-netns", default=None, help="run D's processes in this network namespace")
     hosts.add_argument(
@@ -771,6 +781,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _host_argument(text: str) -> str:
+    """``--prefill-host`` / ``--decode-host``: an IP address or host name, without a port (an
+    IPv6 address bare or in brackets, given bare on: ``fd00::1``)."""
+    from kvpush.core.addresses import canonical_host
+
+    try:
+        return canonical_host(text, "host")
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _key_value(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` of ``--transport-option``: VALUE as JSON when it parses, else the string."""
     key, sep, value = text.partition("=")
@@ -782,7 +803,29 @@ def _key_value(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """The numeric flags of ``kvpush demo`` in range (NaN and inf are not)."""
+    if not 0 < args.timeout <= 86400:
+        raise ConfigError(f"--timeout must be a finite number of seconds in (0, 86400], got {args.timeout}")
+    for flag in ("requests", "max_blocks", "prefill_pp", "prefill_tp", "decode_tp"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    for flag in ("prefix_hit_rate", "abort_rate", "fault_rate"):
+        value = getattr(args, flag, 0.0)
+        if not 0 <= value <= 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be a share in [0, 1], got {value}")
+    for flag in ("soak", "p_kills", "d_kills", "p_pauses"):
+        if getattr(args, flag, 0) < 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+
+
 def main(args: argparse.Namespace) -> int:
+    try:
+        check_numbers(args)
+    except ConfigError as err:
+        print(f"kvpush demo: {err}", file=sys.stderr)
+        return 2
     transport = getattr(args, "transport", "nixl")
     if getattr(args, "soak", 0):
         if transport not in ("nixl", "cuda_ipc") or getattr(args, "transport_option", None):

@@ -1520,8 +1520,14 @@ def main(args: argparse.Namespace) -> int:
         w.topology()
         w.rank_devices()
         rates = args.rate or [10.0]
-        if any(r <= 0 for r in rates):
-            raise ValueError(f"--rate must be positive, got {rates}")
+        if not all(0 < r < 1e9 for r in rates):  # NaN and inf fail too
+            raise ValueError(f"--rate must be a finite number of requests/s > 0, got {rates}")
+        for flag, value, low in (("--prefill-ms", args.prefill_ms, 0), ("--p99-factor", args.p99_factor, 1)):
+            if not low <= value < 1e9:
+                raise ValueError(f"{flag} must be a finite number >= {low}, got {value}")
+        for flag, value, low in (("--requests", args.requests, 1), ("--verify-every", args.verify_every, 0)):
+            if value < low:
+                raise ValueError(f"{flag} must be at least {low}, got {value}")
         ideals = [] if args.no_ideal else list(dict.fromkeys(args.ideal or ["nixl"]))
         check_ideals(w, ideals)
     except (ValueError, ConfigError) as err:

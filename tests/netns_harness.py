@@ -19,6 +19,11 @@ Impairments act only on the ``kvpush0`` link inside the two namespaces this harn
   gives each packet its verdict ``ms`` later. One-way delay ``ms``, round trip ``2 * ms``.
   ``--queue-bypass`` and fail-open let packets through if the delayer is gone or overloaded.
 
+``MultiHost(ipv6=True)`` gives the link IPv6 addresses only (:class:`Ipv6NetnsPair`:
+``fd00:6b76:N::1/64`` for P, ``::2`` for D, ``nodad``, no IPv4 on the link), tells UCX to use
+IPv6 (``ucx_env={"UCX_TCP_AF_PRIO": "inet6"}``) and gives every side-channel and engine address
+as a bare IPv6 literal. Its impairments use ``ip6tables`` and its ``listeners()`` read ``tcp6``.
+
 Everything is removed by ``close()`` (also on failure): rank and helper processes are stopped
 by pid, then both namespaces are deleted, which deletes the veth pair and every rule in them.
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import ipaddress
 import os
 import select
 import shutil
@@ -40,6 +46,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
+
+from kvpush.core.errors import ConfigError
 from kvpush.core.types import ModelSpec, ParallelConfig, RankKey
 from kvpush.demo import netns
 from kvpush.demo.rank import RankSpec
@@ -94,6 +103,63 @@ def unavailable_reason(need_iptables: bool = False) -> str | None:
     return None
 
 
+IPV6_PREFIX = "fd00:6b76"
+"""``fd00:6b76:N::/64`` ("kv"): a unique local prefix for :class:`Ipv6NetnsPair`."""
+
+
+@attrs.define
+class Ipv6NetnsPair(netns.NetnsPair):
+    """:class:`kvpush.demo.netns.NetnsPair` with IPv6 addresses only on the link
+    (``fd00:6b76:N::1`` for P, ``::2`` for D; no IPv4 address anywhere but loopback). The
+    addresses are kept on ``ip link set down`` (``keep_addr_on_down=1``), as a carrier loss
+    keeps them; the default would flush them and the test would measure a renumbering."""
+
+    @property
+    def prefill_host(self) -> str:
+        return f"{IPV6_PREFIX}:{self.subnet:x}::1"
+
+    @property
+    def decode_host(self) -> str:
+        return f"{IPV6_PREFIX}:{self.subnet:x}::2"
+
+    def create(self) -> Ipv6NetnsPair:
+        reason = netns.unavailable_reason()
+        if reason:
+            raise ConfigError(reason)
+        netns.sweep_stale()
+        tag = f"{os.getpid() % 10**5}{netns.random.randrange(10**4):04d}"
+        outside = (f"kvp{tag}", f"kvd{tag}")
+        link = netns.LINK
+        try:
+            for ns in (self.prefill_ns, self.decode_ns):
+                netns._run("ip", "netns", "add", ns)
+                self.created.append(ns)
+            netns._run("ip", "link", "add", outside[0], "type", "veth", "peer", "name", outside[1])
+            try:
+                for end, ns in zip(outside, (self.prefill_ns, self.decode_ns)):
+                    netns._run("ip", "link", "set", end, "netns", ns)
+            except ConfigError:
+                for end in outside:
+                    subprocess.run(["ip", "link", "del", end], capture_output=True, timeout=20, check=False)
+                raise
+            for end, ns, host in zip(
+                outside, (self.prefill_ns, self.decode_ns), (self.prefill_host, self.decode_host)
+            ):
+                netns._run("ip", "-n", ns, "link", "set", end, "name", link)
+                for name, value in (("disable_ipv6", "0"), ("keep_addr_on_down", "1")):
+                    setting = f"net.ipv6.conf.{link}.{name}={value}"
+                    netns._run("ip", "netns", "exec", ns, "sysctl", "-qw", setting)
+                netns._run("ip", "-n", ns, "-6", "addr", "add", f"{host}/64", "dev", link, "nodad")
+                netns._run("ip", "-n", ns, "link", "set", link, "up")
+                netns._run("ip", "-n", ns, "link", "set", "lo", "up")
+                if "inet " in netns._run("ip", "-n", ns, "-4", "addr", "show", "dev", link):
+                    raise ConfigError(f"{link} in {ns} has an IPv4 address; this pair is IPv6 only")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+
 def _run(*args: str) -> None:
     done = subprocess.run(args, capture_output=True, text=True, timeout=20)
     if done.returncode != 0:
@@ -113,12 +179,15 @@ class MultiHost:
         transport_options: dict[str, Any] | None = None,
         sysctls: dict[str, str] | None = None,
         reuse_failed: bool = False,
+        ipv6: bool = False,
     ) -> None:
         """``reuse_failed``: P's ranks overwrite a failed request's blocks at once, as an engine
-        reusing them would (``RankSpec.reuse_failed_blocks``)."""
+        reusing them would (``RankSpec.reuse_failed_blocks``). ``ipv6``: an IPv6-only link
+        (:class:`Ipv6NetnsPair`, UCX on ``inet6``, addresses as IPv6 literals)."""
         self.prefill_pp, self.decode_tp = prefill_pp, decode_tp
         self.timers = dict(QUICK_TIMERS if timers is None else timers)
-        self.pair = netns.NetnsPair()
+        self.ipv6 = ipv6
+        self.pair = Ipv6NetnsPair() if ipv6 else netns.NetnsPair()
         self.ranks: list[_Rank] = []
         self.channels: list[EngineSideChannel] = []
         self.helpers: list[subprocess.Popen[str]] = []
@@ -137,6 +206,7 @@ class MultiHost:
             self.transport_options = {
                 "ucx_tls": "tcp",
                 "ucx_net_devices": self.pair.link,
+                **({"ucx_env": {"UCX_TCP_AF_PRIO": "inet6"}} if ipv6 else {}),
                 **(transport_options or {}),
             }
             self.p_channel = self._channel("prefill-0", self.pair.prefill_host, self.pair.prefill_ns)
@@ -386,20 +456,31 @@ class MultiHost:
         _run("ip", "-n", self.pair.decode_ns, "link", "set", self.pair.link, "up")
         # The connected route comes back with the link; wait (bounded) until it is there.
         deadline = time.monotonic() + 10
-        while f"dev {self.pair.link}" not in _routes(self.pair.decode_ns):
+        while f"dev {self.pair.link}" not in _routes(self.pair.decode_ns, self._route_prefix()):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no route over {self.pair.link} 10s after the link came up")
             time.sleep(0.05)
 
+    def _route_prefix(self) -> str | None:
+        """IPv6: the link's /64 route (``fd00:6b76:N::/64``), which comes back with the link."""
+        return self.pair.prefill_host.rsplit("::", 1)[0] + "::/64" if self.ipv6 else None
+
     def listeners(self, side: str = "decode") -> list[tuple[str, int]]:
-        """``(address, port)`` of every listening IPv4 TCP socket in P's or D's namespace."""
+        """``(address, port)`` of every listening IPv4 TCP socket in P's or D's namespace
+        (IPv6 ones, compressed text, when the harness is ``ipv6``)."""
         channel = self.d_channel if side == "decode" else self.p_channel
         found = []
-        for line in Path(f"/proc/{channel.process.pid}/net/tcp").read_text().splitlines()[1:]:
+        table = "tcp6" if self.ipv6 else "tcp"
+        for line in Path(f"/proc/{channel.process.pid}/net/{table}").read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A":  # LISTEN
                 address, port = fields[1].split(":")
-                found.append((".".join(str(b) for b in bytes.fromhex(address)[::-1]), int(port, 16)))
+                raw = bytes.fromhex(address)
+                if self.ipv6:  # four little-endian 32-bit words
+                    text = str(ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))))
+                else:
+                    text = ".".join(str(b) for b in raw[::-1])
+                found.append((text, int(port, 16)))
         return found
 
     def link_bytes(self) -> tuple[int, int]:
@@ -412,18 +493,22 @@ class MultiHost:
                 return int(fields[8]), int(fields[0])
         raise RuntimeError(f"{self.pair.link} not found in D's namespace")
 
+    @property
+    def _iptables(self) -> str:
+        return "ip6tables" if self.ipv6 else "iptables"
+
     def partition(self) -> None:
         link = self.pair.link
-        self.both("iptables", "-I", "INPUT", "-i", link, "-j", "DROP")
-        self.both("iptables", "-I", "OUTPUT", "-o", link, "-j", "DROP")
+        self.both(self._iptables, "-I", "INPUT", "-i", link, "-j", "DROP")
+        self.both(self._iptables, "-I", "OUTPUT", "-o", link, "-j", "DROP")
 
     def heal(self) -> None:
         """Remove every impairment rule (only the namespaces' own tables; they hold nothing else)."""
-        self.both("iptables", "-F")
+        self.both(self._iptables, "-F")
 
     def loss(self, probability: float) -> None:
         self.both(
-            "iptables", "-A", "OUTPUT", "-o", self.pair.link, "-m", "statistic", "--mode", "random",
+            self._iptables, "-A", "OUTPUT", "-o", self.pair.link, "-m", "statistic", "--mode", "random",
             "--probability", f"{probability}", "-j", "DROP",
         )  # fmt: skip
 
@@ -448,7 +533,7 @@ class MultiHost:
                     f"{proc.stderr.read() if proc.poll() is not None and proc.stderr else ''}"
                 )
             self._ns_run(
-                ns, "iptables", "-A", "INPUT", "-i", self.pair.link, "-j", "NFQUEUE",
+                ns, self._iptables, "-A", "INPUT", "-i", self.pair.link, "-j", "NFQUEUE",
                 "--queue-num", str(queue), "--queue-bypass",
             )  # fmt: skip
 
@@ -472,8 +557,14 @@ class MultiHost:
         self.close()
 
 
-def _routes(ns: str) -> str:
-    return subprocess.run(["ip", "-n", ns, "route"], capture_output=True, text=True, timeout=20).stdout
+def _routes(ns: str, ipv6_prefix: str | None = None) -> str:
+    """``ip route`` in ``ns``; with ``ipv6_prefix``, only the IPv6 route to that prefix."""
+    if ipv6_prefix is None:
+        return subprocess.run(["ip", "-n", ns, "route"], capture_output=True, text=True, timeout=20).stdout
+    done = subprocess.run(
+        ["ip", "-n", ns, "-6", "route", "show", ipv6_prefix], capture_output=True, text=True, timeout=20
+    )
+    return done.stdout
 
 
 # ---------------------------------------------------------------------- the NFQUEUE delayer
