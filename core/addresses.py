@@ -100,10 +100,16 @@ def check_host(host: object, what: str = "host") -> str:
 def canonical_host(host: object, what: str = "host") -> str:
     """:func:`check_host`, then one spelling per IP address: an IPv6 literal bare and compressed
     (``[FD00:0::1]`` -> ``fd00::1``), so two spellings of one engine's address compare equal;
-    IPv4 addresses and host names as given."""
+    an IPv4-mapped IPv6 address as its IPv4 address (``::ffff:10.0.0.1`` -> ``10.0.0.1``: the
+    same P, and loopback when it is ``::ffff:127.0.0.1``); a host name in lower case (DNS
+    names are case-insensitive); IPv4 addresses as given."""
     checked = check_host(host, what)
     ip = _ip(checked)
-    return str(ip) if ip is not None and ip.version == 6 else checked
+    if ip is None:
+        return checked.lower()
+    if ip.version == 6 and ip.ipv4_mapped is not None and not ip.scope_id:
+        return str(ip.ipv4_mapped)
+    return str(ip) if ip.version == 6 else checked
 
 
 def url_host(host: str) -> str:

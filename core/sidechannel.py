@@ -487,6 +487,23 @@ def _await_reply(
     return None, drops
 
 
+def _is_ipv6_within(host: str, deadline: float) -> bool | None:
+    """:func:`is_ipv6` of ``host``, or None when its name lookup did not answer by
+    ``deadline`` (getaddrinfo takes no timeout: it runs on a daemon thread left to finish)."""
+    box: dict[str, bool] = {}
+
+    def lookup() -> None:
+        try:
+            box["ipv6"] = is_ipv6(host)
+        except Exception:  # an unresolvable name: ZMQ reports it on connect
+            box["ipv6"] = False
+
+    thread = threading.Thread(target=lookup, name="kvpush-resolve", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    return box.get("ipv6")
+
+
 def fetch_metadata(
     host: str,
     port: int,
@@ -502,6 +519,13 @@ def fetch_metadata(
     waited for. With a secret (argument or ``KVPUSH_SIDE_CHANNEL_SECRET``) the connection is
     CURVE-encrypted with the server key derived from it and the request is HMAC-sealed. A reply
     over ``max_reply_bytes`` (default ``wire.MAX_FRAME_BYTES``) is refused by ZMQ."""
+    deadline = time.monotonic() + timeout_s
+    ipv6 = _is_ipv6_within(host, deadline)  # a name resolves within the query's bound
+    if ipv6 is None:
+        raise SideChannelUnanswered(
+            f"resolving {host!r} (the side channel of engine {engine_id!r}) took over {timeout_s:g}s "
+            f"while asking for rank {rank}; is the resolver answering?"
+        )
     key = resolve_secret(secret)
     limit = max_reply_bytes or wire.MAX_FRAME_BYTES
     ctx = zmq.Context.instance()
@@ -514,7 +538,7 @@ def fetch_metadata(
         sock.curve_serverkey = keys.server_public
         sock.curve_publickey = keys.client_public
         sock.curve_secretkey = keys.client_secret
-    if is_ipv6(host):
+    if ipv6:
         sock.setsockopt(zmq.IPV6, 1)  # without it ZMQ cannot reach an IPv6 address
     monitor_address = f"inproc://kvpush-fetch-monitor-{uuid.uuid4().hex}"
     sock.monitor(monitor_address, HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
@@ -529,7 +553,7 @@ def fetch_metadata(
         request = seal(key, b"req", os.urandom(NONCE_BYTES), request) if key else request
         sock.send(request, zmq.NOBLOCK)
         why = (address, rank, key is not None)
-        reply, drops = _await_reply(sock, monitor, request, time.monotonic() + timeout_s, why)
+        reply, drops = _await_reply(sock, monitor, request, deadline, why)
     except zmq.ZMQError as err:
         raise SideChannelUnanswered(f"side channel {address} failed for rank {rank}: {err}") from err
     finally:
