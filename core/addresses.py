@@ -51,7 +51,8 @@ def _strip(host: str) -> str:
     return host
 
 
-def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` as an IP address (IPv6 bare or ``[bracketed]``); None for a host name."""
     try:
         return ipaddress.ip_address(_strip(host))
     except ValueError:
@@ -61,11 +62,11 @@ def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 def is_ipv6(host: str, resolver: Resolver | None = None) -> bool:
     """True for an IPv6 literal (bare or ``[bracketed]``) and for a name that resolves to IPv6
     addresses only: a ZMQ socket needs ``zmq.IPV6`` to bind or connect it."""
-    ip = _ip(host)
+    ip = ip_literal(host)
     if ip is not None:
         return ip.version == 6
-    addresses = [a for a in (resolver or resolve)(_strip(host)) if _ip(a) is not None]
-    return bool(addresses) and all(_ip(a).version == 6 for a in addresses)  # type: ignore[union-attr]
+    addresses = [a for a in (resolver or resolve)(_strip(host)) if ip_literal(a) is not None]
+    return bool(addresses) and all(ip_literal(a).version == 6 for a in addresses)  # type: ignore[union-attr]
 
 
 def check_host(host: object, what: str = "host") -> str:
@@ -75,11 +76,11 @@ def check_host(host: object, what: str = "host") -> str:
     if not isinstance(host, str) or not host or host != host.strip():
         raise ConfigError(f"{what} must be an IP address or host name, got {host!r}")
     if host.startswith("[") or host.endswith("]"):
-        ip = _ip(host) if host.startswith("[") and host.endswith("]") else None
+        ip = ip_literal(host) if host.startswith("[") and host.endswith("]") else None
         if ip is None or ip.version != 6:
             raise ConfigError(f"{what} {host!r}: brackets are only for an IPv6 address, e.g. '[fd00::1]'")
         return host
-    if _ip(host) is not None:
+    if ip_literal(host) is not None:
         return host
     if (
         ":" in host
@@ -104,7 +105,7 @@ def canonical_host(host: object, what: str = "host") -> str:
     same P, and loopback when it is ``::ffff:127.0.0.1``); a host name in lower case (DNS
     names are case-insensitive); IPv4 addresses as given."""
     checked = check_host(host, what)
-    ip = _ip(checked)
+    ip = ip_literal(checked)
     if ip is None:
         return checked.lower()
     if ip.version == 6 and ip.ipv4_mapped is not None and not ip.scope_id:
@@ -114,7 +115,7 @@ def canonical_host(host: object, what: str = "host") -> str:
 
 def url_host(host: str) -> str:
     """``host`` as it goes in a URL: an IPv6 literal in brackets (``tcp://[fd00::1]:5600``)."""
-    ip = _ip(host)
+    ip = ip_literal(host)
     return f"[{ip}]" if ip is not None and ip.version == 6 else _strip(host)
 
 
@@ -134,20 +135,20 @@ def resolve(host: str) -> list[str]:
 
 def is_wildcard(host: str) -> bool:
     """``0.0.0.0``, ``::``, ``*`` or empty: binds every interface, reachable at none."""
-    return host.strip() in WILDCARDS or ((ip := _ip(host)) is not None and ip.is_unspecified)
+    return host.strip() in WILDCARDS or ((ip := ip_literal(host)) is not None and ip.is_unspecified)
 
 
 def is_loopback(host: str, resolver: Resolver | None = None) -> bool:
     """True for ``127.0.0.0/8``, ``::1`` and names that resolve only to loopback addresses
     (``localhost``, or a host name Debian's ``/etc/hosts`` maps to ``127.0.1.1``)."""
-    ip = _ip(host)
+    ip = ip_literal(host)
     if ip is not None:
         return ip.is_loopback
     name = _strip(host).lower()
     if name in LOOPBACK_NAMES:
         return True
-    addresses = [a for a in (resolver or resolve)(name) if _ip(a) is not None]
-    return bool(addresses) and all(_ip(a).is_loopback for a in addresses)  # type: ignore[union-attr]
+    addresses = [a for a in (resolver or resolve)(name) if ip_literal(a) is not None]
+    return bool(addresses) and all(ip_literal(a).is_loopback for a in addresses)  # type: ignore[union-attr]
 
 
 def interface_address(name: str) -> str:

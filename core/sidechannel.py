@@ -37,7 +37,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvpush.core import wire
-from kvpush.core.addresses import is_ipv6, tcp_url, url_host
+from kvpush.core.addresses import ip_literal, is_ipv6, tcp_url, url_host
 from kvpush.core.errors import ConfigError, HandshakeError, WireError
 from kvpush.core.sidechannel_auth import (
     AUTH_MAGIC,
@@ -489,7 +489,11 @@ def _await_reply(
 
 def _is_ipv6_within(host: str, deadline: float) -> bool | None:
     """:func:`is_ipv6` of ``host``, or None when its name lookup did not answer by
-    ``deadline`` (getaddrinfo takes no timeout: it runs on a daemon thread left to finish)."""
+    ``deadline`` (getaddrinfo takes no timeout: it runs on a daemon thread left to finish). An IP
+    literal, the common case, needs no lookup."""
+    ip = ip_literal(host)
+    if ip is not None:
+        return ip.version == 6
     box: dict[str, bool] = {}
 
     def lookup() -> None:

@@ -261,33 +261,20 @@ def test_a_decode_transport_without_the_fence_is_refused_or_never_releases(probe
         assert not released_early, "D released block 1 with P's WRITE into it still queued"
 
 
-def test_a_fence_peer_that_raises_holds_the_blocks(probe_pm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Held: a fence_peer that raises leaves the fence unregistered, so it is never confirmed
-    and the blocks stay held (the engine has the failure)."""
+@pytest.mark.parametrize("method", ["fence_peer", "fenced"])
+def test_a_fence_that_raises_holds_the_blocks(
+    probe_pm: Any, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """Held: a ``fence_peer`` that raises leaves the fence unregistered, so it is never
+    confirmed, and a ``fenced()`` that raises is never a confirmation: the blocks stay held (the
+    engine has the failure)."""
     with Cluster(transport="delayed", request_timeout_s=60, close_timeout_s=0.1) as c:
         d = c.receivers[0].transport
 
-        def broken(peer: str) -> None:
-            raise RuntimeError("fence failed (injected)")
+        def broken(peer: str) -> Any:
+            raise RuntimeError(f"{method} failed (injected)")
 
-        monkeypatch.setattr(d, "fence_peer", broken)
-        c.senders[RankKey(0, 0)].transport.fail_writes = 1  # P says: ended unsettled
-        c.add("d-1", [[1]], "x-1")
-        c.finish("p-1", [[2]], "x-1")
-        assert c.wait_decode("d-1", timeout_s=5)[0] is not None
-        assert not _released_within(c, "d-1", 0.5)
-        assert c.receivers[0].stats["fences"] >= 1
-
-
-def test_a_fenced_that_raises_holds_the_blocks(probe_pm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Held: fenced() raising is never a confirmation."""
-    with Cluster(transport="delayed", request_timeout_s=60, close_timeout_s=0.1) as c:
-        d = c.receivers[0].transport
-
-        def broken(peer: str) -> bool:
-            raise RuntimeError("fence state unreadable (injected)")
-
-        monkeypatch.setattr(d, "fenced", broken)
+        monkeypatch.setattr(d, method, broken)
         c.senders[RankKey(0, 0)].transport.fail_writes = 1  # P says: ended unsettled
         c.add("d-1", [[1]], "x-1")
         c.finish("p-1", [[2]], "x-1")

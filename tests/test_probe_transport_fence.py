@@ -244,6 +244,23 @@ def test_a_connection_d_reopens_to_p_after_the_fence_is_fenced_too() -> None:
         p.stop()
 
 
+def _fence_while_stopped(d: Any, p: Agent, name: str, buf: Any) -> tuple[int, list[tuple[str, bytes]]]:
+    """Stop P, fence it and wait (bounded) for the confirmation, then let P run again: the bytes
+    landed at the confirmation, and the notifications drained meanwhile."""
+    notes: list[tuple[str, bytes]] = []
+    os.kill(p.process.pid, signal.SIGSTOP)
+    try:
+        d.fence_peer(name)
+        deadline = time.monotonic() + WAIT_S
+        while not d.fenced(name):
+            assert time.monotonic() < deadline, "the fence was never confirmed"
+            notes += d.drain_notifs()
+            time.sleep(0.001)
+        return _landed(buf), notes
+    finally:
+        os.kill(p.process.pid, signal.SIGCONT)
+
+
 @pytest.mark.parametrize("options", [{"ucx_tls": "tcp"}, IPV6], ids=["tcp", "tcp-ipv6"])
 def test_a_peer_stalled_through_the_fence_cannot_reconnect_after_it(options: dict[str, Any]) -> None:
     """P loads D and WRITEs at once (its connection request waits in D's socket: D has not
@@ -264,18 +281,7 @@ def test_a_peer_stalled_through_the_fence_cannot_reconnect_after_it(options: dic
         p.call("load", d.metadata())
         p.call("write", d.agent_name, buf.data_ptr(), BLOCKS, b"big")
         time.sleep(0.5)
-        notes: list[tuple[str, bytes]] = []
-        os.kill(p.process.pid, signal.SIGSTOP)
-        try:
-            d.fence_peer(name)
-            deadline = time.monotonic() + WAIT_S
-            while not d.fenced(name):
-                assert time.monotonic() < deadline, "the fence was never confirmed"
-                notes += d.drain_notifs()
-                time.sleep(0.001)
-            at_fence = _landed(buf)
-        finally:
-            os.kill(p.process.pid, signal.SIGCONT)
+        at_fence, notes = _fence_while_stopped(d, p, name, buf)
         notes += _progress(d, 3.0)
         after = _landed(buf)
         states = p.call("states")
@@ -309,17 +315,7 @@ def test_a_listener_turned_allow_only_stops_a_stalled_peer_and_takes_a_new_one()
         p.call("load", d.metadata())
         p.call("write", d.agent_name, buf.data_ptr(), BLOCKS, b"big")
         time.sleep(0.5)
-        os.kill(p.process.pid, signal.SIGSTOP)
-        try:
-            d.fence_peer(name)
-            deadline = time.monotonic() + WAIT_S
-            while not d.fenced(name):
-                assert time.monotonic() < deadline, "the fence was never confirmed"
-                d.drain_notifs()
-                time.sleep(0.001)
-            at_fence = _landed(buf)
-        finally:
-            os.kill(p.process.pid, signal.SIGCONT)
+        at_fence, _ = _fence_while_stopped(d, p, name, buf)
         assert tcp_fence.allowed(d._tcp_listeners) == set(d._tcp_listeners), "allow-only: its own"
         _progress(d, 3.0)
         assert _landed(buf) == at_fence, "the fenced peer's WRITE landed after the confirmation"
@@ -403,17 +399,37 @@ def _unread(sock: socket.socket) -> int:
     return count[0]
 
 
-def _conn_req(host: str, port: int) -> bytes:
-    """A UCX 1.23 TCP connection request naming listener ``(host, port)`` (layout: tcp_fence)."""
-    out = bytearray(tcp_fence.CONN_REQ_LEN)
+def _conn_req(host: str, port: int, length: int | None = None) -> bytes:
+    """A UCX 1.23 TCP connection request naming listener ``(host, port)`` from an IPv4 or IPv6
+    interface (layout: ``tcp_fence.CONN_REQ_LEN`` / ``CONN_REQ_LEN_V6``); ``length`` cuts it."""
+    v6 = ":" in host
+    full = tcp_fence.CONN_REQ_LEN_V6 if v6 else tcp_fence.CONN_REQ_LEN
+    out = bytearray(full if length is None else length)
     out[0:8] = tcp_fence.UCX_MAGIC.to_bytes(8, "little")
     out[8] = 32
-    out[9:13] = (tcp_fence.CONN_REQ_LEN - 13).to_bytes(4, "little")
+    out[9:13] = (len(out) - 13).to_bytes(4, "little")
     out[13] = 1
-    out[26:28] = socket.AF_INET.to_bytes(2, "little")
+    out[26:28] = (socket.AF_INET6 if v6 else socket.AF_INET).to_bytes(2, "little")
     out[28:30] = port.to_bytes(2, "big")
-    out[30:34] = socket.inet_aton(host)
+    if len(out) >= full:
+        at = 34 if v6 else 30
+        packed = socket.inet_pton(socket.AF_INET6 if v6 else socket.AF_INET, host)
+        out[at : at + len(packed)] = packed
     return bytes(out)
+
+
+def _arrives(listener: socket.socket, payload: bytes) -> bytes | None:
+    """Send ``payload`` on a new connection into ``listener``; what arrives, None if nothing does
+    within a second (a refused request is dropped)."""
+    with socket.create_connection(listener.getsockname()[:2]) as client:
+        server, _ = listener.accept()
+        with server:
+            client.sendall(payload)
+            server.settimeout(1.0)
+            try:
+                return server.recv(1 << 16)
+            except TimeoutError:
+                return None
 
 
 def test_a_refused_peers_connection_requests_never_arrive_and_admit_lifts_it() -> None:
@@ -425,31 +441,22 @@ def test_a_refused_peers_connection_requests_never_arrive_and_admit_lifts_it() -
     own = [listener.getsockname()]
     refused, other = ("127.0.0.1", 4444), ("192.0.2.9", 5555)
 
-    def arrives(payload: bytes) -> bytes | None:
-        with socket.create_connection(own[0]) as client:
-            server, _ = listener.accept()
-            with server:
-                client.sendall(payload)
-                server.settimeout(1.0)  # a request refused is dropped: nothing ever arrives
-                try:
-                    return server.recv(1 << 16)
-                except TimeoutError:
-                    return None
-
     try:
         assert tcp_fence.conn_req_source(_conn_req(*refused)) == refused
         assert tcp_fence.refuse([refused], own)
         assert tcp_fence.refused(own) == {refused}
-        assert arrives(_conn_req(*refused)) is None
-        assert arrives(_conn_req("127.0.0.1", 4445)) == _conn_req("127.0.0.1", 4445)
-        assert arrives(_conn_req("127.0.0.2", 4444)) == _conn_req("127.0.0.2", 4444)
-        assert arrives(b"plain bytes") == b"plain bytes"
+        assert _arrives(listener, _conn_req(*refused)) is None
+        assert _arrives(listener, _conn_req("127.0.0.1", 4445)) == _conn_req("127.0.0.1", 4445)
+        assert _arrives(listener, _conn_req("127.0.0.2", 4444)) == _conn_req("127.0.0.2", 4444)
+        assert _arrives(listener, b"plain bytes") == b"plain bytes"
         assert tcp_fence.refuse([other], own)
-        assert arrives(_conn_req(*other)) is None and arrives(_conn_req(*refused)) is None
+        assert (
+            _arrives(listener, _conn_req(*other)) is None and _arrives(listener, _conn_req(*refused)) is None
+        )
         tcp_fence.admit([refused], own)
         assert tcp_fence.refused(own) == {other}
-        assert arrives(_conn_req(*refused)) == _conn_req(*refused)
-        assert arrives(_conn_req(*other)) is None
+        assert _arrives(listener, _conn_req(*refused)) == _conn_req(*refused)
+        assert _arrives(listener, _conn_req(*other)) is None
         # a connection accepted while refused, its request dropped: the peer's kernel keeps
         # retransmitting it, and once admitted it arrives on that very connection
         with socket.create_connection(own[0]) as client:
@@ -463,23 +470,9 @@ def test_a_refused_peers_connection_requests_never_arrive_and_admit_lifts_it() -
                 assert tcp_fence.refused(own) == set()
                 server.settimeout(WAIT_S)
                 assert server.recv(1 << 16) == _conn_req(*other), "the retransmission arrives"
-        assert arrives(_conn_req(*other)) == _conn_req(*other)
+        assert _arrives(listener, _conn_req(*other)) == _conn_req(*other)
     finally:
         listener.close()
-
-
-def _conn_req6(host: str, port: int, length: int = tcp_fence.CONN_REQ_LEN_V6) -> bytes:
-    """The same request from an IPv6 interface (layout: tcp_fence.CONN_REQ_LEN_V6)."""
-    out = bytearray(length)
-    out[0:8] = tcp_fence.UCX_MAGIC.to_bytes(8, "little")
-    out[8] = 32
-    out[9:13] = (length - 13).to_bytes(4, "little")
-    out[13] = 1
-    out[26:28] = socket.AF_INET6.to_bytes(2, "little")
-    out[28:30] = port.to_bytes(2, "big")
-    if length >= 50:
-        out[34:50] = socket.inet_pton(socket.AF_INET6, host)
-    return bytes(out)
 
 
 def test_an_ipv6_listener_refuses_requests_naming_a_refused_ipv6_or_wildcard_listener() -> None:
@@ -490,33 +483,22 @@ def test_an_ipv6_listener_refuses_requests_naming_a_refused_ipv6_or_wildcard_lis
     own = [listener.getsockname()[:2]]
     refused, wildcard = ("fd00::7", 4444), ("::", 6666)
 
-    def arrives(payload: bytes) -> bytes | None:
-        with socket.create_connection(own[0]) as client:
-            server, _ = listener.accept()
-            with server:
-                client.sendall(payload)
-                server.settimeout(1.0)  # a request refused is dropped: nothing ever arrives
-                try:
-                    return server.recv(1 << 16)
-                except TimeoutError:
-                    return None
-
     try:
-        assert tcp_fence.conn_req_source(_conn_req6(*refused)) == refused
+        assert tcp_fence.conn_req_source(_conn_req(*refused)) == refused
         assert tcp_fence.refuse([refused, wildcard, ("192.0.2.9", 5555)], own)
-        assert arrives(_conn_req6(*refused)) is None
-        assert arrives(_conn_req6("fd00::8", 6666)) is None, "the wildcard's port, any host"
+        assert _arrives(listener, _conn_req(*refused)) is None
+        assert _arrives(listener, _conn_req("fd00::8", 6666)) is None, "the wildcard's port, any host"
         for passes in (
-            _conn_req6("fd00::7", 4445),
-            _conn_req6("fd00::8", 4444),
-            _conn_req6("fd00::7", 4444, length=tcp_fence.CONN_REQ_LEN),
+            _conn_req("fd00::7", 4445),
+            _conn_req("fd00::8", 4444),
+            _conn_req("fd00::7", 4444, length=tcp_fence.CONN_REQ_LEN),
             _conn_req("127.0.0.1", 4444),
             b"plain bytes",
         ):
-            assert arrives(passes) == passes
-        assert arrives(_conn_req("192.0.2.9", 5555)) is None
+            assert _arrives(listener, passes) == passes
+        assert _arrives(listener, _conn_req("192.0.2.9", 5555)) is None
         tcp_fence.admit([refused, wildcard], own)
-        assert arrives(_conn_req6(*refused)) == _conn_req6(*refused)
+        assert _arrives(listener, _conn_req(*refused)) == _conn_req(*refused)
     finally:
         tcp_fence.admit([("192.0.2.9", 5555)], own)
         listener.close()

@@ -342,7 +342,7 @@ class NixlTransport:
         listeners = _listeners(info)
         # None: it published none (an earlier release) or one a filter cannot name: while it
         # is loaded, no listener may take only the loaded peers' connection requests.
-        known = listeners is not None and tcp_fence._refusable(listeners)[1]
+        known = listeners is not None and tcp_fence.refusable(listeners)[1]
         self._loaded_listeners[name] = list(listeners or ()) if known else None
         if tcp_fence.supported() and (listeners or not known) and self._tcp_listeners:
             # Loaded again: its connections are accepted again (an earlier fence refused them).

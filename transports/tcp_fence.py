@@ -430,7 +430,7 @@ def _own_listener_sockets(
     ]
 
 
-def _refusable(peer_listeners: Iterable[tuple[str, int]] | None) -> tuple[set[tuple[str, int]], bool]:
+def refusable(peer_listeners: Iterable[tuple[str, int]] | None) -> tuple[set[tuple[str, int]], bool]:
     """The peer's listener addresses a filter can name, and whether that is all of them."""
     out, whole = set(), True
     for host, port in peer_listeners or ():
@@ -463,7 +463,7 @@ def _update(
     None: not known (a loaded peer published none): a listener refuses exactly (an allow-only
     one goes back to its refused set, kept for this, where that fits; else it is not done)."""
     done = []
-    live = None if loaded is None else _refusable(loaded)[0]
+    live = None if loaded is None else refusable(loaded)[0]
     with _refusals_lock:
         table = sockets()
         held = _own_listener_sockets(own_listeners, table)
@@ -562,7 +562,7 @@ def refuse(
     ``loaded``: the listeners of every peer loaded now (the peer refused is not one of them); a
     listener whose filter cannot hold one more refused address then refuses every address but
     those (allow-only), so a fence never fails for the addresses of processes fenced long ago."""
-    peer, whole = _refusable(peer_listeners)
+    peer, whole = refusable(peer_listeners)
     own = list(own_listeners)
     if not peer or not own:
         return False
@@ -585,7 +585,7 @@ def admit(
     again), on the listeners and on the connections they accepted meanwhile: the peer's UCX may
     still be retransmitting a refused connection request on one of those (its endpoint waits
     for the acknowledgement), and that endpoint is the one its new traffic uses."""
-    peer, _ = _refusable(peer_listeners)
+    peer, _ = refusable(peer_listeners)
     if peer or loaded is None:  # None: a peer whose listeners are unknown is loaded (refuse exactly)
         _update(list(own_listeners), remove=peer, accepted=True, loaded=loaded)
 
