@@ -119,9 +119,14 @@ def url_host(host: str) -> str:
     return f"[{ip}]" if ip is not None and ip.version == 6 else _strip(host)
 
 
+def host_port(host: str, port: int | str) -> str:
+    """``host:port`` for messages and URLs, an IPv6 literal bracketed (``[fd00::1]:5600``)."""
+    return f"{url_host(host)}:{port}"
+
+
 def tcp_url(host: str, port: int | str) -> str:
     """``tcp://host:port`` with an IPv6 literal bracketed."""
-    return f"tcp://{url_host(host)}:{port}"
+    return f"tcp://{host_port(host, port)}"
 
 
 def resolve(host: str) -> list[str]:

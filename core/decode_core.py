@@ -54,6 +54,7 @@ from kvpush.core.actions import (
     Scatter,
     Send,
 )
+from kvpush.core.addresses import host_port
 from kvpush.core.deadlines import Deadlines, RateLimit, RecentIds
 from kvpush.core.types import (
     Notification,
@@ -410,11 +411,11 @@ class DecodeCore:
             # P engine holds the key): fail now, naming both addresses.
             return out + self._close(
                 rid,
-                f"P engine {engine.engine_id!r} is known here at {engine.host}:{engine.port} with "
+                f"P engine {engine.engine_id!r} is known here at {host_port(engine.host, engine.port)} with "
                 f"requests or a handshake in progress, and this request names it at "
-                f"{params.remote_host}:{params.remote_port}: two P engines share one engine_id (give "
-                f"each its own), or P moved while this D still works with its old address (requests "
-                f"succeed once that work ended)",
+                f"{host_port(params.remote_host, params.remote_port)}: two P engines share one "
+                f"engine_id (give each its own), or P moved while this D still works with its old "
+                f"address (requests succeed once that work ended)",
                 now,
             )
         if engine.state is _EngineState.FAILED and engine.refused:
@@ -444,8 +445,8 @@ class DecodeCore:
             # handshake in flight): P moved, or another engine shares its id (one request at a
             # time works). Handshake afresh where it is named.
             why = (
-                f"P engine {engine.engine_id!r} is named at {address[0]}:{address[1]}, not "
-                f"{engine.host}:{engine.port} any more"
+                f"P engine {engine.engine_id!r} is named at {host_port(*address)}, not "
+                f"{host_port(engine.host, engine.port)} any more"
             )
             self.forget_engine(engine.engine_id)
             moved.append(DropPeer(params.remote_engine_id, why))
@@ -2057,8 +2058,9 @@ class DecodeCore:
         return self._engine_failed(
             engine,
             f"P did not answer this rank's HELLO within {self.s.hello_timeout_s:g}s: P could not reach "
-            f"this engine's side channel at {self.s.host}:{self.s.port} (check the advertised address), "
-            f"or notifications between the engines are lost (check the UCX transports, e.g. UCX_TLS)",
+            f"this engine's side channel at {host_port(self.s.host, self.s.port)} (check the "
+            f"advertised address), or notifications between the engines are lost (check the UCX "
+            f"transports, e.g. UCX_TLS)",
             now,
             spare=self._done_coming(engine),
         )

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from kvpush.core import wire
+from kvpush.core.addresses import host_port
 from kvpush.core.block_order import slice_rows
 from kvpush.core.errors import HandshakeError, KvpushError, PeerProcessExited, TransferError
 from kvpush.core.manager import KvpushPluginManager
@@ -257,7 +258,7 @@ class PeerRegistry:
         )
         if peer.engine_id != engine_id:
             raise HandshakeError(
-                f"{host}:{port} serves engine {peer.engine_id!r}, but {engine_id!r} was "
+                f"{host_port(host, port)} serves engine {peer.engine_id!r}, but {engine_id!r} was "
                 f"expected; check the router's remote_engine_id and port"
             )
         if peer.rank != rank:

@@ -40,6 +40,7 @@ import attrs
 
 from kvpush.core import notifications as wire
 from kvpush.core.actions import Abort, Connect, DropPeer, Post, Report, Send
+from kvpush.core.addresses import host_port
 from kvpush.core.deadlines import Deadlines, RateLimit
 from kvpush.core.types import (
     BlockIds,
@@ -725,8 +726,8 @@ class PrefillCore:
             self._reject(
                 agent,
                 note,
-                f"PUSH_REG names {reg.decode_host}:{reg.decode_port}, but D engine "
-                f"{reg.decode_engine_id!r} was handshaken at {engine.host}:{engine.port}",
+                f"PUSH_REG names {host_port(reg.decode_host, reg.decode_port)}, but D engine "
+                f"{reg.decode_engine_id!r} was handshaken at {host_port(engine.host, engine.port)}",
             )
             return []
         if engine.agents.get(rank) not in (None, agent):

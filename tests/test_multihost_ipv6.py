@@ -157,6 +157,30 @@ def test_d_takes_one_busy_p_spelled_two_ways_as_one_engine() -> None:
     assert not [r for r in _reports(out) if r.outcome == "failed"], _reports(out)
 
 
+def test_decode_names_two_ipv6_p_addresses_bracketed() -> None:
+    """D's 'two P engines share one engine_id' names both addresses as ``[v6]:port``, not the
+    ambiguous ``fd00::1:5600``."""
+    from test_adversarial_keepalive import P_AGENT, _answer, _decode, _info, _reports
+    from test_engine_address import _meta
+
+    d = _decode()
+    d.add(_meta("r1", "k1", "fd00::1"), 0.0)
+    d.connected("P", _info(), "", 0.0)
+    d.notification(P_AGENT, _answer(0.0), 0.0)
+    out = d.add(_meta("r2", "k2", "fd00::2"), 1.0)
+    failed = [r for r in _reports(out) if r.outcome == "failed"]
+    assert failed and "[fd00::1]:" in failed[0].reason and "[fd00::2]:" in failed[0].reason, failed
+
+
+def test_host_port_brackets_ipv6_only() -> None:
+    from kvpush.core.addresses import host_port
+
+    assert host_port("fd00::1", 5600) == "[fd00::1]:5600"
+    assert host_port("[fd00::1]", 5600) == "[fd00::1]:5600"
+    assert host_port("10.0.0.7", 5600) == "10.0.0.7:5600"
+    assert host_port("decode-3.example", 5600) == "decode-3.example:5600"
+
+
 FINDING_5 = (
     "finding 5: demo/runner.py's --prefill-host/--decode-host have no type check: a host with a "
     "port glued on ('[fd00::1]:5600') is accepted and fails later at the side-channel bind"
