@@ -68,6 +68,9 @@ class PeerEngine:
     ranks: dict[RankKey, PeerRank] = attrs.field(factory=dict)
     handshake_ms: float = 0.0
     last_active: float = attrs.field(factory=time.monotonic)
+    latest: tuple[RankKey, ...] = ()
+    """The ranks its latest handshake fetched and checked (``ranks`` may also hold ranks an
+    earlier handshake loaded, of another parallel layout: none of them is checked now)."""
     refusal: str = ""
     """D, of its latest handshake: why the producers it loaded are no set it may register with
     (:func:`check_producers`; "" when they are). They are loaded all the same, notif-only, so
@@ -280,6 +283,7 @@ class PeerRegistry:
         refusal: str = "",
     ) -> None:
         engine_id = key[0]
+        latest = tuple(fetched)
         try:
             for peer_rank in fetched.values():
                 peer_rank.agent = self._load_agent(peer_rank.meta)
@@ -295,6 +299,7 @@ class PeerRegistry:
             engine = PeerEngine(engine_id=engine_id, host=host, port=port, mode=mode)
             self.engines[engine_id] = engine
         engine.ranks.update(fetched)
+        engine.latest = latest
         engine.refusal = refusal
         engine.handshake_ms = (time.perf_counter() - started) * 1e3
         samples = self.handshake_ms[mode.value]

@@ -526,17 +526,26 @@ class PushReceiver(RankWorker):
 
     def _producer_info(self, engine: PeerEngine) -> ProducerInfo:
         me = self.config.parallel
-        first = next(iter(engine.ranks.values())).meta
+        if not engine.latest:
+            raise HandshakeError(f"P engine {engine.engine_id!r}: the handshake loaded no rank")
+        # Only the ranks this handshake fetched were checked (``check_producers``): an earlier
+        # handshake's ranks (another layout, a refused mix) stay loaded but never count.
+        first = engine.ranks[engine.latest[0]].meta
         wanted = self.pm.expected_producers(first.parallel, me.tp_rank, me.tp_size)
-        missing = sorted(set(wanted) - set(engine.ranks))
+        missing = sorted(set(wanted) - set(engine.latest))
         if missing:
             raise HandshakeError(f"P engine {engine.engine_id!r}: producers {missing} were not loaded")
-        deadline = first.extensions.get(WRITE_DEADLINE_KEY)
-        if not isinstance(deadline, (int, float)) or deadline <= 0:
+        # The request waits for every producer: each one's own WRITE deadline and word on
+        # whether a fence stops its WRITEs count (one stage may copy with kernels, another not).
+        deadlines = [engine.ranks[r].meta.extensions.get(WRITE_DEADLINE_KEY) for r in wanted]
+        if not all(isinstance(d, (int, float)) and d > 0 for d in deadlines):
             raise HandshakeError(
                 f"P engine {engine.engine_id!r} publishes no WRITE deadline ({WRITE_DEADLINE_KEY!r}); "
                 f"run the same kvpush release on both sides"
             )
+        deadline = max(deadlines)
+        claims = [engine.ranks[r].meta.extensions.get(WRITES_ABORTABLE_KEY) for r in wanted]
+        said = {WRITES_ABORTABLE_KEY: all(claim is True for claim in claims)}
         unpaired = sorted(
             str(r) for r in wanted if engine.ranks[r].meta.extensions.get(BLOCK_PAIRING_KEY) != BLOCK_PAIRING
         )
@@ -560,7 +569,7 @@ class PushReceiver(RankWorker):
             agents={r: engine.ranks[r].agent for r in wanted},
             incarnations={engine.ranks[r].agent: engine.ranks[r].meta.incarnation for r in wanted},
             write_deadline_s=float(deadline),
-            writes_abortable=self._writes_abortable(first.extensions, agents, processes),
+            writes_abortable=self._writes_abortable(said, agents, processes),
             processes=processes,
             shares={r: share for r in wanted if (share := engine.ranks[r].share)},
             ended={
