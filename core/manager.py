@@ -178,19 +178,23 @@ class KvpushPluginManager:
             args = {name: kwargs[name] for name in impl.argnames}
             try:
                 result = impl.function(**args)
-            except KvpushError:
+            except (KvpushError, KeyboardInterrupt):
                 raise  # a plugin's own refusal names what is wrong
-            except Exception as err:
+            except BaseException as err:  # SystemExit too: it must not end the writer's round
                 raise _raised(impl.plugin_name, hook_name, err) from err
             if result is not None:
                 out.append((impl.plugin_name, result))
         return out
 
-    def _providers(self, hook_name: str, kind: str) -> dict[str, Any]:
+    def _providers(self, hook_name: str, kind: str, cls: type) -> dict[str, Any]:
         found: dict[str, Any] = {}
         owner: dict[str, str] = {}
         for plugin_name, results in self._results_with_source(hook_name):
+            if not isinstance(results, Iterable) or isinstance(results, (str, bytes)):
+                raise _returned(plugin_name, hook_name, results, f"an iterable of {cls.__name__}")
             for provider in results:
+                if not isinstance(provider, cls):
+                    raise _returned(plugin_name, hook_name, provider, f"{cls.__name__} objects")
                 if provider.name in found:
                     raise PluginError(
                         f"two plugins offer a {kind} named {provider.name!r}: "
@@ -204,10 +208,10 @@ class KvpushPluginManager:
     # ---------------------------------------------------------------- transports and layouts
 
     def transports(self) -> dict[str, TransportProvider]:
-        return self._providers("kvpush_transports", "transport")
+        return self._providers("kvpush_transports", "transport", TransportProvider)
 
     def layouts(self) -> dict[str, LayoutProvider]:
-        return self._providers("kvpush_layouts", "layout")
+        return self._providers("kvpush_layouts", "layout", LayoutProvider)
 
     def transport(self, name: str) -> TransportProvider:
         providers = self.transports()
@@ -229,11 +233,21 @@ class KvpushPluginManager:
 
     # ---------------------------------------------------------------- handshake
 
-    def metadata_extensions(self, local: AgentMetadata) -> dict[str, Any]:
+    def metadata_extensions(self, local: AgentMetadata, reserved: Iterable[str] = ()) -> dict[str, Any]:
+        """The plugins' fields, merged; ``reserved``: names kvpush publishes itself (refused)."""
         merged: dict[str, Any] = {}
         owner: dict[str, str] = {}
+        reserved = frozenset(reserved)
         for plugin_name, extra in self._results_with_source("kvpush_metadata_extensions", local=local):
+            if not isinstance(extra, Mapping):
+                raise _returned(plugin_name, "kvpush_metadata_extensions", extra, "a mapping or None")
             for key, value in dict(extra).items():
+                if key in reserved:
+                    raise PluginError(
+                        f"plugin {plugin_name!r} publishes metadata field {key!r} from "
+                        f"kvpush_metadata_extensions, a field kvpush publishes itself "
+                        f"({', '.join(sorted(reserved))}); prefix the plugin's keys with its name"
+                    )
                 if key in merged:
                     raise PluginError(
                         f"plugins {owner[key]!r} and {plugin_name!r} both publish metadata "
@@ -248,6 +262,8 @@ class KvpushPluginManager:
             "kvpush_handshake_mode", role=role, peer_role=peer_role
         ):
             required = HandshakeMode.NOTIF_ONLY if role is Role.DECODE else HandshakeMode.FULL
+            if not isinstance(mode, HandshakeMode):
+                raise _returned(plugin_name, "kvpush_handshake_mode", mode, "a HandshakeMode or None")
             if mode is not required:
                 raise PluginError(
                     f"plugin {plugin_name!r} chose a {mode.value} handshake for {role.value} → "
@@ -269,7 +285,11 @@ class KvpushPluginManager:
             elif isinstance(result, Iterable):
                 problems.extend(str(problem) for problem in result)
             else:
-                problems.append(f"a kvpush_validate_peer plugin returned {result!r}, not a list of problems")
+                kwargs = {"local": local, "peer": peer, "mode": mode}
+                name = self._answered_by("kvpush_validate_peer", kwargs, _not_problems)
+                problems.append(
+                    f"plugin {name!r} returned {result!r} from kvpush_validate_peer, not a list of problems"
+                )
         return problems
 
     def check_peer(self, local: AgentMetadata, peer: AgentMetadata, mode: HandshakeMode) -> None:
@@ -293,6 +313,8 @@ class KvpushPluginManager:
             )
         if claims:
             plugin_name, alignment = claims[0]
+            if not isinstance(alignment, RegionAlignment):
+                raise _returned(plugin_name, "kvpush_align_regions", alignment, "a RegionAlignment or None")
             alignment = attrs.evolve(alignment, source=plugin_name)
         else:
             if len(local.regions) != len(peer.regions):
@@ -312,7 +334,16 @@ class KvpushPluginManager:
         specs = self._first_result("kvpush_build_read_specs", {"job": job})
         if specs is None:
             raise PluginError("no plugin built read specs; is the 'tp_mapping' plugin disabled?")
-        specs = list(specs)
+        if not isinstance(specs, Iterable) or isinstance(specs, (str, bytes)):
+            name = self._answered_by("kvpush_build_read_specs", {"job": job})
+            raise _returned(name, "kvpush_build_read_specs", specs, "a list of ReadSpec or None")
+        try:
+            specs = list(specs)
+        except (KvpushError, KeyboardInterrupt):
+            raise
+        except BaseException as err:  # a generator raising while it is listed
+            name = self._answered_by("kvpush_build_read_specs", {"job": job})
+            raise _raised(name, "kvpush_build_read_specs", err) from err
         if not specs:
             raise PluginError(
                 f"the read-spec plugins produced no destination for a request of "
@@ -322,25 +353,42 @@ class KvpushPluginManager:
         local, remote = job.local_block_ids, job.remote_block_ids
         for spec in specs:
             if not isinstance(spec, ReadSpec):
+                name = self._answered_by("kvpush_build_read_specs", {"job": job})
                 raise PluginError(
-                    f"read-spec plugin {self._answered_by('kvpush_build_read_specs', job)!r} returned "
-                    f"{type(spec).__name__} {spec!r} in its list; return ReadSpec objects"
+                    f"read-spec plugin {name!r} returned {type(spec).__name__} {spec!r} in its list "
+                    f"from kvpush_build_read_specs; return ReadSpec objects"
                 )
+            for part in (spec.local_part, spec.remote_part):
+                if not (
+                    type(part) is tuple
+                    and len(part) == 2
+                    and all(type(n) is int for n in part)
+                    and 0 <= part[0] < part[1]
+                ):
+                    name = self._answered_by("kvpush_build_read_specs", {"job": job})
+                    raise PluginError(
+                        f"read-spec plugin {name!r} returned a part {part!r} from "
+                        f"kvpush_build_read_specs for D rank {spec.dst_tp_rank}; a part is a tuple "
+                        f"(index, count) of ints with 0 <= index < count"
+                    )
             same_local = spec.local_block_ids is local or spec.local_block_ids == local
             if not (same_local and (spec.remote_block_ids is remote or spec.remote_block_ids == remote)):
                 raise PluginError(
-                    _block_ids_changed(self._answered_by("kvpush_build_read_specs", job), job, spec)
+                    _block_ids_changed(self._answered_by("kvpush_build_read_specs", {"job": job}), job, spec)
                 )
         return specs
 
-    def _answered_by(self, hook_name: str, job: PushJob) -> str:
-        """The plugin whose answer a first-result hook took (error paths only: calls it again)."""
+    def _answered_by(
+        self, hook_name: str, kwargs: Mapping[str, Any], which: Any = lambda result: result is not None
+    ) -> str:
+        """The plugin whose answer a first-result hook took, or the first whose answer
+        ``which`` picks (error paths only: calls the implementations again)."""
         caller = getattr(self.pm.hook, hook_name)
         for impl in reversed(caller.get_hookimpls()):
             if impl.wrapper or impl.hookwrapper:
                 continue
             try:
-                if impl.function(**{name: job for name in impl.argnames}) is not None:
+                if which(impl.function(**{name: kwargs[name] for name in impl.argnames})):
                     return impl.plugin_name
             except Exception:
                 return impl.plugin_name
@@ -352,8 +400,13 @@ class KvpushPluginManager:
         )
         if name is None:
             return "direct"
-        if name not in STRATEGIES:
-            raise PluginError(f"a plugin chose unknown transfer strategy {name!r}; use one of {STRATEGIES}")
+        if not isinstance(name, str) or name not in STRATEGIES:
+            kwargs = {"job": job, "spec": spec, "num_descriptors": num_descriptors}
+            plugin = self._answered_by("kvpush_transfer_strategy", kwargs)
+            raise PluginError(
+                f"plugin {plugin!r} chose unknown transfer strategy {name!r} in "
+                f"kvpush_transfer_strategy; use one of {STRATEGIES}, or None: {_fix(plugin)}"
+            )
         return name
 
     # ---------------------------------------------------------------- completion
@@ -385,15 +438,21 @@ class KvpushPluginManager:
     ) -> frozenset[RankKey]:
         kwargs = {"prefill": prefill, "decode_tp_rank": decode_tp_rank, "decode_tp_size": decode_tp_size}
         result = self._call_hook("kvpush_expected_producers", kwargs)
-        producers = frozenset(result or ())
+        try:
+            producers = frozenset(() if result is None else result)
+        except TypeError:
+            producers = frozenset()  # not an iterable: refused below
         bad = [
             p
             for p in producers
             if not isinstance(p, RankKey) or p.pp_rank >= prefill.pp_size or p.tp_rank >= prefill.tp_size
         ]
-        if not producers or bad:
+        if not producers or bad or isinstance(result, (str, bytes)):
+            who = "every expected-producer plugin"
+            if result is not None:
+                who = f"expected-producer plugin {self._answered_by('kvpush_expected_producers', kwargs)!r}"
             raise PluginError(
-                f"expected-producer plugins returned {result!r} for D rank {decode_tp_rank}/"
+                f"{who} returned {result!r} from kvpush_expected_producers for D rank {decode_tp_rank}/"
                 f"{decode_tp_size}; a non-empty set of RankKey inside P's PP {prefill.pp_size} x "
                 f"TP {prefill.tp_size} is needed"
             )
@@ -401,27 +460,32 @@ class KvpushPluginManager:
 
     def decode_notification(self, message: bytes) -> Notification | None:
         calls = self._direct_calls("kvpush_decode_notification")
+        note = None
         try:
             if calls is None:
-                return self.pm.hook.kvpush_decode_notification(message=message)
-            for function, _ in calls:  # first result wins, in pluggy's order
-                note = function(message)
-                if note is not None:
-                    return note
-        except KvpushError:
+                note = self.pm.hook.kvpush_decode_notification(message=message)
+            else:
+                for function, _ in calls:  # first result wins, in pluggy's order
+                    note = function(message)
+                    if note is not None:
+                        break
+        except (KvpushError, KeyboardInterrupt):
             raise
-        except Exception as err:
+        except BaseException as err:  # SystemExit too: the rest of the batch must still be read
             raise self._culprit("kvpush_decode_notification", {"message": message}, err) from err
-        return None
+        if note is not None and not isinstance(note, Notification):
+            plugin = self._answered_by("kvpush_decode_notification", {"message": message})
+            raise _returned(plugin, "kvpush_decode_notification", note, "a Notification or None")
+        return note
 
     def _call_hook(self, hook_name: str, kwargs: dict[str, Any]) -> Any:
         """Call a hook through pluggy; a plugin's non-kvpush exception becomes a
         ``PluginError`` naming the plugin and the hook (:meth:`_culprit`)."""
         try:
             return getattr(self.pm.hook, hook_name)(**kwargs)
-        except KvpushError:
+        except (KvpushError, KeyboardInterrupt):
             raise
-        except Exception as err:
+        except BaseException as err:  # SystemExit too: it must not end the writer's round
             raise self._culprit(hook_name, kwargs, err) from err
 
     def _first_result(self, hook_name: str, kwargs: dict[str, Any]) -> Any:
@@ -435,13 +499,13 @@ class KvpushPluginManager:
                 result = function(*[kwargs[name] for name in argnames])
                 if result is not None:
                     return result
-        except KvpushError:
+        except (KvpushError, KeyboardInterrupt):
             raise  # a plugin's own refusal (tp_mapping's ConfigError) names what is wrong
-        except Exception as err:
+        except BaseException as err:  # SystemExit too: it must not end the writer's round
             raise self._culprit(hook_name, kwargs, err) from err
         return None
 
-    def _culprit(self, hook_name: str, kwargs: Mapping[str, Any], err: Exception) -> PluginError:
+    def _culprit(self, hook_name: str, kwargs: Mapping[str, Any], err: BaseException) -> PluginError:
         """A ``PluginError`` naming the plugin whose implementation raised ``err`` (error path:
         found from the traceback, the frames of each implementation's function)."""
         codes = {}
@@ -480,12 +544,27 @@ class KvpushPluginManager:
         return calls
 
 
-def _raised(plugin: str, hook_name: str, err: Exception) -> PluginError:
+def _not_problems(result: Any) -> bool:
+    return result is not None and not isinstance(result, Iterable)
+
+
+def _fix(plugin: str) -> str:
     if plugin in BUILTIN_PLUGINS:
-        fix = "this is a kvpush bug: report it with the traceback"
-    else:
-        fix = f"fix the plugin, or skip it with {DISABLE_ENV}={plugin} on both engines"
-    return PluginError(f"plugin {plugin!r} raised {type(err).__name__} in {hook_name}: {err}; {fix}")
+        return "this is a kvpush bug: report it with the traceback"
+    return f"fix the plugin, or skip it with {DISABLE_ENV}={plugin} on both engines"
+
+
+def _raised(plugin: str, hook_name: str, err: BaseException) -> PluginError:
+    return PluginError(f"plugin {plugin!r} raised {type(err).__name__} in {hook_name}: {err}; {_fix(plugin)}")
+
+
+def _returned(plugin: str, hook_name: str, value: Any, wanted: str) -> PluginError:
+    text = repr(value)
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return PluginError(
+        f"plugin {plugin!r} returned {type(value).__name__} {text} from {hook_name}; it must return "
+        f"{wanted}: {_fix(plugin)}"
+    )
 
 
 def _block_ids_changed(plugin: str, job: PushJob, spec: ReadSpec) -> str:

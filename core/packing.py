@@ -525,6 +525,18 @@ def post_packed(
     except Exception as err:
         for handle_ in lists:
             transport.release_list(handle_)
+        if posted and not _abortable(transport, posted):
+            # Copies nothing takes back once launched (kernel copies): one may still run past
+            # any settle timeout, reading this staging and writing D's. Released now, D (told
+            # the push ended) would fence, which stops no such copy, and give its staging range
+            # to the next request. The caller keeps them in flight instead, and fails the push
+            # once they ended; the staging goes back with the last of them.
+            group.remaining = len(posted)
+            raise PackedPostFailed(
+                f"{err} (after {len(posted)} chunk(s) of this packed WRITE were posted as copies "
+                f"that cannot be aborted; the push fails once they ended)",
+                posted,
+            ) from err
         complete = _settle_quietly(transport, posted, settle_timeout_s)
         pool.free(offset)
         if not complete and not getattr(err, "maybe_sent", True):
@@ -538,6 +550,26 @@ def post_packed(
             ) from err
         raise
     return posted
+
+
+class PackedPostFailed(TransferError):
+    """A packed WRITE's chunk could not be posted after earlier chunks were posted as copies
+    that cannot be aborted: ``posted`` are still the caller's to poll and release (in flight)."""
+
+    def __init__(self, message: str, posted: list[PackedWrite]) -> None:
+        super().__init__(message, maybe_sent=True)
+        self.posted = posted
+
+
+def _abortable(transport: Any, posted: list[PackedWrite]) -> bool:
+    """Whether the transport can take back every posted chunk (as ``PushSender._post`` asks)."""
+    abortable = getattr(transport, "abortable", None)
+    try:
+        if abortable is None:
+            return bool(getattr(transport, "writes_abortable", True))
+        return all(bool(abortable(write.handle)) for write in posted)
+    except Exception:
+        return False
 
 
 def _settle_quietly(transport: Any, posted: list[PackedWrite], timeout_s: float) -> bool:

@@ -50,6 +50,9 @@ class PeerRank:
     share: frozenset[tuple[int, Any, Any]] | None = None
     """D, of a producer: the ``(D region, block slice start, end)`` pieces its plan writes into
     this rank, as :func:`check_producers` checked them (what its packed DONEs must cover)."""
+    parts: frozenset[tuple[Any, Any]] | None = None
+    """P, of a D rank: the ``(local_part, remote_part)`` of the read specs its handshake checked
+    (:func:`producer_slices`); a request's plan must write exactly these."""
 
     @property
     def aligned_regions(self) -> list[KVRegion]:
@@ -219,17 +222,19 @@ class PeerRegistry:
                 peer = known.get(rank) or self._fetch_one(host, port, engine_id, rank)
                 self._pm.check_peer(self._local, peer, mode)
                 alignment = None
+                parts: set[tuple[Any, Any]] = set()
                 if mode is HandshakeMode.FULL:
                     alignment = self._pm.align_regions(self._local, peer)
                     problems = check_geometry(self._local, peer, alignment)
                     if not problems and self._local.role is Role.PREFILL:
-                        problems = producer_slices(self._pm, self._local, peer)[1]
+                        problems = producer_slices(self._pm, self._local, peer, parts=parts)[1]
                     if problems:
                         raise HandshakeError(
                             f"engine {engine_id!r} rank {rank} does not fit {self._local.rank}:\n  - "
                             + "\n  - ".join(problems)
                         )
-                fetched[rank] = PeerRank(meta=peer, alignment=alignment)
+                planned = frozenset(parts) if alignment and self._local.role is Role.PREFILL else None
+                fetched[rank] = PeerRank(meta=peer, alignment=alignment, parts=planned)
             if discover is not None and self._local.role is Role.DECODE:
                 shares: dict[RankKey, frozenset[tuple[int, Any, Any]]] = {}
                 producers = {r: p.meta for r, p in fetched.items()}
@@ -547,7 +552,10 @@ Piece = tuple[Any, Any, RankKey]
 
 
 def producer_slices(
-    pm: KvpushPluginManager, producer: AgentMetadata, decode: AgentMetadata
+    pm: KvpushPluginManager,
+    producer: AgentMetadata,
+    decode: AgentMetadata,
+    parts: set[tuple[Any, Any]] | None = None,
 ) -> tuple[dict[int, list[Piece]], list[str]]:
     """What one producer's plan (the read-spec and alignment hooks, as P runs them) writes
     into one decode rank: per decode region, the block fractions it covers; and the problems
@@ -593,6 +601,8 @@ def producer_slices(
     wrong: list[str] = []
     for spec in specs:
         (li, lc), (ri, rc) = spec.local_part, spec.remote_part
+        if parts is not None:
+            parts.add((tuple(spec.local_part), tuple(spec.remote_part)))
         for i, j in enumerate(alignment.remote_indices):
             mine, theirs = producer.regions[i], decode.regions[j]
             try:
@@ -609,10 +619,22 @@ def producer_slices(
             if not (mine.replicate or theirs.replicate):
                 src = rank.tp_rank * mine.num_heads + Fraction(li * mine.num_heads, lc)
                 dst = me.tp_rank * theirs.num_heads + Fraction(ri * theirs.num_heads, rc)
+                # The heads this producer holds of the ones this decode rank holds: its share,
+                # which nobody else writes (one spec per decode rank).
+                lo = max(rank.tp_rank * mine.num_heads, me.tp_rank * theirs.num_heads)
+                hi = min((rank.tp_rank + 1) * mine.num_heads, (me.tp_rank + 1) * theirs.num_heads)
                 if src != dst:
                     wrong.append(
                         f"model head {float(src):g} into model head {float(dst):g} of {_name(theirs)}"
                     )
+                elif (src, src + Fraction(mine.num_heads, lc)) != (lo, hi):
+                    wrong.append(
+                        f"model heads [{float(src):g}, {float(src + Fraction(mine.num_heads, lc)):g}) of "
+                        f"{_name(theirs)}, but the heads both ranks hold are [{lo}, {hi}): the rest of "
+                        f"them would be written by no producer"
+                    )
+            elif (lc, rc) != (1, 1):
+                wrong.append(f"part {spec.local_part} into {spec.remote_part} of replicated {_name(theirs)}")
             pieces.setdefault(j, []).append((Fraction(ri, rc), Fraction(ri + 1, rc), rank))
     if wrong:
         more = f" (and {len(wrong) - 1} more slices)" if len(wrong) > 1 else ""

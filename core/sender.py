@@ -642,6 +642,10 @@ class PushSender(RankWorker):
             handles, nbytes = self._post_writes(post)
         except Exception as err:
             reason = str(err) if isinstance(err, KvpushError) else f"{type(err).__name__}: {err}"
+            running = getattr(err, "posted", None)  # packing.PackedPostFailed
+            if running:
+                self._keep_running_chunks(post, running, reason)
+                return
             sent = getattr(err, "maybe_sent", True)  # unknown errors: bytes may have gone out
             self._execute(self.core.post_failed(post.key, post.dst, reason, lease_clock(), maybe_sent=sent))
             return
@@ -660,6 +664,19 @@ class PushSender(RankWorker):
         now = lease_clock()
         self._execute(self.core.posted(post.key, post.dst, handles, nbytes, now, abortable=can_abort))
 
+    def _keep_running_chunks(self, post: Post, running: list[Any], reason: str) -> None:
+        """A packed push failed after chunks were posted as copies nothing takes back: they
+        stay in flight (polled, never aborted, their staging kept) and the push is reported
+        failed once the last of them ended, as a failed WRITE is."""
+        assert self.core is not None
+        handles = [chunk.handle for chunk in running]
+        for chunk in running:
+            self._packed[chunk.handle] = chunk
+        self._unabortable.update(dict.fromkeys(handles, False))
+        now = lease_clock()
+        self._execute(self.core.posted(post.key, post.dst, handles, 0, now, abortable=False))
+        self._execute(self.core.write_settled(post.key, post.dst, None, False, lease_clock(), reason))
+
     def _post_writes(self, post: Post) -> tuple[list[Any], int]:
         assert self.transport is not None and self.peers is not None and self.metadata is not None
         spec, reg = post.spec, post.registration
@@ -668,6 +685,15 @@ class PushSender(RankWorker):
         if engine is None or rank not in engine.ranks:
             raise TransferError(
                 f"D rank {post.dst} of {post.engine_id!r} is not loaded any more", maybe_sent=False
+            )
+        agreed = engine.ranks[rank].parts
+        if agreed is not None and (tuple(spec.local_part), tuple(spec.remote_part)) not in agreed:
+            raise TransferError(
+                f"the read-spec plan writes part {spec.local_part} of P's blocks into part "
+                f"{spec.remote_part} of D rank {post.dst}'s, but the plan checked at the handshake "
+                f"wrote {sorted(agreed)}: a kvpush_build_read_specs plugin answers differently per "
+                f"request; it must answer by the ranks' metadata alone",
+                maybe_sent=False,
             )
         regions = self.metadata.regions
         groups = self._groups(regions)

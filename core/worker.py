@@ -341,7 +341,11 @@ class RankWorker:
         ended = ended_workers.ended_here(self.transport.agent_name)
         if ended:
             core_fields[ended_workers.ENDED_KEY] = ended
-        self.metadata = attrs.evolve(meta, extensions={**self.pm.metadata_extensions(meta), **core_fields})
+        from kvpush.core.packing import STAGING_KEY
+
+        reserved = {*core_fields, ended_workers.ENDED_KEY, STAGING_KEY}  # also when not set here
+        extra = self.pm.metadata_extensions(meta, reserved=reserved)
+        self.metadata = attrs.evolve(meta, extensions={**extra, **core_fields})
         self.peers = PeerRegistry(
             pm=self.pm,
             local=self.metadata,

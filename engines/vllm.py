@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpush.core.errors import ConfigError
-from kvpush.engines.vllm_config import ConnectorSettings, match_key, parent_request_id
+from kvpush.engines.vllm_config import ConnectorSettings, match_key, model_identity, parent_request_id
 
 if TYPE_CHECKING:
     import torch
@@ -800,8 +800,9 @@ class _WorkerSide:
             served = served[0] if served else None
         cache_dtype = str(getattr(self.vllm_config.cache_config, "cache_dtype", "auto"))
         dtype, format_note = kv_spec_dtype(cache_dtype, str(first.tensor.dtype).removeprefix("torch."))
+        identity = model_identity(model_config.hf_config.to_dict(), getattr(model_config, "revision", None))
         model = ModelSpec(
-            name=f"{settings.model_name or served or model_config.model}{format_note}",
+            name=f"{settings.model_name or served or model_config.model}{format_note}{identity}",
             num_layers=num_layers,
             attention="mla" if model_config.use_mla else "mha",
             num_kv_heads=1 if model_config.use_mla else model_config.get_total_num_kv_heads(),

@@ -5,6 +5,8 @@ Kept apart from :mod:`kvpush.engines.vllm` so it can be read and tested without 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import re
@@ -36,6 +38,22 @@ def base_request_id(request_id: str) -> str:
     while (parent := parent_request_id(request_id)) is not None:
         request_id = parent
     return _RANDOM_SUFFIX.sub("", request_id)
+
+
+IDENTITY_SKIPPED = ("transformers_version",)
+"""Keys of a model's HF config that say nothing of what it computes (besides ``_``-keys such
+as ``_name_or_path``, where it was loaded from)."""
+
+
+def model_identity(hf_config: Mapping[str, Any], revision: str | None = None) -> str:
+    """A note for ``ModelSpec.name`` naming the model a KV cache comes from: its revision (when
+    given) and a digest of its HF config (``hf_config.to_dict()``). The served name alone let a
+    P and a D of different models with the same shapes pair (a new revision rolled out on one
+    side, another RoPE base or window): D decoded from keys another model computed. The config
+    covers what shapes the KV (RoPE, windows, layer types); a revision names the weights."""
+    config = {k: v for k, v in hf_config.items() if not k.startswith("_") and k not in IDENTITY_SKIPPED}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=repr).encode()).hexdigest()[:12]
+    return f" (revision {revision}, config {digest})" if revision else f" (config {digest})"
 
 
 def match_key(request_id: str, kv_transfer_params: Mapping[str, Any] | None) -> str:

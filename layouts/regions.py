@@ -249,8 +249,9 @@ def check_tensors(
     kv_caches: Mapping[str, Any], regions: Sequence[KVRegion], model: ModelSpec, *, layout: str = "?"
 ) -> None:
     """Raise ``ConfigError`` when a KV tensor holding a region is not of ``model.dtype`` or a
-    region reaches outside every tensor of ``kv_caches`` (values are tensors, or objects with
-    ``.tensor``; tensors holding no region are not checked).
+    region reaches outside every tensor of ``kv_caches`` (values are tensors, objects with
+    ``.tensor``, or tuples, lists or mappings of them such as ``(K, V)`` pairs; tensors holding
+    no region are not checked). Caches holding no tensor at all cannot be checked: refused.
 
     ``model.dtype`` feeds the compatibility hash, so it must be the cache's own dtype: two
     engines whose caches hold fp8 of different formats (or bf16 vs fp16) under one
@@ -258,15 +259,18 @@ def check_tensors(
     of :data:`FP8_FORMATS` (an fp8 cache kept in uint8 buffers): the ``ModelSpec`` names it.
     A region outside the tensors would have P write (or read) memory no block id names."""
     spans = []
-    for key, value in kv_caches.items():
-        tensor = getattr(value, "tensor", value)
-        if not hasattr(tensor, "data_ptr") or not hasattr(tensor, "dtype"):
-            continue
+    for key, tensor in _tensors(kv_caches):
         extent = 1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride()) if n)
         start = tensor.data_ptr()
         dtype = str(tensor.dtype).removeprefix("torch.")
         spans.append((start, start + extent * tensor.element_size(), key, dtype))
     if not spans:
+        if regions:
+            raise ConfigError(
+                f"layout {layout!r}: kv_caches holds no tensor (values must be tensors, objects "
+                f"with .tensor, or tuples / lists / dicts of them), so kvpush cannot check that "
+                f"its regions lie inside the KV memory and hold ModelSpec.dtype {model.dtype!r}"
+            )
         return
     for index, region in enumerate(regions):
         holders = [s for s in spans if s[0] <= region.base_addr and region.end_addr <= s[1]]
@@ -294,6 +298,23 @@ def check_tensors(
                 f"blocks of {region.block_len} B every {region.block_stride} B), outside every KV "
                 f"tensor it was described from; a WRITE would land in memory no block id names"
             )
+
+
+def _tensors(kv_caches: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``(key, tensor)`` of every tensor in ``kv_caches``: a value that is a tensor, has one as
+    ``.tensor``, or holds them in a tuple, list or mapping (an engine's ``(K, V)`` pairs)."""
+    out: list[tuple[str, Any]] = []
+    stack: list[tuple[str, Any]] = list(reversed(list(kv_caches.items())))
+    while stack:
+        key, value = stack.pop()
+        tensor = getattr(value, "tensor", value)
+        if hasattr(tensor, "data_ptr") and hasattr(tensor, "dtype"):
+            out.append((key, tensor))
+        elif isinstance(value, (tuple, list)):
+            stack += [(f"{key}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
+        elif isinstance(value, Mapping):
+            stack += [(f"{key}[{k!r}]", v) for k, v in reversed(list(value.items()))]
+    return out
 
 
 def layer_groups(regions: Sequence[KVRegion]) -> list[tuple[tuple[str, ...], list[int]]]:
