@@ -439,8 +439,10 @@ class PrefillCore:
         """The driver evicted an idle engine: a later registration reconnects."""
         engine = self._engines.get(engine_id)
         if engine is not None and not engine.inflight:
+            # ``_unsettled_to`` stays: an aborted WRITE's bytes may still land until D fences
+            # (the goodbye to that D rank, once loaded again, must still say so), as after
+            # ``_drop_engine`` and ``_unloaded``.
             del self._engines[engine_id]
-            self._unsettled_to = {e for e in self._unsettled_to if e[0] != engine_id}
 
     def pending_requests(self) -> list[tuple[str, str]]:
         """``(match key, request id)`` of every finished prefill not reported yet."""
@@ -1147,11 +1149,26 @@ class PrefillCore:
             self._reject(agent, note, f"CANCEL names D engine {engine.engine_id!r} at another address")
             return []
         rank = reg.decode_tp_rank
+        out: list[Any] = []
+        if request is not None:
+            # Its PUSH_REG may have arrived first (P connecting to the rank since): it must
+            # never be written once acknowledged. Ended as a cancel of a loaded rank ends it.
+            self._gone(request, reg)
+            out += self._cancel_held(request, engine, reg, now)
+            current = request.regs.get(rank)
+            if current is not None and _ident(current.reg) == _ident(reg):
+                if not request.bound and request.others:
+                    out += self._cancel_tentative(request, reg, now)
+                else:
+                    del request.regs[rank]
+                    request.cancelled = True
+                    why = f"cancelled by D rank {rank} before P loaded it"
+                    out += self._fail_request(request, why, now)
         if sum(map(len, engine.owed.values())) >= MAX_OWED:
             logger.warning("dropped a CANCEL ack for %s of an unloaded D rank: %d held", key, MAX_OWED)
-            return []
+            return out
         engine.owed.setdefault(rank, []).append((agent, reg.decode_incarnation, ack))
-        return [] if self._closing else self._connect(engine, rank, now, reg.decode_incarnation)
+        return out if self._closing else out + self._connect(engine, rank, now, reg.decode_incarnation)
 
     # ------------------------------------------------------------------ handshakes
 
