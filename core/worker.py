@@ -17,6 +17,8 @@ import queue
 import sys
 import threading
 import time
+import traceback
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -260,6 +262,11 @@ class RankWorker:
         self._mac_key = notif_auth.derive_key(secret.encode()) if secret else None
         self._capacity: dict[int, int] | None = None
         self._fresh_until = 0.0
+        self._round_started = 0.0
+        """``time.monotonic()`` when the writer's current round began (0: between rounds)."""
+        self._stall_reported = 0.0
+        self.writer_stalls = 0
+        """Writer rounds that ran past ``WRITER_STALL_S`` (each logged with the writer's stack)."""
         """``time.monotonic()`` until which the writer polls every ``FRESH_POLL_S`` (P: set by
         each post; a GPU copy is done within a few hundred microseconds, and for ``cuda_ipc``
         D's DONE goes out only at the poll that sees it)."""
@@ -507,11 +514,15 @@ class RankWorker:
             return
         finally:
             self._writer_ready.set()
+        watch_writer(self)
         while not self._stop.is_set():
+            self._round_started = time.monotonic()
             try:
                 self._step()
             except BaseException:  # a plugin's SystemExit must not end the rank's only writer
                 logger.exception("kvpush writer of %s hit an error; continuing", self.agent_name)
+            finally:
+                self._round_ended(time.monotonic())
             timeout = self.config.busy_poll_s if self._busy() else self.config.idle_poll_s
             if self._fresh_until and time.monotonic() < self._fresh_until:
                 timeout = min(timeout, FRESH_POLL_S)  # a WRITE was just posted: see it end soon
@@ -519,6 +530,30 @@ class RankWorker:
             if deadline is not None:
                 timeout = max(0.0, min(timeout, deadline - lease_clock()))
             self._wake.acquire(timeout=timeout)  # a pending wake-up returns at once (consumed)
+
+    def check_stall(self, now: float) -> None:
+        """Log (once a round) a writer round running past ``WRITER_STALL_S``, with where the
+        writer is: every request of the rank waits behind it, its deadlines too, and a plugin
+        hook or transport call that never returns would hang them all without a word."""
+        started, thread = self._round_started, self._thread
+        if not started or now - started < WRITER_STALL_S or self._stall_reported == started:
+            return
+        self._stall_reported = started
+        self.writer_stalls += 1
+        frame = sys._current_frames().get(thread.ident) if thread is not None else None
+        where = "".join(traceback.format_stack(frame)[-STALL_FRAMES:]) if frame is not None else "?\n"
+        logger.error(
+            "the writer of %s has been in one round for %.1fs: every request of this rank (its "
+            "deadlines too) waits until it returns; it is in:\n%s",
+            self.agent_name,
+            now - started,
+            where.rstrip(),
+        )
+
+    def _round_ended(self, now: float) -> None:
+        started, self._round_started = self._round_started, 0.0
+        if started and self._stall_reported == started:
+            logger.warning("the writer of %s went on after a round of %.1fs", self.agent_name, now - started)
 
     def _step(self) -> None:
         """One round: notifications first (so a CANCEL is seen before a queued post), then
@@ -705,6 +740,43 @@ def new_incarnation() -> str:
     """A fresh incarnation id: start time first (so later starts sort after earlier ones and a
     late message of a replaced start is recognised as stale), then random bits."""
     return f"{time.time_ns():016x}{os.urandom(4).hex()}"
+
+
+WRITER_STALL_S = 2.0
+"""A writer round running longer than this is logged with the writer's stack (``check_stall``)."""
+STALL_FRAMES = 8
+"""Innermost frames of the writer's stack that the stall log shows."""
+WATCH_INTERVAL_S = 0.5
+
+_watched: weakref.WeakSet[Any] = weakref.WeakSet()
+_watch_lock = threading.Lock()
+_watchdog: threading.Thread | None = None
+
+
+def watch_writer(worker: Any) -> None:
+    """Have the process's watchdog thread (one, started on first use) check ``worker``'s
+    writer for stalled rounds (:meth:`RankWorker.check_stall`); a worker no one holds any more
+    drops out by itself."""
+    global _watchdog
+    with _watch_lock:
+        _watched.add(worker)
+        if _watchdog is None or not _watchdog.is_alive():
+            _watchdog = threading.Thread(target=_watch_loop, name="kvpush-writer-watchdog", daemon=True)
+            _watchdog.start()
+
+
+def _watch_loop() -> None:
+    while True:
+        time.sleep(WATCH_INTERVAL_S)
+        now = time.monotonic()
+        with _watch_lock:
+            workers = list(_watched)
+        for worker in workers:
+            try:
+                worker.check_stall(now)
+            except Exception:  # the watchdog must outlive any one worker
+                logger.exception("kvpush writer watchdog: checking %r failed", worker)
+        del workers
 
 
 WRITER_START_S = 60.0

@@ -397,7 +397,8 @@ class SlowDecoder:
     strict=True,
     reason="no fix offered: D's deadlines run on the writer thread that calls the decoder plugin, "
     "so a decoder sleeping past them stalls every request of the rank (a request due at 1 s is "
-    "failed at 4 s) and one that never returns hangs them all, with nothing logged about the plugin",
+    "failed at 4 s) and one that never returns hangs them all; the writer watchdog logs where it "
+    "is stuck (next test), but Python cannot preempt the plugin",
 )
 def test_a_slow_decoder_on_d_does_not_hold_back_other_requests_deadlines() -> None:
     with Cluster(request_timeout_s=1) as cluster:
@@ -410,3 +411,27 @@ def test_a_slow_decoder_on_d_does_not_hold_back_other_requests_deadlines() -> No
         took = time.monotonic() - started
         assert cluster.wait_decode("done", timeout_s=10) == {0: None}
         assert reason is not None and took < 2.5, (reason, took)
+
+
+def test_a_stalled_writer_round_is_logged_with_the_plugin_it_is_in(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The slow decoder above cannot be preempted, but it is not silent: the writer watchdog
+    logs a round past ``WRITER_STALL_S`` with the writer's stack (naming the plugin's function),
+    and again when the writer goes on."""
+    import logging
+
+    from kvpush.core import worker
+
+    monkeypatch.setattr(worker, "WRITER_STALL_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="kvpush")
+    with Cluster(request_timeout_s=5) as cluster:
+        cluster.pm.register(SlowDecoder(2.0), "slow_decoder")
+        cluster.add("done", [[20, 21]], "x-done")
+        cluster.finish("p-done", [[2, 3]], "x-done")
+        assert cluster.wait_decode("done", timeout_s=10) == {0: None}
+        stalls = cluster.receivers[0].writer_stalls
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert stalls == 1, text
+    assert "has been in one round" in text and "kvpush_decode_notification" in text, text
+    assert "time.sleep(self.seconds)" in text and "went on after a round" in text, text
