@@ -608,14 +608,20 @@ class PrefillCore:
     def abandoned(self, key: str, reason: str, now: float, *, request_id: str = "") -> list[Any]:
         """The engine will never finish ``key`` here (its prefill ``request_id`` was aborted or
         failed before it finished): D's registrations of it are answered FAIL, those held now
-        and those that arrive later (the key ends as a failure). A key this rank is pushing, or
-        that already ended, is left alone: its outcome reaches D as usual. So is a new attempt's
-        held registration when the prefill abandoned is an ended attempt's (or, the ended
-        attempt never having finished, the first one abandoned)."""
+        and those that arrive later (the key ends as a failure). A key this rank is pushing is
+        left alone: its outcome reaches D as usual. So is an ended key when the prefill
+        abandoned is an ended attempt's (or, the ended attempt never having finished, the first
+        one abandoned), and so is a new attempt's held registration then; a prefill of another
+        id under an ended key is a new attempt (a retry under the same X-Request-Id), failed."""
         request = self._requests.get(key)
         tomb = self._tombstones.get(key)
-        if tomb is not None or (request is not None and request.blocks is not None):
-            if tomb is not None and request_id:
+        if request is not None and request.blocks is not None:
+            return []
+        # As in finished(): the ended attempt's own prefill (or the first one abandoned after an
+        # attempt that never finished here) is that attempt's; another prefill is a new attempt
+        # under the key (a client's retry under its X-Request-Id), and D's retry is told.
+        if tomb is not None and (not request_id or request_id in tomb.prefills or tomb.unfinished):
+            if request_id:
                 tomb.prefills.add(request_id)
                 tomb.unfinished = False
             return []
@@ -625,7 +631,13 @@ class PrefillCore:
             past.unfinished = False
             return []
         if request is None:
-            request = self._requests[key] = _Request(key=key)
+            past = self._retire(key)
+            if past is not None:
+                # A new attempt abandoned: D's registrations of the key are its own from now on,
+                # answered FAIL as for a key never pushed here (a D rank that took part in the
+                # ended attempt too, whatever its grant); the ended attempts' prefills stay theirs.
+                past.seen, past.overflow = set(), False
+            request = self._requests[key] = _Request(key=key, past=past)
         if request_id:
             request.request_id = request_id
         return self._fail_held(request, reason) + self._fail_request(request, reason, now)

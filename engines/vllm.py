@@ -33,6 +33,7 @@ in-tree ``NixlPushConnector``):
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -349,6 +350,8 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
 
 SERVED_MAX = 4096
 """D: children of parallel sampling whose receive ended, remembered for their siblings."""
+PREFILL_ID_MEMORY = 4096
+"""P: vLLM request ids a worker remembers handing to its sender (a reused one is aliased)."""
 
 
 class _SchedulerSide:
@@ -743,6 +746,12 @@ class _WorkerSide:
         still land): vLLM hears of the failure only once they are released."""
         self._released: set[str] = set()
         """D: requests kvpush released before this worker saw their failure."""
+        self._sender_ids: dict[str, str] = {}
+        """P: the sender's id -> vLLM's request id, of prefills handed to the sender and not
+        reported yet (see :meth:`_sender_id`)."""
+        self._prefill_ids: OrderedDict[str, int] = OrderedDict()
+        """P: vLLM request ids of the prefills this worker handed on (finished or abandoned), most
+        recent last (at most ``PREFILL_ID_MEMORY``), with how many times."""
 
     def ranks(self) -> tuple[int, int]:
         """``(pp_rank, tp_rank)`` of this worker."""
@@ -915,10 +924,11 @@ class _WorkerSide:
             ready = self._kv_written() if meta.send else None
             for rid, item in meta.send.items():
                 bind = {"decode_engine_id": item.decode_engine_id} if item.decode_engine_id else {}
+                sid = self._sender_id(rid)
                 try:
                     blocks = self.kernel_ids(item.block_ids, item.num_tokens)
                     engine.request_finished(
-                        rid,
+                        sid,
                         blocks,
                         match_key=item.match_key,
                         ready=ready,
@@ -931,6 +941,8 @@ class _WorkerSide:
                 except Exception as err:  # e.g. a transfer_id already in use: release, go on
                     logger.error("kvpush cannot push request %s (its blocks are released): %s", rid, err)
                     self._failed_now[rid] = str(err)
+                    continue
+                self._sender_ids[sid] = rid
             for rid, (key, why) in meta.abandon.items():
                 self._abandon(rid, key, why)
             return
@@ -959,9 +971,28 @@ class _WorkerSide:
         it answers D's registrations of it FAIL. Nothing is reported to vLLM (the request's
         blocks were freed; an unknown id in finished_sending would stop vLLM's scheduler)."""
         try:
-            self.engine.request_abandoned(rid, match_key=key, reason=why)
+            self.engine.request_abandoned(self._sender_id(rid), match_key=key, reason=why)
         except Exception as err:  # D's request then ends at its registration timeout
             logger.error("kvpush could not tell D that %s will not be pushed: %s", key, err)
+
+    def _sender_id(self, rid: str) -> str:
+        """The id P's sender knows vLLM's prefill ``rid`` by: ``rid`` the first time, a fresh
+        alias ``rid#<n>`` when vLLM reused the id (without request-id randomisation a client's
+        X-Request-Id is the id): the sender takes a finish or abandon under an ended prefill's
+        id and key for that prefill's, and refuses or ignores it (D's retry would wait for its
+        registration timeout)."""
+        count = self._prefill_ids.get(rid, 0)
+        self._prefill_ids[rid] = count + 1
+        self._prefill_ids.move_to_end(rid)
+        while len(self._prefill_ids) > PREFILL_ID_MEMORY:
+            self._prefill_ids.popitem(last=False)
+        if not count:
+            return rid
+        alias = f"{rid}#{count}"
+        while alias in self._prefill_ids or alias in self._sender_ids:
+            count += 1
+            alias = f"{rid}#{count}"
+        return alias
 
     def _kv_written(self) -> Any:
         """An event after everything this worker queued on its CUDA stream (the finished
@@ -983,12 +1014,12 @@ class _WorkerSide:
             return out
         if self.owner.is_producer:
             sent = self.engine.get_finished()
-            out.finished_sending.update(sent.sent)
+            out.finished_sending.update(self._sender_ids.pop(sid, sid) for sid in sent.sent)
             out.finished_sending.update(self._failed_now)
             self._failed_now.clear()
-            for rid, reason in sent.failed.items():
-                logger.warning("kvpush push of %s failed (its blocks are released): %s", rid, reason)
-                out.finished_sending.add(rid)
+            for sid, reason in sent.failed.items():
+                logger.warning("kvpush push of %s failed (its blocks are released): %s", sid, reason)
+                out.finished_sending.add(self._sender_ids.pop(sid, sid))
             return out
         got = self.engine.get_finished()
         for rid, reason in got.failed.items():

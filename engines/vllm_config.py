@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from kvpush.core.errors import ConfigError
+from kvpush.core.notifications import MAX_ID_CHARS
 
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 _CHILD = re.compile(r"^[0-9]+_(.+-[0-9a-f]{8})$", re.IGNORECASE)
@@ -52,18 +53,51 @@ def model_identity(hf_config: Mapping[str, Any], revision: str | None = None) ->
     side, another RoPE base or window): D decoded from keys another model computed. The config
     covers what shapes the KV (RoPE, windows, layer types); a revision names the weights."""
     config = {k: v for k, v in hf_config.items() if not k.startswith("_") and k not in IDENTITY_SKIPPED}
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=repr).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(json.dumps(_stable(config)).encode()).hexdigest()[:12]
     return f" (revision {revision}, config {digest})" if revision else f" (config {digest})"
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _stable(value: Any) -> Any:
+    """``value`` as JSON that is the same in every process: mappings as sorted ``[key, value]``
+    pairs (keys of mixed types sort as text), other objects by their repr without a memory
+    address (``<Foo object at 0x7f..>`` differs between P and D)."""
+    if isinstance(value, Mapping):
+        return sorted(([str(k), _stable(v)] for k, v in value.items()), key=lambda kv: kv[0])
+    if isinstance(value, (list, tuple)):
+        return [_stable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return _ADDRESS.sub("", repr(value))
+
+
+MAX_KEY_CHARS = MAX_ID_CHARS
+"""The longest match key kvpush's wire carries: P drops a PUSH_REG, heartbeat or CANCEL naming a
+longer one as malformed, so D would wait on it for ever (and P, silent to the heartbeats that
+carry it, would be taken for dead by every request of that D engine)."""
 
 
 def match_key(request_id: str, kv_transfer_params: Mapping[str, Any] | None) -> str:
     """The key both legs of one request agree on: the router's ``transfer_id``, else the base id."""
     transfer_id = (kv_transfer_params or {}).get("transfer_id")
-    if transfer_id is not None and (not isinstance(transfer_id, str) or not transfer_id):
+    if transfer_id is not None and (
+        not isinstance(transfer_id, str) or not transfer_id or len(transfer_id) > MAX_KEY_CHARS
+    ):
         raise ConfigError(
-            f"kv_transfer_params['transfer_id'] must be a non-empty string, got {transfer_id!r}"
+            f"kv_transfer_params['transfer_id'] must be a non-empty string of at most {MAX_KEY_CHARS} "
+            f"chars (the longest key kvpush's wire carries), got {transfer_id!r:.80}"
+            + (f" ({len(transfer_id)} chars)" if isinstance(transfer_id, str) else "")
         )
-    return transfer_id or base_request_id(request_id)
+    key = transfer_id or base_request_id(request_id)
+    if len(key) > MAX_KEY_CHARS:
+        raise ConfigError(
+            f"request id {request_id!r:.80} ({len(request_id)} chars) makes a match key longer than "
+            f"{MAX_KEY_CHARS} chars, the longest kvpush's wire carries: give a shorter X-Request-Id "
+            f"or a transfer_id"
+        )
+    return key
 
 
 @attrs.frozen(kw_only=True)

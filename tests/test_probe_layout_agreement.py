@@ -379,3 +379,30 @@ def test_vllm_engines_of_another_model_revision_never_pair() -> None:
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"the vLLM engines did not run (rc {done.returncode}):\n{done.stderr[-3000:]}"
     assert json.loads(lines[-1][7:])["outcome"] == "failed", "D received KV of another model revision"
+
+
+def test_model_identity_is_the_same_in_every_process_for_one_config() -> None:
+    """The config digest ignores where the model was loaded from, key order and memory
+    addresses in reprs (P and D must agree on one model), and changes with what shapes the KV."""
+    from kvpush.engines.vllm_config import model_identity
+
+    class Opaque:
+        pass
+
+    p = {
+        "rope_theta": 1e4,
+        "sub": {1: 2, "x": 3},
+        "o": Opaque(),
+        "_name_or_path": "/p",
+        "transformers_version": "5",
+    }
+    d = {
+        "sub": {"x": 3, 1: 2},
+        "o": Opaque(),
+        "rope_theta": 1e4,
+        "_name_or_path": "/d",
+        "transformers_version": "6",
+    }
+    assert model_identity(p) == model_identity(d)
+    assert model_identity({**p, "rope_theta": 5e5}) != model_identity(p)
+    assert "revision abc" in model_identity(p, "abc")
