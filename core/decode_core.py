@@ -1694,6 +1694,11 @@ class DecodeCore:
         if note.incarnation and note.incarnation < known:
             self._reject(agent, note, "a late message of a P incarnation this rank already replaced")
             return []
+        if note.incarnation and note.incarnation != known and (agent, note.incarnation) in self._closed:
+            # A start this rank saw end (its BYE, or its process exited): a late message, not a
+            # restart, whatever its clock (the live start may sort before it: a clock behind).
+            self._reject(agent, note, "a late message of a P incarnation that ended")
+            return []
         if note.incarnation and note.incarnation != known:
             return self._engine_failed(
                 engine,

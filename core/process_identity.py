@@ -61,10 +61,23 @@ def may_be_this_host(host: Any) -> bool:
 
 
 def _pid_namespace() -> str:
+    return _namespace("pid")
+
+
+def _namespace(kind: str) -> str:
     try:
-        return os.readlink(f"{PROC}/self/ns/pid")
+        return os.readlink(f"{PROC}/self/ns/{kind}")
     except OSError:
         return "?"
+
+
+def _proc_is_own() -> bool:
+    """Whether ``/proc`` shows this process's PID namespace (a namespace made without mounting
+    /proc afresh keeps the parent's, where a pid names another process)."""
+    try:
+        return os.readlink(f"{PROC}/self") == str(os.getpid())
+    except OSError:
+        return False
 
 
 def _stat(pid: int | str) -> tuple[str, int] | None:
@@ -90,7 +103,8 @@ def _pid_max() -> int:
 
 
 def this_process() -> dict[str, Any]:
-    """This process's identity: host, PID namespace, pid and start time (pids are reused)."""
+    """This process's identity: host, PID namespace, pid and start time (pids are reused), and
+    the time namespace the start time was read in (``/proc`` shifts it by the reader's)."""
     try:
         stat = _stat("self")
     except OSError:
@@ -100,6 +114,7 @@ def this_process() -> dict[str, Any]:
         "pidns": _pid_namespace(),
         "pid": os.getpid(),
         "start": stat[1] if stat else -1,
+        "timens": _namespace("time"),
     }
 
 
@@ -120,6 +135,14 @@ def has_exited(identity: Mapping[str, Any]) -> bool | None:
     # (namespace inode numbers repeat between kernels: the initial one is the same everywhere).
     if same_kernel(host) is not True or pidns != _pid_namespace() or pidns == "?" or start < 0:
         return None
+    # /proc shows a start time shifted by the reader's time namespace (its boot clock offset):
+    # read in another one (a CRIU restore, a container given one), a live process's start time
+    # differs from the one it published and read as "the pid holds a later process".
+    timens = identity.get("timens")
+    if timens is not None and timens != _namespace("time"):
+        return None
+    if not _proc_is_own():
+        return None  # /proc shows another PID namespace's pids: this pid is someone else there
     try:
         stat = _stat(pid)
     except OSError:

@@ -1,0 +1,288 @@
+"""Probes: safety facts that may rest on clocks, process ids or names (incarnation order, the
+process identity D checks before it releases a held request's blocks)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from kvpush.core.process_identity import has_exited
+
+
+def _hello(incarnation: str) -> Any:
+    from test_handshake_refusal import _hello as hello
+
+    return hello(incarnation)
+
+
+def _push_reg(**overrides: Any) -> Any:
+    from test_handshake_refusal import _note
+    from test_probe_reconfig_restart import wire_push_reg
+
+    return _note(wire_push_reg(**overrides))
+
+
+# ---------------------------------------------------------------------------------------------
+# (1) A D start on a clock behind, loaded from D's side channel, while a late message of the
+#     dead start (whose clock was ahead, so it sorts after) is still on its way
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a late message of a dead D start that sorts after the live start P loaded from D's "
+    "side channel (the live one restarted on a clock behind) is taken for a restart, every "
+    "time: P fails the live start's requests and reloads it, once "
+    "per late message; it never learns the late start is dead",
+)
+def test_late_messages_of_a_dead_start_sorting_after_the_live_one_do_not_fail_the_live_one() -> None:
+    """D start "d5" says HELLO and dies (or, on a host that lost the address, goes on sending);
+    D comes back as "d1" on a host whose clock is behind (it sorts before "d5"). P's handshake,
+    asked by d5's HELLO, loads what D's side channel serves: "d1", and serves its registration.
+    Then d5's HELLOs sent before it died arrive late. Each names a start P never loaded that
+    sorts after the loaded one, so P takes each for a restart: it fails the live start's
+    request, drops the rank and loads d1 again from the side channel; the next late message
+    does it again. (The reverse order, a late HELLO of an earlier-sorting start, costs one
+    reload at most: test_core_a_late_hello_of_a_start_p_never_loaded_costs_one_reload_at_most.)"""
+    from test_handshake_refusal import D_AGENT, _prefill
+
+    from kvpush.core.actions import Connect, DropPeer, Post, Report
+
+    core = _prefill()
+    assert any(isinstance(a, Connect) for a in core.notification(D_AGENT, _hello("d5"), 100.0))
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)  # the side channel serves the live start
+    core.notification(D_AGENT, _hello("d1"), 100.2)  # the live start handshakes
+    core.finished("x-2", "p-2", ((6,),), "", 100.3)
+    reg = _push_reg(decode_incarnation="d1", request_id="d-2", match_key="x-2", grant=100.25)
+    assert any(isinstance(a, Post) for a in core.notification(D_AGENT, reg, 100.4))
+    failed: list[Any] = []
+    for at in (100.5, 100.7):  # two late messages of the dead start
+        late = core.notification(D_AGENT, _hello("d5"), at)
+        failed += [a for a in late if isinstance(a, Report | DropPeer)]
+        if any(isinstance(a, Connect) for a in late):
+            core.connected("D", 0, D_AGENT, "d1", 1, "", at + 0.05)  # still the live start
+    assert not failed, failed
+
+
+# ---------------------------------------------------------------------------------------------
+# (3) "Has the producer process exited": a process in another time namespace
+# ---------------------------------------------------------------------------------------------
+
+_CHILD = (
+    "import json, sys, time\n"
+    "from kvpush.core.process_identity import this_process\n"
+    "print(json.dumps(this_process()), flush=True)\n"
+    "time.sleep(30)\n"
+)
+
+
+def _timens_ok() -> bool:
+    try:
+        return subprocess.run(["unshare", "--time", "--boottime", "1", "true"], timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@pytest.mark.skipif(not _timens_ok(), reason="cannot create a time namespace here (unshare --time)")
+def test_a_live_process_in_another_time_namespace_is_never_called_exited() -> None:
+    """P publishes its start time as it reads it; a time namespace (CLONE_NEWTIME: CRIU restores
+    a checkpointed process into one so that its monotonic and boot clocks go on where they
+    were) shifts the boot clock, and /proc shows every process's start time shifted by the
+    reader's offset. Same kernel, same PID namespace: D's check trusts the start time."""
+    with subprocess.Popen(
+        ["unshare", "--time", "--boottime", "1000", sys.executable, "-c", _CHILD],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
+        try:
+            assert child.stdout is not None
+            identity = json.loads(child.stdout.readline())
+            # The python the unshare command started (its pid) runs: never "exited".
+            assert has_exited(identity) in (False, None), identity
+            assert child.poll() is None
+        finally:
+            child.kill()
+            child.wait(timeout=10)
+
+
+def _pidns_ok() -> bool:
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "true"], timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@pytest.mark.skipif(not _pidns_ok(), reason="cannot create a PID namespace here (unshare --pid)")
+def test_a_live_process_is_never_called_exited_where_proc_shows_another_pid_namespace() -> None:
+    """A process in a fresh PID namespace is pid 1 there, but a /proc not mounted afresh still
+    shows the parent namespace's pids: /proc/1 is that namespace's init. has_exited compares
+    the namespaces of the two processes (equal: both in the new one) but not the one /proc
+    shows, reads another process's start time and answers "exited" for a process that runs
+    (checked on itself, so it surely runs)."""
+    code = (
+        "from kvpush.core.process_identity import has_exited, this_process\n"
+        "print(has_exited(this_process()))\n"
+    )
+    run = subprocess.run(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() in ("False", "None"), run.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# (4) With the shared secret: a recorded DONE replayed within the same incarnations
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode_registered(rid: str, key: str, at: float, core: Any = None) -> Any:
+    """D core (start "d1") with ``rid`` registered with P start "p1"."""
+    from test_handshake_refusal import P0, P_AGENT, _decode, _info, _request
+
+    from kvpush.core import notifications as wire
+
+    if core is None:
+        core = _decode()
+        core.add(_request(rid, key), at)
+        core.connected("P", _info(), "", at + 0.01)
+    else:
+        core.add(_request(rid, key), at)
+    out = core.notification(P_AGENT, _decoded(wire.encode_heartbeat_answer(P0, at + 0.02, "p1")), at + 0.02)
+    return core, out
+
+
+def _decoded(message: bytes) -> Any:
+    from kvpush.core import notifications as wire
+
+    note = wire.decode_notification(message)
+    assert note is not None
+    return note
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a DONE names only D's request id, the producer and P's incarnation (the MAC adds "
+    "sender, receiver and D's incarnation): a recorded DONE replayed when the engine uses the "
+    "id again (the receiver stops aliasing a reused id once it left its memory of ID_MEMORY "
+    "ids) completes the new request with nothing written: wrong KV, silently",
+)
+def test_a_replayed_done_of_an_earlier_request_of_the_id_does_not_complete_the_new_one() -> None:
+    """With the shared secret on, a DONE's MAC is the same bytes for every request of one id
+    between the same two starts. r (key x-1) is pushed and done; much later the engine adds an
+    id r again (the receiver aliases a reused id only while it remembers it: ID_MEMORY ids),
+    for another prompt (key x-2), registered with the same P start. Someone on the path replays
+    the recorded DONE of the first r: D reports the new r done before P wrote a byte of it."""
+    from test_handshake_refusal import P0, P_AGENT
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.actions import Report
+
+    core, out = _decode_registered("r", "x-1", 0.0)
+    recorded = wire.encode_done("r", P0, 1, incarnation="p1")
+    out = core.notification(P_AGENT, _decoded(recorded), 0.1)
+    assert [(a.request_id, a.outcome) for a in out if isinstance(a, Report)] == [("r", "done")]
+    core, out = _decode_registered("r", "x-2", 1.0, core)  # the id again, another prompt
+    replayed = core.notification(P_AGENT, _decoded(recorded), 1.1)
+    assert not [a for a in replayed if isinstance(a, Report) and a.outcome == "done"], replayed
+
+
+# ---------------------------------------------------------------------------------------------
+# (1) on D's side: a P start D saw exit, whose clock was ahead of the live start's
+# ---------------------------------------------------------------------------------------------
+
+
+def _info(incarnation: str) -> Any:
+    from test_handshake_refusal import P0, P_AGENT
+
+    from kvpush.core.decode_core import ProducerInfo
+
+    return ProducerInfo(
+        prefill_pp=1,
+        prefill_tp=1,
+        agents={P0: P_AGENT},
+        incarnations={P_AGENT: incarnation},
+        write_deadline_s=1.0,
+    )
+
+
+def test_a_late_answer_of_a_p_start_d_saw_exit_does_not_fail_the_live_start() -> None:
+    """P start "p5" serves r1 and exits; D sees its process gone (ProbeExit), fences, and
+    handshakes afresh: P's side channel names "p1" (P came back on a clock behind), and r1 is
+    registered again with it. A heartbeat answer p5 sent before it died (asking a fresh grant
+    for x-1) arrives late: D's core compares incarnations by sort order only ("p5" > "p1": a
+    restart) and fails r1, although it marked p5 closed itself (P's core keeps the starts it
+    replaced for exactly this and drops their messages as stale)."""
+    from test_handshake_refusal import P0, P_AGENT, _decode, _request
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.actions import Report
+    from kvpush.core.decode_core import ENGINE_PROBE
+
+    d = _decode()
+    d.add(_request("r1", "x-1"), 0.0)
+    d.connected("P", _info("p5"), "", 0.01)
+    d.notification(P_AGENT, _decoded(wire.encode_heartbeat_answer(P0, 0.02, "p5")), 0.02)
+    out = d.producers_exited(ENGINE_PROBE + "P", [P_AGENT], 0.5)  # p5's process is gone
+    out += d.fenced(1, 0.6)
+    out += d.connected("P", _info("p1"), "", 0.7)  # the side channel serves the live start
+    out += d.notification(P_AGENT, _decoded(wire.encode_heartbeat_answer(P0, 0.71, "p1")), 0.71)
+    assert not [a for a in out if isinstance(a, Report)], out
+    late = wire.encode_heartbeat_answer(P0, 0.3, "p5", want=["x-1"])  # sent before p5 died
+    out = d.notification(P_AGENT, _decoded(late), 0.8)
+    assert not [a for a in out if isinstance(a, Report)], out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a CANCEL_ACK names only D's request id, the producer and P's incarnation: a recorded "
+    "ack of an earlier request of the id, replayed when the engine cancels a new request of "
+    "that id, releases the new request's blocks before P acknowledged (its WRITE may still "
+    "land in blocks the engine reuses)",
+)
+def test_a_replayed_cancel_ack_of_an_earlier_request_of_the_id_does_not_release_the_new_one() -> None:
+    """As the DONE above: r (key x-1) is cancelled and P acknowledges (nothing in flight). The
+    id comes back after the receiver forgot it, for key x-2, and is cancelled while P may be
+    writing it; the recorded ack, replayed, settles P's rank and D releases the blocks."""
+    from test_handshake_refusal import P0, P_AGENT
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.actions import Release
+
+    core, _ = _decode_registered("r", "x-1", 0.0)
+    core.cancel("r", 0.1)
+    recorded = wire.encode_cancel_ack("r", P0, False, unsettled=False, incarnation="p1")
+    assert any(isinstance(a, Release) for a in core.notification(P_AGENT, _decoded(recorded), 0.15))
+    core, _ = _decode_registered("r", "x-2", 1.0, core)  # the id again, P may be writing it
+    core.cancel("r", 1.1)
+    replayed = core.notification(P_AGENT, _decoded(recorded), 1.15)
+    assert not [a for a in replayed if isinstance(a, Release)], replayed
+
+
+# ---------------------------------------------------------------------------------------------
+# (5) Clocks across processes: a grant is P's own clock reading, and only this process's counts
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_grant_issued_by_an_earlier_p_process_on_the_shared_boot_clock_is_not_written() -> None:
+    """Every process on a host reads one boot clock (lease_clock), so a grant P's previous
+    process issued a moment before it died is an earlier reading of the new process's clock,
+    within the freshness window. The new process loaded D's rank after it started: a grant
+    older than that load was not issued to it, and P asks D for a fresh one instead of writing."""
+    from test_handshake_refusal import D_AGENT, _prefill
+
+    from kvpush.core.actions import Post, Send
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d1"), 100.0)
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)
+    core.finished("x-1", "p-1", ((5,),), "", 100.2)
+    old_grant = 99.5  # a stamp of P's previous process, on the same boot clock
+    reg = _push_reg(decode_incarnation="d1", request_id="d-1", match_key="x-1", grant=old_grant)
+    assert any(isinstance(a, Post) for a in core.notification(D_AGENT, reg, 100.3))  # planned
+    assert not core.confirm_post("x-1", 0, 100.31)  # the driver's check right before the post
+    asks = [a for a in core.refresh("x-1", 0, 100.32) if isinstance(a, Send) and _decoded(a.message).want]
+    assert asks
