@@ -564,14 +564,31 @@ def _after_restart(tracker: _Tracker, verified_rids: set[str]) -> dict[str, int]
 
 def soak_ok(report: dict[str, Any]) -> bool:
     """No write into a freed block, no leak, and every request accounted for with a reason."""
-    return (
-        report["writes_into_freed_blocks"] == 0
-        and report.get("writes_into_unnamed_blocks", 0) == 0
-        and report["leaked_handles"] == 0
-        and report["leaked_blocks"] == 0
-        and report["wrong_bytes_or_no_reason"] == 0
-        and report["verified"] + report["failed_with_reason"] + report["aborted"] == report["requests"]
-    )
+    return not soak_failures(report)
+
+
+def soak_failures(report: dict[str, Any]) -> str:
+    """Which of ``soak_ok``'s checks failed, with their counts and the report's evidence (the
+    examples, the health of every rank), as one string for an assertion message; empty when
+    none failed."""
+    counted = report["verified"] + report["failed_with_reason"] + report["aborted"]
+    failed = [
+        f"{key}={report.get(key, 0)}"
+        for key in (
+            "writes_into_freed_blocks",
+            "writes_into_unnamed_blocks",
+            "leaked_handles",
+            "leaked_blocks",
+            "wrong_bytes_or_no_reason",
+        )
+        if report.get(key, 0)
+    ]
+    if counted != report["requests"]:
+        failed.append(f"accounted for {counted} of {report['requests']} requests")
+    if not failed:
+        return ""
+    evidence = {k: report.get(k) for k in ("unresolved", "examples", "health", "failure_reasons")}
+    return "soak failed: " + ", ".join(failed) + "\n" + json.dumps(evidence, default=str, indent=1)
 
 
 KEYS = (

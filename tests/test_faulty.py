@@ -12,7 +12,7 @@ import pytest
 from kvpush.core.errors import ConfigError, TransferError
 from kvpush.core.manager import get_plugin_manager
 from kvpush.core.transport import TransferState, TransportConfig
-from kvpush.demo.soak import SoakConfig, run_soak, soak_ok
+from kvpush.demo.soak import SoakConfig, run_soak, soak_failures, soak_ok
 from kvpush.transports.faulty import FaultyTransport
 
 
@@ -161,7 +161,7 @@ def test_each_fault_across_processes_ends_in_a_verified_push_or_a_named_failure(
     report = run_soak(
         SoakConfig(requests=8, abort_rate=0.0, faults=faults, request_timeout_s=2.0, write_deadline_s=1.0)
     )
-    assert soak_ok(report), report
+    assert soak_ok(report), soak_failures(report)
     if outcome == "verified":
         assert report["verified"] == 8, report
     else:

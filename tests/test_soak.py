@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from kvpush.demo.soak import KEYS, SoakConfig, run_soak, soak_ok
+from kvpush.demo.soak import KEYS, SoakConfig, run_soak, soak_failures, soak_ok
 
 PYTHON_CLI = (sys.executable, "-m", "kvpush.cli")
 
@@ -18,7 +18,7 @@ def test_soak_with_aborts_and_faults_writes_nothing_into_freed_blocks_and_leaks_
     diagnosis: Callable[[str], None],
 ) -> None:
     report = run_soak(SoakConfig(requests=300, abort_rate=0.2, fault_rate=0.02, seed=11))
-    assert soak_ok(report), report
+    assert soak_ok(report), soak_failures(report)
     assert report["requests"] == 300
     assert report["verified"] + report["failed_with_reason"] + report["aborted"] == 300
     assert report["writes_into_freed_blocks"] == 0
@@ -65,7 +65,7 @@ def test_delayed_registrations_and_lost_cancels_never_write_into_freed_blocks() 
             },
         )
     )
-    assert report["writes_into_freed_blocks"] == 0 and soak_ok(report), report
+    assert report["writes_into_freed_blocks"] == 0 and soak_ok(report), soak_failures(report)
 
 
 def test_cli_soak_prints_the_report_as_json_and_exits_zero() -> None:
@@ -91,6 +91,6 @@ def test_p_ranks_killed_and_restarted_or_stopped_mid_run_write_nothing_into_free
     report = run_soak(
         SoakConfig(requests=160, abort_rate=0.2, fault_rate=0.01, seed=5, p_kills=1, p_pauses=1)
     )
-    assert soak_ok(report), report
+    assert soak_ok(report), soak_failures(report)
     assert report["p_kills"] == 1 and report["p_pauses"] == 1
     assert report["writes_into_freed_blocks"] == 0 and report["verified"] > 0, report["failure_reasons"]

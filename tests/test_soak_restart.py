@@ -12,7 +12,7 @@ Core-level probes: tests/test_probe_restart_liveness.py.
 
 from __future__ import annotations
 
-from kvpush.demo.soak import SoakConfig, run_soak, soak_ok
+from kvpush.demo.soak import SoakConfig, run_soak, soak_failures, soak_ok
 
 
 def test_requests_after_a_p_rank_restart_are_served_by_the_new_process() -> None:
@@ -23,7 +23,7 @@ def test_requests_after_a_p_rank_restart_are_served_by_the_new_process() -> None
         requests=60, abort_rate=0.0, fault_rate=0.0, seed=2, p_kills=1, kill_when_idle=True, p_down_s=8.0
     )
     report = run_soak(cfg)
-    assert soak_ok(report), report
+    assert soak_ok(report), soak_failures(report)
     after = report["after_restart"]
     assert after is not None and after["requests"] == 30
     assert after["verified"] == after["requests"], report["failure_reasons"]
@@ -36,7 +36,7 @@ def test_requests_after_a_d_rank_restart_are_served() -> None:
     # restart: they failed "P no longer holds ...: D engine 'decode-0' restarted".
     cfg = SoakConfig(requests=60, abort_rate=0.0, fault_rate=0.0, seed=2, d_kills=1, kill_when_idle=True)
     report = run_soak(cfg)
-    assert soak_ok(report), report
+    assert soak_ok(report), soak_failures(report)
     after = report["after_restart"]
     assert after is not None and after["requests"] == 30
     assert after["verified"] == after["requests"], report["failure_reasons"]
@@ -51,7 +51,7 @@ def test_requests_after_a_p_rank_killed_mid_traffic_are_served() -> None:
     # (with a reason); every one dispatched after the new process was published is served.
     cfg = SoakConfig(requests=40, abort_rate=0.0, fault_rate=0.0, seed=5, p_kills=1)
     report = run_soak(cfg)
-    assert soak_ok(report), report
+    assert soak_ok(report), soak_failures(report)
     after = report["after_restart"]
     assert after is not None and after["requests"] == 20
     assert after["verified"] == after["requests"], report["failure_reasons"]
