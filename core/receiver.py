@@ -112,7 +112,6 @@ class PushReceiver(RankWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.core: DecodeCore | None = None
-        self._results_lock = threading.Lock()
         self._results_ready = threading.Condition(self._results_lock)
         self._active: set[str] = set()
         """Request ids added and not yet done or released (a second add is refused)."""
@@ -182,8 +181,12 @@ class PushReceiver(RankWorker):
         whose earlier request's results ``get_finished()`` has not returned yet, negative,
         repeated or out-of-range block ids, block ids another request on this rank still holds
         (not yet done, or failed/cancelled and not yet released), a missing match key, an
-        advertised address P could not reach, or a worker that is not running."""
-        self._check_running("add_request")
+        advertised address P could not reach, a worker that is not running or is closing
+        (``close()`` began on another thread: nothing was sent, the blocks are the engine's), or
+        a ``kv_caches`` tensor replaced since ``start()`` (naming it: restart the worker with the
+        new caches)."""
+        self._check_accepting("add_request")
+        self._check_caches("add_request")
         if not isinstance(request, RequestMetadata):
             raise ConfigError(f"add_request needs a RequestMetadata, got {type(request).__name__}")
         rid = request.request_id
@@ -197,6 +200,11 @@ class PushReceiver(RankWorker):
         request.params.match_key  # raises ConfigError naming the missing fields  # noqa: B018
         self._check_advertised(request.params)  # a loopback address for a remote P is refused
         with self._results_lock:
+            # Checked again under the lock close() sets _closing under: an add that got here
+            # first is in _active when close() fails what is pending; a later one is refused
+            # (else P would be registered with a request no one cancels, or it would be queued
+            # to a writer that is gone: never reported, its blocks claimed for ever).
+            self._check_accepting("add_request")
             if rid in self._active:
                 raise ConfigError(f"request_id {rid!r} is already being received on this rank")
             if rid in self._uncollected:
@@ -720,6 +728,8 @@ class PushReceiver(RankWorker):
                 # Their producers may still copy into the staging ranges they reserved: keep
                 # the pool's memory for the process's life, like the blocks the engine keeps.
                 keep_for_process_life(self.staging)
+            if pending and self.registered_caches is not None:
+                keep_for_process_life(self.registered_caches.storages)  # the blocks' memory too
             closed = (
                 "the decode worker closed before the request finished; its blocks are NOT "
                 "released (P never acknowledged: do not reuse them while P may write)"

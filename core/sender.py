@@ -10,7 +10,6 @@ registration is still fresh, polls them, and reports results to the engine.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -103,7 +102,6 @@ class PushSender(RankWorker):
         self._unready: dict[str, tuple[_Finished, float]] = {}
         """Match key -> finished prefills whose ``ready`` has not turned True yet, and since when
         (writer thread; the core does not know them yet)."""
-        self._results_lock = threading.Lock()
         self._sent: list[str] = []
         self._failed: dict[str, str] = {}
         self._keys: dict[str, str] = {}
@@ -198,9 +196,12 @@ class PushSender(RankWorker):
 
         Raises ``ConfigError`` naming the argument for an empty or non-string id, negative,
         repeated or out-of-range block ids, a match key already in progress, a ``ready``
-        without ``query()``, or a worker that is not running.
+        without ``query()``, a worker that is not running or is closing (``close()`` began on
+        another thread: nothing will be pushed, the blocks are the engine's), or a ``kv_caches``
+        tensor replaced since ``start()`` (naming it: restart the worker with the new caches).
         """
-        self._check_running("request_finished")
+        self._check_accepting("request_finished")
+        self._check_caches("request_finished")
         blocks = self._check_blocks(request_id, block_ids, "block_ids")
         if num_tokens is not None:
             blocks = self._prompt_blocks(blocks, num_tokens, block_start)
@@ -223,10 +224,10 @@ class PushSender(RankWorker):
         fingerprint = check_fingerprint(prompt_fingerprint, "prompt_fingerprint")
         finished = _Finished(key, request_id, blocks, decode_engine_id or "", ready, fingerprint)
         with self._results_lock:
-            # Checked again under the lock: a close() on another thread reports what _keys holds
-            # (under this lock) after it stopped the writer; a finish registered after that
-            # would be queued to no writer and never reported.
-            self._check_running("request_finished")
+            # Checked again under the lock: a close() on another thread sets _closing under it
+            # and later reports what _keys holds; a finish registered after close() began would
+            # be failed by the closing core at best, queued to no writer at worst.
+            self._check_accepting("request_finished")
             if key in self._keys:
                 raise ConfigError(f"match_key {key!r} is already being pushed by this rank; finish it once")
             held = self._ids.get(request_id)
@@ -905,6 +906,10 @@ class PushSender(RankWorker):
         self._inflight_at_close = {key for key, _ in self.core.inflight_handles().values()}
         if self._packed and self.staging is not None:
             keep_for_process_life(self.staging)
+        if self._inflight_at_close and self.registered_caches is not None:
+            # The WRITEs read the memory registered at start, whatever the engine does with
+            # its tensors now.
+            keep_for_process_life(self.registered_caches.storages)
 
     def _say_goodbye(self) -> None:
         """``BYE`` to every loaded D rank, and remember in this process that the incarnation

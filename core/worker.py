@@ -30,6 +30,7 @@ from kvpush.core.manager import KvpushPluginManager, get_plugin_manager
 from kvpush.core.peers import PeerRegistry
 from kvpush.core.planning import HeldBlockIds, region_descriptors
 from kvpush.core.process_identity import PROCESS_KEY, this_process
+from kvpush.core.registered_caches import RegisteredCaches
 from kvpush.core.transport import Transport, TransportConfig
 from kvpush.core.types import (
     AgentMetadata,
@@ -248,6 +249,15 @@ class RankWorker:
         self._writer_ready = threading.Event()
         self._writer_error: BaseException | None = None
         self._local_lists: dict[tuple[int, int], int] = {}
+        self._results_lock = threading.Lock()
+        """Guards what the engine's calls and the writer share (subclasses' results, and
+        ``_closing``): a call that starts a request re-checks ``_closing`` under it."""
+        self._lifecycle = threading.Lock()
+        """Held by ``start()`` and ``close()`` for their whole run: they never interleave."""
+        self._started = False
+        """``start()`` was called (never cleared: a worker starts once)."""
+        self._closing = False
+        """``close()`` began (set under ``_results_lock``, never cleared): no new request."""
         self._running = False
         self._transport_closed = False
         self._next_eviction = 0.0
@@ -273,6 +283,9 @@ class RankWorker:
         self.staging: Any = None
         """Packed-transfer staging pool (:class:`kvpush.core.packing.StagingPool`), once started."""
         self.packer: Any = None
+        self.registered_caches: RegisteredCaches | None = None
+        """The ``kv_caches`` tensors registered at start (checked by the calls that start a
+        request: a tensor the engine replaced since is refused, never moved silently)."""
 
     # ------------------------------------------------------------------ start-up
 
@@ -284,14 +297,32 @@ class RankWorker:
     def start(self) -> AgentMetadata:
         """Describe and register the KV regions, create the agent, start the writer thread.
 
-        Everything made so far is released again when a later step fails."""
-        if self._running or self._thread is not None:
-            raise ConfigError(f"{self.agent_name} was already started; make a new worker to restart")
+        Everything made so far is released again when a later step fails. A worker starts
+        once: a second ``start()`` (after the first, or on another thread while it runs) raises
+        ``ConfigError``, and so does a ``start()`` after ``close()`` began. A ``close()`` on
+        another thread while this runs makes it stop before the writer starts (releasing what
+        it made, ``ConfigError``), or, past that point, waits for it and then closes."""
+        if not self._lifecycle.acquire(blocking=False):
+            raise ConfigError(
+                f"start() of {self.agent_name} refused: another thread is starting or closing this "
+                f"worker right now; call start() once, from one thread"
+            )
         try:
-            return self._start()
-        except BaseException:
-            self._release_resources()
-            raise
+            if self._started:
+                closed = " and closed" if self._closing else ""
+                raise ConfigError(
+                    f"{self.agent_name} was already started{closed}; make a new worker to restart"
+                )
+            if self._closing:
+                raise ConfigError(f"{self.agent_name} was closed; make a new worker to start again")
+            self._started = True
+            try:
+                return self._start()
+            except BaseException:
+                self._release_resources()
+                raise
+        finally:
+            self._lifecycle.release()
 
     def _start(self) -> AgentMetadata:
         if self.role is Role.DECODE and self.config.parallel.pp_size > 1:
@@ -308,6 +339,7 @@ class RankWorker:
         regions = layout.describe(self._kv_caches, self.config.parallel, self.config.model)  # rules checked
         if not regions:
             raise ConfigError(f"layout {layout.name!r} described no KV regions")
+        self.registered_caches = RegisteredCaches(self._kv_caches, regions)
         if len({r.mem_type for r in regions}) > 1:
             raise ConfigError("KV caches mix DRAM and VRAM; put every layer on one device type")
         provider = self.pm.transport(self.config.transport)
@@ -361,10 +393,16 @@ class RankWorker:
             timeout_s=self.config.handshake_timeout_s,
         )
         self._make_core()
-        self._thread = threading.Thread(
-            target=self._writer_loop, name=f"kvpush-writer-{self.agent_name}", daemon=True
-        )
-        self._running = True
+        with self._results_lock:  # against close(), which sets _closing under it
+            if self._closing:
+                raise ConfigError(
+                    f"close() of {self.agent_name} was called on another thread while start() ran: "
+                    f"nothing was started (what start() made is released); make a new worker"
+                )
+            self._thread = threading.Thread(
+                target=self._writer_loop, name=f"kvpush-writer-{self.agent_name}", daemon=True
+            )
+            self._running = True
         self._thread.start()
         if not self._writer_ready.wait(WRITER_START_S) or self._writer_error is not None:
             self._running = False
@@ -413,8 +451,31 @@ class RankWorker:
 
     def _check_running(self, call: str) -> None:
         if not self._running:
-            state = "closed" if self._stop.is_set() else "not started"
-            raise ConfigError(f"{call} on {self.agent_name}, which is {state}; call start() first")
+            if self._closing or self._stop.is_set():
+                raise ConfigError(
+                    f"{call} on {self.agent_name}, which is closed; make and start a new worker"
+                )
+            raise ConfigError(f"{call} on {self.agent_name}, which is not started; call start() first")
+
+    def _check_accepting(self, call: str) -> None:
+        """A call that starts a request: refused (``ConfigError``) unless the worker runs and no
+        ``close()`` began. Called before the work and again under ``_results_lock`` (where
+        ``close()`` sets ``_closing``): a request is either held when close() looks (and
+        reported by it) or refused, never queued to a writer that is gone."""
+        if self._closing and self._running:
+            raise ConfigError(
+                f"{call} on {self.agent_name}, which is closing (close() runs on another thread): "
+                f"the request was not taken; nothing was sent for it, so its blocks are the "
+                f"engine's to free"
+            )
+        self._check_running(call)
+
+    def _check_caches(self, call: str) -> None:
+        """``ConfigError`` naming the cache when a tensor registered at start is no longer the
+        engine's (:meth:`RegisteredCaches.check`; a few microseconds when nothing changed)."""
+        caches = self.registered_caches
+        if caches is not None:
+            caches.check(call, self.agent_name)
 
     def _check_blocks(self, request_id: Any, block_ids: Any, what: str) -> Any:
         """Validate an engine's request id and block ids (ConfigError naming the argument)."""
@@ -679,8 +740,40 @@ class RankWorker:
     def close(self) -> None:
         """Stop the writer, then release every handle, peer and registration.
 
+        From the moment close() begins, calls that start a request (``request_finished``,
+        ``add_request``) raise ``ConfigError``; one that took the results lock before is held
+        and reported like every pending request. close() and start() never interleave: a
+        close() while start() runs on another thread waits for it (at most
+        ``start_wait_s``; a start() that had not started the writer yet stops and releases
+        what it made), then closes; a second close() waits for the first and finds it closed.
+
         Memory is never released under a live writer: if the writer does not stop within 10 s,
         the transport is left open (and an error logged) rather than freed under it."""
+        with self._results_lock:
+            self._closing = True
+        wait_s = self.start_wait_s
+        if not self._lifecycle.acquire(timeout=wait_s):
+            logger.error(
+                "close() of %s waited %gs for a start() or close() running on another thread and "
+                "returns without closing; a start() still running sees the close and releases what "
+                "it made, a close() still running finishes the job",
+                self.agent_name,
+                wait_s,
+            )
+            return
+        try:
+            self._close()
+        finally:
+            self._lifecycle.release()
+
+    @property
+    def start_wait_s(self) -> float:
+        """Bound on close()'s wait for a start() or close() on another thread: a start() past
+        its last close check ends within ``WRITER_START_S``, a close() within
+        ``close_timeout_s`` plus the writer's 10 s stop bound (plus margin)."""
+        return WRITER_START_S + self.config.close_timeout_s + 20.0
+
+    def _close(self) -> None:
         was_running = self._running
         if was_running and self._thread is not None and self._thread.is_alive():
             self._before_stop()
@@ -710,6 +803,7 @@ class RankWorker:
         if self.transport is not None and not self._transport_closed:
             self._transport_closed = True
             self.transport.close()
+        self.registered_caches = None  # its memory is the engine's again (or kept, see _closed)
 
     def __enter__(self) -> RankWorker:
         self.start()

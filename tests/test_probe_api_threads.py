@@ -65,12 +65,6 @@ def _block(cluster: Cluster, d_block: int, p_block: int) -> bool:
 # ---------------------------------------------------------------------------- finding 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 1: PushReceiver.add_request is accepted while close() runs on another thread "
-    "(after its fail_pending); the request is registered with P, never cancelled, close() waits "
-    "its whole close_timeout_s and reports it failed NOT released",
-)
 def test_an_add_while_decode_closes_is_refused_or_cancelled_at_p() -> None:
     """The shutdown thread closes D while a WRITE into d-1 is in flight (close() waits for P's
     acknowledgement); the scheduler thread adds d-2 meanwhile. It must either be refused
@@ -107,12 +101,6 @@ def test_an_add_while_decode_closes_is_refused_or_cancelled_at_p() -> None:
         assert "d-2" in results.released, (took, dict(results.failed), results.released)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 1: an add_request that passed the running check before close() and takes the "
-    "results lock after close() ended is accepted (no re-check under the lock) and queued to "
-    "no writer: never reported, its blocks claimed for ever",
-)
 def test_an_add_racing_a_whole_close_is_refused_or_reported() -> None:
     """The D analog of P's finish racing close(): the scheduler thread's add passed the
     running check, close() runs to the end on the shutdown thread, then the add goes on."""
@@ -158,15 +146,51 @@ def test_an_add_racing_a_whole_close_is_refused_or_reported() -> None:
         assert "d-1" in got, "accepted by add_request, never reported: its blocks never come back"
 
 
+def test_a_finish_while_prefill_closes_is_refused() -> None:
+    """P mirrors D (the same rule for both): once close() began on the shutdown thread (here
+    waiting for a WRITE in flight), a request_finished on the scheduler thread is refused
+    naming the close; it is never reported, and its blocks are the engine's to free."""
+    options = {"inner": "nixl", "slow_writes": 1.0, "write_delay_s": 1.0}
+    with Cluster(
+        transport="faulty", transport_options=options, close_timeout_s=3.0, **SLOW_SILENCE
+    ) as cluster:
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[3]], "x-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        _wait_posted(sender)
+        closer = threading.Thread(target=sender.close, name="shutdown", daemon=True)
+        closer.start()
+        wait_until(lambda: sender._closing, what="close() to begin")
+        with pytest.raises(ConfigError, match="which is closing"):
+            sender.request_finished("p-2", [[6]], match_key="x-2")
+        closer.join(10.0)
+        assert not closer.is_alive()
+        results = sender.get_finished()
+        assert "p-2" not in results.failed and "p-2" not in results.sent, results
+        assert "p-1" in results.sent or "p-1" in results.failed, results
+
+
+def test_two_closes_at_once_both_return_and_report_each_request_once() -> None:
+    """Two shutdown paths close D at once (an atexit hook and the engine's own shutdown): the
+    second waits for the first and finds the worker closed; the pending request is reported
+    failed once."""
+    with Cluster(close_timeout_s=0.3, **SLOW_SILENCE) as cluster:
+        receiver = cluster.receivers[0]
+        cluster.add("d-1", [[3]], "x-1")  # P never finishes it
+        closers = [threading.Thread(target=receiver.close, daemon=True) for _ in range(2)]
+        for closer in closers:
+            closer.start()
+        for closer in closers:
+            closer.join(10.0)
+        assert not any(closer.is_alive() for closer in closers)
+        results = receiver.get_finished()
+        assert list(results.failed) == ["d-1"] and "worker closed" in results.failed["d-1"], results
+        assert receiver.get_finished().failed == {}
+
+
 # ---------------------------------------------------------------------------- finding 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 2: close() racing start() on another thread releases the transport before "
-    "the writer exists; start() then returns a 'running' worker whose writer exited: "
-    "request_finished is accepted and never reported",
-)
 def test_a_close_racing_start_leaves_no_worker_that_accepts_calls_it_never_reports() -> None:
     with Cluster(**SLOW_SILENCE) as cluster:
         model_sender = cluster.senders[P0]
@@ -190,17 +214,25 @@ def test_a_close_racing_start_leaves_no_worker_that_accepts_calls_it_never_repor
 
         starter = threading.Thread(target=start, name="init", daemon=True)
         starter.start()
+        closer = threading.Thread(target=sender.close, name="shutdown", daemon=True)
         try:
             assert entered.wait(5.0)
-            sender.close()  # the shutdown thread, while start() is still running
+            closer.start()  # the shutdown thread, while start() is still running
+            time.sleep(0.3)
+            assert closer.is_alive(), "close() returned while start() was still running"
         finally:
             go.set()
             starter.join(5.0)
-        assert not starter.is_alive()
+            closer.join(5.0)
+        assert not starter.is_alive() and not closer.is_alive()
         try:
             sender.request_finished("p-1", [[5]], match_key="x-1")
         except ConfigError:
-            return  # refused: the engine keeps its blocks and knows
+            # Refused: the engine keeps its blocks and knows. start() saw the close before it
+            # started the writer: it raised, and released what it made.
+            assert "close()" in str(outcome.get("error")), outcome
+            assert sender._transport_closed
+            return
         deadline = time.monotonic() + 1.0
         got: dict[str, Any] = {}
         while time.monotonic() < deadline and "p-1" not in got:
@@ -211,11 +243,6 @@ def test_a_close_racing_start_leaves_no_worker_that_accepts_calls_it_never_repor
         assert "p-1" in got, ("accepted after start() returned, never reported", outcome)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 2: start() on two threads at once: both pass the 'already started' check and "
-    "build two transports and two writer threads over one core",
-)
 def test_start_on_two_threads_at_once_starts_one_worker() -> None:
     with Cluster(**SLOW_SILENCE) as cluster:
         sender = PushSender(cluster.senders[P0].config, cluster.p_caches[P0], pm=cluster.pm)
@@ -252,15 +279,68 @@ def test_start_on_two_threads_at_once_starts_one_worker() -> None:
         assert len(made) == 1 and outcomes.count("started") == 1, (made, outcomes)
 
 
+def test_a_worker_closed_before_it_started_refuses_start() -> None:
+    """A further defect of finding 2's class: close() of a worker never started (the engine's
+    shutdown ran before its init finished), then start(). On main start() returned the metadata
+    of a 'running' worker whose writer had exited at once (close() had set its stop flag):
+    request_finished was accepted and never reported. Now start() is refused."""
+    with Cluster(**SLOW_SILENCE) as cluster:
+        sender = PushSender(cluster.senders[P0].config, cluster.p_caches[P0], pm=cluster.pm)
+        sender.close()
+        with pytest.raises(ConfigError, match="was closed; make a new worker"):
+            sender.start()
+        with pytest.raises(ConfigError, match="which is closed"):
+            sender.request_finished("p-1", [[5]], match_key="x-1")
+
+
+def test_a_close_waiting_for_a_hung_start_returns_at_its_bound_and_start_releases_what_it_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """start() hangs (a transport's memory registration that takes long) while the shutdown
+    thread closes: close() waits at most ``start_wait_s`` and returns; the start() that goes
+    on later sees the close before it starts the writer, raises and releases its transport."""
+    monkeypatch.setattr(PushSender, "start_wait_s", 0.3)
+    with Cluster(**SLOW_SILENCE) as cluster:
+        sender = PushSender(cluster.senders[P0].config, cluster.p_caches[P0], pm=cluster.pm)
+        entered, go = threading.Event(), threading.Event()
+        real_make_core = sender._make_core
+
+        def stalled_make_core() -> None:
+            real_make_core()
+            entered.set()
+            go.wait(10.0)
+
+        sender._make_core = stalled_make_core  # type: ignore[method-assign]
+        outcome: dict[str, Any] = {}
+
+        def start() -> None:
+            try:
+                outcome["meta"] = sender.start()
+            except ConfigError as err:
+                outcome["error"] = err
+
+        starter = threading.Thread(target=start, name="init", daemon=True)
+        starter.start()
+        try:
+            assert entered.wait(5.0)
+            began = time.monotonic()
+            sender.close()
+            took = time.monotonic() - began
+            assert 0.25 <= took < 3.0, took
+            assert not sender._transport_closed  # start() still runs: close() left it alone
+        finally:
+            go.set()
+            starter.join(5.0)
+        assert not starter.is_alive()
+        assert "meta" not in outcome and "close()" in str(outcome["error"]), outcome
+        assert sender._transport_closed and sender._thread is None
+        with pytest.raises(ConfigError, match="which is closed"):
+            sender.request_finished("p-1", [[5]], match_key="x-1")
+
+
 # ---------------------------------------------------------------------------- finding 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 3: a kv_caches tensor the engine replaced after start() is not noticed: P "
-    "writes into the memory registered at start (freed, once the engine drops it) and D reports "
-    "the request done while the engine's tensor holds none of P's bytes",
-)
 def test_a_kv_cache_tensor_replaced_after_start_is_refused_not_silently_unwritten() -> None:
     """The engine re-allocates one layer's cache after start() (a re-initialised pool) and puts
     the new tensor in the dict it handed the worker. kvpush registered the old memory: a
@@ -280,6 +360,41 @@ def test_a_kv_cache_tensor_replaced_after_start_is_refused_not_silently_unwritte
         assert outcome != {0: None} or _block(cluster, 3, 5), (
             "reported done, but the engine's tensor of that layer never received P's bytes"
         )
+
+
+def test_a_kv_cache_tensor_replaced_at_prefill_is_refused_naming_it() -> None:
+    """P's side of finding 3: a replaced tensor would have P push the registered (old) memory,
+    not the KV the engine now writes. request_finished is refused naming the cache and saying
+    to restart the worker; the old tensor's memory stays allocated while the worker lives."""
+    with Cluster(**SLOW_SILENCE) as cluster:
+        caches = cluster.p_caches[P0]
+        name = sorted(caches)[-1]
+        old = caches[name]
+        caches[name] = old.clone()
+        with pytest.raises(ConfigError, match="start a new one with the new caches") as err:
+            cluster.finish("p-1", [[5]], "x-1")
+        assert repr(name) in str(err.value) and "replaced" in str(err.value), err.value
+        sender = cluster.senders[P0]
+        assert sender.registered_caches is not None
+        assert sender.registered_caches.registered[name][0] is old
+        caches[name] = old  # the engine puts the registered tensor back: accepted again
+        cluster.add("d-1", [[3]], "x-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        assert cluster.wait_decode("d-1") == {0: None}
+        assert _block(cluster, 3, 5)
+
+
+def test_a_kv_cache_storage_swapped_in_place_at_decode_is_refused() -> None:
+    """The same tensor object re-pointed at new memory (``tensor.data = ...``): its identity
+    holds, its address does not; add_request is refused naming the cache."""
+    with Cluster(**SLOW_SILENCE) as cluster:
+        caches = cluster.d_caches[0]
+        name = next(iter(caches))
+        tensor = caches[name]
+        tensor.data = torch.zeros_like(tensor)
+        with pytest.raises(ConfigError, match="not at the 0x") as err:
+            cluster.add("d-1", [[3]], "x-1")
+        assert repr(name) in str(err.value), err.value
 
 
 # ---------------------------------------------------------------------------- checked and held
