@@ -1,7 +1,7 @@
 """Probe (threads): the engine API called the way real engines call it, from several threads at
 once, in unexpected orders, and during start()/close().
 
-Findings (each test fails on main 2026-12-02, marked xfail(strict=True)):
+Findings (each test failed on main 2026-12-02; fixed 2026-12-03, see "Fixed" below):
 1. D: an ``add_request`` made while ``close()`` runs on another thread (the shutdown thread waits
    up to ``close_timeout_s`` for the producers of pending requests to acknowledge) is accepted:
    ``close()`` failed and cancelled only the requests pending when it began, so the new one is
@@ -23,6 +23,16 @@ Findings (each test fails on main 2026-12-02, marked xfail(strict=True)):
    dict it handed the worker) is not noticed: P moves the KV into the memory registered at
    start (freed once the engine drops the old tensor) and D reports the request done while the
    engine's tensor holds none of P's bytes: wrong KV, silently.
+Fixed (2026-12-03): 1. ``close()`` marks the worker closing under the results lock before
+anything else, and ``add_request`` (and P's ``request_finished``) re-check it under that lock:
+an add that got in before is held and failed/cancelled like every pending request, a later one
+raises ``ConfigError`` naming the close. 2. One lifecycle lock spans ``start()`` and ``close()``:
+a second start (or one after close began, also of a worker never started: a further defect of
+the same class, it returned a worker whose writer had exited) raises; a close waits for a
+running start (bounded), and a start that sees the close before its writer starts raises and
+releases what it made. 3. The worker holds the tensors it registered (and their storages) and
+the calls that start a request compare the engine's ``kv_caches`` with them (identity and
+``data_ptr``): a replaced, removed or re-pointed cache raises ``ConfigError`` naming it.
 Checked and held: many threads finishing / adding / cancelling / collecting distinct and the
 same ids (each result once, none lost); the same key finished from many threads at once (one
 accepted); block id lists mutated by the engine after the call returned (kvpush copied them:
