@@ -44,6 +44,16 @@ from kvpush.core.types import (
 logger = logging.getLogger(__name__)
 
 
+def _check_window_block_tokens(value: tuple[Any, ...] | None) -> None:
+    if value is not None and not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise ConfigError(
+            f"window_block_tokens must give one block size in tokens (an int >= 0, 0 for a group kept "
+            f"whole) per KV group, got {value!r:.200}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class WorkerConfig:
     """Knobs shared by senders and receivers. Times are seconds."""
@@ -121,7 +131,9 @@ class WorkerConfig:
     """Registered staging area for packed transfers (P gathers into it, D receives into it);
     0 disables packing. A request that does not fit goes direct."""
     window_block_tokens: tuple[int, ...] | None = attrs.field(
-        default=None, converter=lambda v: None if v is None else tuple(int(x) for x in v)
+        default=None,
+        converter=lambda v: None if v is None else tuple(v),
+        validator=lambda _inst, _attr, v: _check_window_block_tokens(v),
     )
     """Per KV group, the engine's scheduler block (tokens) of a sliding-window group whose
     out-of-window blocks the engine frees before the push (vLLM: at its ``--block-size``), 0 for
