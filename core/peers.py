@@ -125,6 +125,53 @@ def check_geometry(local: AgentMetadata, peer: AgentMetadata, alignment: RegionA
     return problems
 
 
+def check_window_blocks(local: AgentMetadata, peer: AgentMetadata) -> list[str]:
+    """P and D may free a sliding window's blocks at granularities that fit: D's block (tokens)
+    of every sliding-window KV group must divide P's (both publish theirs:
+    ``WINDOW_BLOCKS_KEY``). An engine frees the blocks wholly before its window's first token,
+    so with D's block dividing P's every block D keeps of the window P keeps too. With a finer
+    P (P 16, D 32 tokens) D's coarser blocks start up to a block of P's earlier than P's: D
+    registers a kernel block P freed, and about every other request would fail. D must not
+    register less than it keeps either: its engine caches the blocks it received under the
+    prompt's hash, and a later request hitting that prefix would read a kernel block nobody
+    wrote. A side that states nothing (an engine that frees no window blocks) is not checked:
+    the pairing then refuses any block P does not hold, request by request."""
+    from kvpush.core.worker import WINDOW_BLOCKS_KEY
+
+    if local.role is Role.PREFILL:
+        producer, decode = local, peer
+    else:
+        producer, decode = peer, local
+    p_sizes = producer.extensions.get(WINDOW_BLOCKS_KEY)
+    d_sizes = decode.extensions.get(WINDOW_BLOCKS_KEY)
+    if p_sizes is None or d_sizes is None:
+        return []
+    if len(p_sizes) != len(d_sizes):
+        return [
+            f"P {producer.engine_id!r} states the window blocks of {len(p_sizes)} KV group(s), D "
+            f"{decode.engine_id!r} of {len(d_sizes)}: the engines group the model's layers differently"
+        ]
+    problems = []
+    for group, (p_size, d_size) in enumerate(zip(p_sizes, d_sizes)):
+        if not p_size and not d_size:
+            continue
+        if not p_size or not d_size:
+            sliding, whole = (producer, decode) if p_size else (decode, producer)
+            problems.append(
+                f"KV group {group} is a sliding-window group on {sliding.engine_id!r} and keeps every "
+                f"block on {whole.engine_id!r}: the engines run different models or configs"
+            )
+        elif p_size % d_size:
+            problems.append(
+                f"KV group {group} is a sliding-window group that P {producer.engine_id!r} schedules in "
+                f"blocks of {p_size} tokens and D {decode.engine_id!r} in blocks of {d_size}: P's engine "
+                f"frees the window's blocks at its own block, so D's blocks (whose size does not "
+                f"divide P's) would start where P freed KV and the requests would fail. Give P and D "
+                f"the same --block-size (or P a multiple of D's)"
+            )
+    return problems
+
+
 HANDSHAKE_SAMPLES = 128
 """Handshake times kept per mode (``PeerRegistry.handshake_ms``): the latest."""
 
@@ -226,6 +273,7 @@ class PeerRegistry:
                 if mode is HandshakeMode.FULL:
                     alignment = self._pm.align_regions(self._local, peer)
                     problems = check_geometry(self._local, peer, alignment)
+                    problems += check_window_blocks(self._local, peer)
                     if not problems and self._local.role is Role.PREFILL:
                         problems = producer_slices(self._pm, self._local, peer, parts=parts)[1]
                     if problems:

@@ -304,11 +304,18 @@ def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
     deadline (D's quarantine: NaN or inf would end it at once, or never), whether P's WRITEs
     can be aborted (a bool), P's process identity (D gives held blocks back once that process
     exited: a pid that is not a positive int would read as exited), the incarnations that ended
-    in P's process (D settles what it held for them) and D's staging area."""
+    in P's process (D settles what it held for them), the block sizes at which each side's
+    engine frees a sliding window's blocks (compared at the handshake) and D's staging area."""
     from kvpush.core.ended_workers import ENDED_KEY
     from kvpush.core.ended_workers import MAX_PER_AGENT as MAX_ENDED
     from kvpush.core.packing import staging_area
-    from kvpush.core.worker import BLOCK_PAIRING_KEY, PROCESS_KEY, WRITE_DEADLINE_KEY, WRITES_ABORTABLE_KEY
+    from kvpush.core.worker import (
+        BLOCK_PAIRING_KEY,
+        PROCESS_KEY,
+        WINDOW_BLOCKS_KEY,
+        WRITE_DEADLINE_KEY,
+        WRITES_ABORTABLE_KEY,
+    )
 
     deadline = extensions.get(WRITE_DEADLINE_KEY)
     if deadline is not None and (
@@ -351,6 +358,16 @@ def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
         raise WireError(
             f"{what}: extension {ENDED_KEY!r} must map at most {MAX_ENDED} incarnations (strings of "
             f"at most 256 chars) to bools, got {str(ended)[:120]!r}"
+        )
+    window = extensions.get(WINDOW_BLOCKS_KEY)
+    if window is not None and not (
+        isinstance(window, list)
+        and len(window) <= MAX_PARALLEL
+        and all(_plain_int(size, 0, MAX_LAYERS) for size in window)
+    ):
+        raise WireError(
+            f"{what}: extension {WINDOW_BLOCKS_KEY!r} must be a list of at most {MAX_PARALLEL} block "
+            f"sizes (ints in [0, {MAX_LAYERS}], one per KV group), got {str(window)[:80]!r}"
         )
     staging_area(extensions, what)
 

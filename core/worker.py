@@ -45,6 +45,16 @@ from kvpush.core.types import (
 logger = logging.getLogger(__name__)
 
 
+def _check_window_block_tokens(value: tuple[Any, ...] | None) -> None:
+    if value is not None and not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise ConfigError(
+            f"window_block_tokens must give one block size in tokens (an int >= 0, 0 for a group kept "
+            f"whole) per KV group, got {value!r:.200}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class WorkerConfig:
     """Knobs shared by senders and receivers. Times are seconds."""
@@ -121,6 +131,15 @@ class WorkerConfig:
     staging_bytes: int = 64 << 20
     """Registered staging area for packed transfers (P gathers into it, D receives into it);
     0 disables packing. A request that does not fit goes direct."""
+    window_block_tokens: tuple[int, ...] | None = attrs.field(
+        default=None,
+        converter=lambda v: None if v is None else tuple(v),
+        validator=lambda _inst, _attr, v: _check_window_block_tokens(v),
+    )
+    """Per KV group, the engine's scheduler block (tokens) of a sliding-window group whose
+    out-of-window blocks the engine frees before the push (vLLM: at its ``--block-size``), 0 for
+    a group that keeps every block; None: the engine does not say (it frees none). Published
+    (``WINDOW_BLOCKS_KEY``) and compared at the handshake: :func:`~kvpush.core.peers.check_window_blocks`."""
 
     @property
     def heartbeat_s(self) -> float:
@@ -377,12 +396,19 @@ class RankWorker:
             PROCESS_KEY: this_process(),
             **staging,
         }
+        if self.config.window_block_tokens is not None:
+            core_fields[WINDOW_BLOCKS_KEY] = list(self.config.window_block_tokens)
         ended = ended_workers.ended_here(self.transport.agent_name)
         if ended:
             core_fields[ended_workers.ENDED_KEY] = ended
         from kvpush.core.packing import STAGING_KEY
 
-        reserved = {*core_fields, ended_workers.ENDED_KEY, STAGING_KEY}  # also when not set here
+        reserved = {
+            *core_fields,
+            ended_workers.ENDED_KEY,
+            STAGING_KEY,
+            WINDOW_BLOCKS_KEY,
+        }  # also when not set here
         extra = self.pm.metadata_extensions(meta, reserved=reserved)
         self.metadata = attrs.evolve(meta, extensions={**extra, **core_fields})
         self.peers = PeerRegistry(
@@ -893,3 +919,7 @@ BLOCK_PAIRING_KEY = "block_pairing"
 does not state it is an older release that pairs from the end of its block table and ignores
 D's start: D refuses its handshake rather than let it write another position's KV."""
 BLOCK_PAIRING = "start"
+WINDOW_BLOCKS_KEY = "window_block_tokens"
+"""Metadata extension where a rank states ``WorkerConfig.window_block_tokens``: per KV group,
+the block (tokens) at which its engine frees a sliding window's blocks, 0 for a group it keeps
+whole. Absent: not stated (an engine that frees no window blocks)."""

@@ -204,6 +204,22 @@ def _real_tail(block_ids: BlockIds) -> BlockIds:
     return tuple(out)
 
 
+def is_sliding_window(spec: Any) -> bool:
+    """Whether vLLM frees this KV-cache group's blocks out of its window: a ``SlidingWindowSpec``
+    group (a FullAttentionSpec with a sliding_window keeps every block, as vLLM's own connector
+    clips)."""
+    return any(cls.__name__ == "SlidingWindowSpec" for cls in type(spec).__mro__) and bool(
+        getattr(spec, "sliding_window", None)
+    )
+
+
+def window_block_tokens(groups: Any) -> tuple[int, ...]:
+    """Per transfer group, the scheduler block (tokens) at which vLLM frees a sliding-window
+    group's out-of-window blocks, 0 for a group it keeps whole (``WorkerConfig.window_block_tokens``:
+    the handshake refuses a P whose window blocks D's do not divide)."""
+    return tuple(int(g.kv_cache_spec.block_size) if is_sliding_window(g.kv_cache_spec) else 0 for g in groups)
+
+
 class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
     """kvpush's push-mode KV connector (see the module docstring)."""
 
@@ -386,10 +402,7 @@ class _SchedulerSide:
         out = []
         for group in groups:
             spec = group.kv_cache_spec
-            # Only SlidingWindowSpec groups free out-of-window blocks (a FullAttentionSpec with a
-            # sliding_window keeps every block), as vLLM's own connector clips.
-            sliding = any(cls.__name__ == "SlidingWindowSpec" for cls in type(spec).__mro__)
-            window = getattr(spec, "sliding_window", None) if sliding else None
+            window = spec.sliding_window if is_sliding_window(spec) else None
             out.append(-(-window // spec.block_size) + 1 if window else 0)
         return out
 
@@ -834,6 +847,7 @@ class _WorkerSide:
             lease_s=settings.kv_lease_duration,
             staging_bytes=settings.staging_bytes,
             cuda_device=device.index if device.type == "cuda" else None,
+            window_block_tokens=window_block_tokens(groups),
         )
         if self.owner.is_producer:
             from kvpush.core.sender import PushSender

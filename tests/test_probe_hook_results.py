@@ -321,7 +321,7 @@ class PublishesCoreField:
         return {self.key: self.value}
 
 
-@pytest.mark.parametrize("key", ["write_deadline_s", "process", "ended_incarnations"])
+@pytest.mark.parametrize("key", ["write_deadline_s", "process", "ended_incarnations", "window_block_tokens"])
 def test_a_plugin_publishing_a_field_kvpush_owns_is_refused_naming_it(key: str) -> None:
     pm = with_plugins(("ext", PublishesCoreField(key, {"mine": 1})))
     with pytest.raises(KvpushError, match=rf"'ext'.*{key}"):

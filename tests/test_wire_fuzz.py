@@ -555,6 +555,9 @@ def test_region_bombs_are_refused_before_anything_is_expanded(encoded: dict[str,
         ("extensions", "ended_incarnations", ["inc"], "'ended_incarnations' must map"),
         ("extensions", "kvpush.staging", {"addr": -1, "len": 4096}, "field 'addr' must be an int"),
         ("extensions", "kvpush.staging", {"addr": 2**64 - 4096, "len": 8192}, "ends past the 64-bit"),
+        ("extensions", "window_block_tokens", [16, -1], "'window_block_tokens' must be a list"),
+        ("extensions", "window_block_tokens", [True], "'window_block_tokens' must be a list"),
+        ("extensions", "window_block_tokens", {"0": 16}, "'window_block_tokens' must be a list"),
     ],
 )
 def test_metadata_fields_a_peer_would_act_on_are_typed_and_bounded(

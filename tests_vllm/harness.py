@@ -14,8 +14,10 @@ for byte that the KV it received is what P computed for those tokens.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -271,6 +273,17 @@ def _serve(spec: EngineSpec, rank: int, kv_cache_config: Any, conn: Any, worker_
             conn.send((False, traceback.format_exc()))
 
 
+class _Warnings(logging.Handler):
+    """kvpush's latest warnings and errors of a worker process, for tests to read the reasons."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: collections.deque[str] = collections.deque(maxlen=256)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 class _Worker:
     def __init__(self, spec: EngineSpec, rank: int, kv_cache_config: Any) -> None:
         import torch
@@ -301,9 +314,15 @@ class _Worker:
         self.connector = KVConnectorFactory.create_connector(
             self.config, KVConnectorRole.WORKER, kv_cache_config
         )
+        self._warnings = _Warnings()
+        logging.getLogger("kvpush").addHandler(self._warnings)
         self.connector.register_kv_caches(self.caches)
         self.handshake = self.connector.get_handshake_metadata()
         self._sentinels: dict[int, int] = {}
+
+    def warnings(self, containing: str = "") -> list[str]:
+        """kvpush's latest warnings and errors in this worker (at most 256) that contain ``containing``."""
+        return [message for message in self._warnings.messages if containing in message]
 
     def step(self, scheduler_output: Any) -> Any:
         """What vLLM's model runner does with the connector around one forward."""
@@ -363,9 +382,11 @@ class _Worker:
                 written += 1
         return written
 
-    def verify(self, tokens: list[int], block_ids: list[list[int]]) -> list[str]:
+    def verify(self, tokens: list[int], block_ids: list[list[int]], whole_blocks: bool = False) -> list[str]:
         """D: every token slot of the request holds what P computed (sliding-window layers: the
-        tokens in the window); mismatches, described."""
+        tokens in the window; with ``whole_blocks`` also every other prompt token whose block the
+        request still holds, as vLLM caches those blocks under the prompt's hash); mismatches,
+        described."""
         import torch
 
         hashes = prefix_hashes(tokens)
@@ -378,6 +399,8 @@ class _Worker:
             slots = self._slots(name, block_ids, range(first, len(tokens)))
             if len(slots) != len(tokens) - first:
                 problems.append(f"{name}: only {len(slots)} of tokens {first}-{len(tokens) - 1} have blocks")
+            if whole_blocks:
+                slots += self._slots(name, block_ids, range(first))
             for pos, block, slot in slots:
                 if not np.array_equal(raw[block, :, slot, :].numpy(), expected[pos]):
                     problems.append(f"{name} token {pos} (block {block} slot {slot}) differs")
