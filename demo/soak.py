@@ -17,7 +17,10 @@ on a GPU over kernel copies.
 The report: ``requests``, ``verified`` (every D rank done, every byte checked), ``failed_with_reason``,
 ``aborted`` (reported cancelled), ``writes_into_freed_blocks``, ``leaked_handles`` (transfer
 handles still held), ``leaked_blocks`` (requests a P or D rank still holds, or never reported),
-``max_wait_s`` (dispatch to the last rank's report) and ``failure_reasons`` (counts by kind).
+``max_wait_s`` (dispatch to the last rank's report), ``settled_after_s`` (how long the ranks took
+to release what they still held after the last report; leaks and writes into freed blocks are
+counted after it, at most the lease plus two WRITE deadlines plus 2 s) and ``failure_reasons``
+(counts by kind).
 """
 
 from __future__ import annotations
@@ -460,6 +463,9 @@ def _collect(
                     if not reason:
                         bad_outcomes[rid] = "failed without a reason"
                     reasons[_reason_kind(reason)] += 1
+    # Settle first: a WRITE still running when the ranks reported must land (or not) before the
+    # freed and unnamed blocks are checked.
+    health, settled_after_s = _settled_health(cfg, [*p_ranks, *d_ranks], p_ranks)
     freed_bad: dict[str, str] = {}
     if cfg.scribble_freed:
         d_ranks[0].call(("scribble", cfg.scribble_freed))
@@ -468,12 +474,8 @@ def _collect(
         freed_bad.update(rank.call(("check_freed",), timeout_s=120))
         untouched = rank.call(("check_untouched",), timeout_s=120)
         untouched_bad += [f"D rank {rank.key}: {what}" for what in untouched]
-    health = {
-        str(rank.key) + ("P" if rank in p_ranks else "D"): rank.call(("health",))
-        for rank in [*p_ranks, *d_ranks]
-    }
     leaked_handles = sum(h["outstanding_handles"] for h in health.values())
-    held = sum(h.get("finished", 0) + h.get("inflight", 0) + h.get("pending", 0) for h in health.values())
+    held = sum(_held(h) for h in health.values())
     p_unreported = sum(1 for rid in rids if len(p_outcome[rid]) != len(p_ranks))
     waits = [resolved_at[rid] - dispatched[rid] for rid in resolved_at]
     return {
@@ -486,6 +488,7 @@ def _collect(
         "leaked_handles": leaked_handles,
         "leaked_blocks": held + p_unreported + unresolved,
         "max_wait_s": round(max(waits), 3) if waits else None,
+        "settled_after_s": settled_after_s,
         "slowest": _slowest(tracker, plans_abort),
         "cancels_racing_a_write": sum(h["stats"].get("cancels_during_write", 0) for h in health.values()),
         "unresolved": unresolved,
@@ -503,6 +506,27 @@ def _collect(
         "health": health,
         "config": attrs.asdict(cfg),
     }
+
+
+def _held(health: dict[str, Any]) -> int:
+    """Requests, blocks and transfer handles a rank's health report says it still holds."""
+    return sum(health.get(key, 0) for key in ("finished", "inflight", "pending", "outstanding_handles"))
+
+
+def _settled_health(cfg: SoakConfig, ranks: list[Any], p_ranks: list[Any]) -> tuple[dict[str, Any], float]:
+    """Every rank's health once none holds anything, or at the settle bound: a rank that
+    reported a request's end may still be releasing it (an aborted WRITE's handle, a failed
+    request's blocks held until its last WRITE ended), so a leak is what is still held after
+    every deadline that frees it (the lease, a WRITE deadline, a second WRITE deadline for the
+    fence) has passed. Returns the health and the seconds the settling took."""
+    bound_s = cfg.lease_s + 2 * cfg.write_deadline_s + 2.0
+    start = time.monotonic()
+    while True:
+        health = {str(rank.key) + ("P" if rank in p_ranks else "D"): rank.call(("health",)) for rank in ranks}
+        waited = time.monotonic() - start
+        if not any(_held(h) for h in health.values()) or waited > bound_s:
+            return health, round(waited, 3)
+        time.sleep(0.05)
 
 
 def _slowest(tracker: _Tracker, aborts: dict[str, str | None]) -> dict[str, Any] | None:
@@ -601,6 +625,7 @@ KEYS = (
     "leaked_handles",
     "leaked_blocks",
     "max_wait_s",
+    "settled_after_s",
 )
 
 
