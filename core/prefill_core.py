@@ -168,8 +168,8 @@ class _Request:
     displaced: list[_Reg] = attrs.field(factory=list)
     """Registrations replaced on their D rank, before the finish, by one of another prompt:
     checked (and answered) at the finish with the others."""
-    cancel_acks: dict[str, str] = attrs.field(factory=dict)
-    """D agent -> D request id of cancels to acknowledge once nothing is in flight."""
+    cancel_acks: dict[str, tuple[str, int | None]] = attrs.field(factory=dict)
+    """D agent -> (D request id, registration attempt) of cancels to acknowledge once nothing is in flight."""
     cut: dict[int, str] = attrs.field(factory=dict)
     """D rank -> the D incarnation of the registration P dropped when the rank's endpoint
     broke, nothing posted to it (:meth:`PrefillCore._rank_gone`): asked for again by the next
@@ -599,7 +599,12 @@ class PrefillCore:
             for rank, entry in sorted(held.items()):
                 if engine is not None and engine.agents.get(rank) == entry.agent:
                     message = wire.encode_failed(
-                        entry.reg.request_id, self.s.rank, reason, False, self.s.incarnation
+                        entry.reg.request_id,
+                        self.s.rank,
+                        reason,
+                        False,
+                        self.s.incarnation,
+                        attempt=entry.reg.attempt,
                     )
                     out.append(Send(entry.agent, message))
         request.others = {}
@@ -1042,6 +1047,7 @@ class PrefillCore:
             False,
             unsettled=bool(ended is not None and ended.unsettled),
             incarnation=self.s.incarnation,
+            attempt=reg.attempt,
         )
         past = request.past if request is not None else None
         if past is not None and _ident(reg) in past.seen and _ident(reg) not in request.seen:
@@ -1077,7 +1083,7 @@ class PrefillCore:
             self._timers.arm(("refused", (key, ident)), now + self.s.registration_ttl_s)
             return [Send(agent, ack), *out]
         request.cancelled = True
-        request.cancel_acks[agent] = reg.request_id
+        request.cancel_acks[agent] = (reg.request_id, reg.attempt)
         if any(d.state is _Dest.INFLIGHT for d in (request.dests or {}).values()):
             self.stats["cancels_during_write"] += 1
             request.write_at_cancel = True
@@ -1154,7 +1160,12 @@ class PrefillCore:
             d.unsettled for d in ((request.dests or {}).values() if request is not None else ())
         )
         ack = wire.encode_cancel_ack(
-            reg.request_id, self.s.rank, False, unsettled=unsettled, incarnation=self.s.incarnation
+            reg.request_id,
+            self.s.rank,
+            False,
+            unsettled=unsettled,
+            incarnation=self.s.incarnation,
+            attempt=reg.attempt,
         )
         engine = self._engine_for(reg, now)
         if (reg.decode_host, reg.decode_port) != (engine.host, engine.port):
@@ -1366,7 +1377,12 @@ class PrefillCore:
             unsettled = dest is not None and (dest.unsettled or dest.state is _Dest.INFLIGHT)
             if told and entry.agent == told and entry.reg.decode_incarnation == refusal.incarnation:  # type: ignore[union-attr]
                 message = wire.encode_failed(
-                    entry.reg.request_id, self.s.rank, why, unsettled, self.s.incarnation
+                    entry.reg.request_id,
+                    self.s.rank,
+                    why,
+                    unsettled,
+                    self.s.incarnation,
+                    attempt=entry.reg.attempt,
                 )
                 out.append(Send(told, message))
 
@@ -1632,7 +1648,9 @@ class PrefillCore:
     def _refuse(self, reg: PushRegistration, agent: str, why: str, unsettled: bool, now: float) -> list[Any]:
         """Answer one registration FAIL: now if P loaded its D rank from ``agent``, else once it
         has (P connects to it, as for any registration)."""
-        message = wire.encode_failed(reg.request_id, self.s.rank, why, unsettled, self.s.incarnation)
+        message = wire.encode_failed(
+            reg.request_id, self.s.rank, why, unsettled, self.s.incarnation, attempt=reg.attempt
+        )
         engine = self._engines.get(reg.decode_engine_id)
         if engine is None:
             return []
@@ -1828,7 +1846,12 @@ class PrefillCore:
             entry = request.regs.get(rank)
             if entry is not None and (engine is None or rank not in engine.replacing):
                 message = wire.encode_failed(
-                    entry.reg.request_id, self.s.rank, dest.error, True, self.s.incarnation
+                    entry.reg.request_id,
+                    self.s.rank,
+                    dest.error,
+                    True,
+                    self.s.incarnation,
+                    attempt=entry.reg.attempt,
                 )
                 out.append(Send(entry.agent, message))
         else:
@@ -1867,7 +1890,12 @@ class PrefillCore:
             if loaded and rank != untold and entry.agent not in request.cancel_acks:
                 unsettled = dest is not None and dest.unsettled
                 message = wire.encode_failed(
-                    entry.reg.request_id, self.s.rank, reason, unsettled, self.s.incarnation
+                    entry.reg.request_id,
+                    self.s.rank,
+                    reason,
+                    unsettled,
+                    self.s.incarnation,
+                    attempt=entry.reg.attempt,
                 )
                 out.append(Send(entry.agent, message))
         for dest in (request.dests or {}).values():
@@ -1917,10 +1945,15 @@ class PrefillCore:
             Send(
                 agent,
                 wire.encode_cancel_ack(
-                    d_rid, self.s.rank, request.write_at_cancel, agent in unsettled, self.s.incarnation
+                    d_rid,
+                    self.s.rank,
+                    request.write_at_cancel,
+                    agent in unsettled,
+                    self.s.incarnation,
+                    attempt=attempt,
                 ),
             )
-            for agent, d_rid in request.cancel_acks.items()
+            for agent, (d_rid, attempt) in request.cancel_acks.items()
         ]
         if request.blocks is None:
             return out  # a stash that expired or was cancelled: nothing to report

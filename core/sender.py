@@ -732,6 +732,7 @@ class PushSender(RankWorker):
                     self.metadata.rank,
                     self.config.parallel.tp_size,
                     incarnation=self.incarnation,
+                    attempt=reg.attempt,
                 ),
             )
             post = post_grid or self.transport.post_write
@@ -802,7 +803,10 @@ class PushSender(RankWorker):
             decode_offset=reg.staging_offset,
             spec=spec,
             encode_notif=lambda manifest: self._sealed(
-                peer.agent, wire.encode_done(reg.request_id, producer, ptp, manifest, self.incarnation)
+                peer.agent,
+                wire.encode_done(
+                    reg.request_id, producer, ptp, manifest, self.incarnation, attempt=reg.attempt
+                ),
             ),
         )
         if written is None:

@@ -342,6 +342,7 @@ class RankWorker:
             WRITE_DEADLINE_KEY: self.config.write_deadline_s,
             WRITES_ABORTABLE_KEY: bool(getattr(self.transport, "writes_abortable", True)),
             BLOCK_PAIRING_KEY: BLOCK_PAIRING,
+            RESULT_ATTEMPTS_KEY: True,
             PROCESS_KEY: this_process(),
             **staging,
         }
@@ -799,3 +800,8 @@ BLOCK_PAIRING_KEY = "block_pairing"
 does not state it is an older release that pairs from the end of its block table and ignores
 D's start: D refuses its handshake rather than let it write another position's KV."""
 BLOCK_PAIRING = "start"
+RESULT_ATTEMPTS_KEY = "result_attempts"
+"""Metadata extension where a P rank states (True) that every DONE, FAIL and CANCEL_ACK it sends
+echoes the registration attempt of D's PUSH_REG or CANCEL (notification format 2.7): D then
+refuses a result of it that names none. A P that does not state it is an older release, whose
+results D takes without one (as before)."""

@@ -139,8 +139,10 @@ def test_a_live_process_is_never_called_exited_where_proc_shows_another_pid_name
 # ---------------------------------------------------------------------------------------------
 
 
-def _decode_registered(rid: str, key: str, at: float, core: Any = None) -> Any:
-    """D core (start "d1") with ``rid`` registered with P start "p1"."""
+def _decode_registered(rid: str, key: str, at: float, core: Any = None, *, echoes: bool = True) -> Any:
+    """D core (start "d1") with ``rid`` registered with P start "p1" (``echoes``: P states that
+    its results echo the registration attempt, as every P of this release does)."""
+    import attrs
     from test_handshake_refusal import P0, P_AGENT, _decode, _info, _request
 
     from kvpush.core import notifications as wire
@@ -148,11 +150,29 @@ def _decode_registered(rid: str, key: str, at: float, core: Any = None) -> Any:
     if core is None:
         core = _decode()
         core.add(_request(rid, key), at)
-        core.connected("P", _info(), "", at + 0.01)
+        info = _info()
+        if echoes:
+            info = attrs.evolve(info, echo_attempts=frozenset({P_AGENT}))
+        core.connected("P", info, "", at + 0.01)
+        out: list[Any] = []
     else:
-        core.add(_request(rid, key), at)
-    out = core.notification(P_AGENT, _decoded(wire.encode_heartbeat_answer(P0, at + 0.02, "p1")), at + 0.02)
+        out = core.add(_request(rid, key), at)
+    out += core.notification(P_AGENT, _decoded(wire.encode_heartbeat_answer(P0, at + 0.02, "p1")), at + 0.02)
     return core, out
+
+
+def _attempt(actions: list[Any]) -> int:
+    """The registration attempt D's PUSH_REG among ``actions`` states (P echoes it)."""
+    from kvpush.core.actions import Send
+    from kvpush.core.types import NotificationKind
+
+    regs = [
+        n
+        for n in (_decoded(a.message) for a in actions if isinstance(a, Send))
+        if n.kind is NotificationKind.PUSH_REG
+    ]
+    assert len(regs) == 1 and regs[0].registration.attempt is not None, actions
+    return regs[0].registration.attempt
 
 
 def _decoded(message: bytes) -> Any:
@@ -163,31 +183,47 @@ def _decoded(message: bytes) -> Any:
     return note
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a DONE names only D's request id, the producer and P's incarnation (the MAC adds "
-    "sender, receiver and D's incarnation): a recorded DONE replayed when the engine uses the "
-    "id again (the receiver stops aliasing a reused id once it left its memory of ID_MEMORY "
-    "ids) completes the new request with nothing written: wrong KV, silently",
-)
 def test_a_replayed_done_of_an_earlier_request_of_the_id_does_not_complete_the_new_one() -> None:
-    """With the shared secret on, a DONE's MAC is the same bytes for every request of one id
+    """With the shared secret on, a DONE's MAC was the same bytes for every request of one id
     between the same two starts. r (key x-1) is pushed and done; much later the engine adds an
     id r again (the receiver aliases a reused id only while it remembers it: ID_MEMORY ids),
     for another prompt (key x-2), registered with the same P start. Someone on the path replays
-    the recorded DONE of the first r: D reports the new r done before P wrote a byte of it."""
+    the recorded DONE of the first r: D reported the new r done before P wrote a byte of it.
+    Fixed (notification format 2.7): each registration attempt has its own id, which P echoes
+    in its DONE (under the MAC); the replayed DONE names the earlier attempt and is refused."""
     from test_handshake_refusal import P0, P_AGENT
 
     from kvpush.core import notifications as wire
     from kvpush.core.actions import Report
 
     core, out = _decode_registered("r", "x-1", 0.0)
-    recorded = wire.encode_done("r", P0, 1, incarnation="p1")
+    recorded = wire.encode_done("r", P0, 1, incarnation="p1", attempt=_attempt(out))
     out = core.notification(P_AGENT, _decoded(recorded), 0.1)
     assert [(a.request_id, a.outcome) for a in out if isinstance(a, Report)] == [("r", "done")]
     core, out = _decode_registered("r", "x-2", 1.0, core)  # the id again, another prompt
     replayed = core.notification(P_AGENT, _decoded(recorded), 1.1)
     assert not [a for a in replayed if isinstance(a, Report) and a.outcome == "done"], replayed
+    assert core.stats["rejected_notifications"] == 1
+    done = wire.encode_done("r", P0, 1, incarnation="p1", attempt=_attempt(out))  # P's own DONE
+    out = core.notification(P_AGENT, _decoded(done), 1.2)
+    assert [(a.request_id, a.outcome) for a in out if isinstance(a, Report)] == [("r", "done")]
+
+
+def test_a_result_naming_no_attempt_counts_only_from_a_p_that_does_not_echo_attempts() -> None:
+    """A P of this release states ``result_attempts`` and echoes the attempt in every result: a
+    DONE of it naming none (stripped, or forged) is refused. A P of an earlier release states
+    nothing and names none: its DONE counts as before (compatibility one minor apart)."""
+    from test_handshake_refusal import P0, P_AGENT
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.actions import Report
+
+    bare = wire.encode_done("r", P0, 1, incarnation="p1")
+    core, _ = _decode_registered("r", "x-1", 0.0)
+    assert not [a for a in core.notification(P_AGENT, _decoded(bare), 0.1) if isinstance(a, Report)]
+    core, _ = _decode_registered("r", "x-1", 0.0, echoes=False)
+    out = core.notification(P_AGENT, _decoded(bare), 0.1)
+    assert [(a.request_id, a.outcome) for a in out if isinstance(a, Report)] == [("r", "done")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,25 +272,23 @@ def test_a_late_answer_of_a_p_start_d_saw_exit_does_not_fail_the_live_start() ->
     assert not [a for a in out if isinstance(a, Report)], out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a CANCEL_ACK names only D's request id, the producer and P's incarnation: a recorded "
-    "ack of an earlier request of the id, replayed when the engine cancels a new request of "
-    "that id, releases the new request's blocks before P acknowledged (its WRITE may still "
-    "land in blocks the engine reuses)",
-)
 def test_a_replayed_cancel_ack_of_an_earlier_request_of_the_id_does_not_release_the_new_one() -> None:
     """As the DONE above: r (key x-1) is cancelled and P acknowledges (nothing in flight). The
     id comes back after the receiver forgot it, for key x-2, and is cancelled while P may be
-    writing it; the recorded ack, replayed, settles P's rank and D releases the blocks."""
+    writing it; the recorded ack, replayed, settled P's rank and D released the blocks. Fixed
+    (2.7): the ack echoes the attempt D's CANCEL named, and the replayed one names the first."""
     from test_handshake_refusal import P0, P_AGENT
 
     from kvpush.core import notifications as wire
-    from kvpush.core.actions import Release
+    from kvpush.core.actions import Release, Send
+    from kvpush.core.types import NotificationKind
 
-    core, _ = _decode_registered("r", "x-1", 0.0)
-    core.cancel("r", 0.1)
-    recorded = wire.encode_cancel_ack("r", P0, False, unsettled=False, incarnation="p1")
+    core, out = _decode_registered("r", "x-1", 0.0)
+    cancels = [_decoded(a.message) for a in core.cancel("r", 0.1) if isinstance(a, Send)]
+    assert [n.registration.attempt for n in cancels if n.kind is NotificationKind.CANCEL] == [_attempt(out)]
+    recorded = wire.encode_cancel_ack(
+        "r", P0, False, unsettled=False, incarnation="p1", attempt=_attempt(out)
+    )
     assert any(isinstance(a, Release) for a in core.notification(P_AGENT, _decoded(recorded), 0.15))
     core, _ = _decode_registered("r", "x-2", 1.0, core)  # the id again, P may be writing it
     core.cancel("r", 1.1)
