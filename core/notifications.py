@@ -42,6 +42,12 @@ Direction and meaning (docs/reliability.md):
   that HELLO is the one it waits on (a refusal of an earlier attempt, held in the network
   past an outage, is dropped); absent, as from a 2.5 P or to a D that stated no id, it
   answers whatever HELLO D waits on.
+- Since 2.7 ``PUSH_REG`` and ``CANCEL`` (with D's coordinates) optionally carry ``a``, D's
+  registration attempt id (unique within D's incarnation, never reused; the same in every
+  message of one attempt), and P echoes it in each ``DONE``, ``FAIL`` and ``CANCEL_ACK``
+  answering them: D counts a result only for the attempt it names (a replay of a result for an
+  earlier request of a reused D request id names another); absent: not stated (D then judges
+  without it, unless that P stated ``result_attempts`` in its handshake).
 - ``BYE`` P → D (since 2.3): a P worker closed (its producer rank and incarnation): it posts nothing more
   and every WRITE it posted to this D rank ended (``unsettled``: one ended without completing).
   Since 2.4 optionally ``done``: the D request ids whose WRITE (and so its DONE) to this D rank

@@ -92,9 +92,14 @@ def test_an_unsettled_write_is_assumed_unless_p_says_otherwise(prefix: bytes) ->
 
 
 def test_a_peer_one_minor_version_ahead_interoperates() -> None:
-    """A synthetic newer peer: minor version 7 and fields this side has never heard of."""
+    """A synthetic newer peer: the next minor version and fields this side has never heard of."""
     fields = body(wire.encode_push_reg(REG), wire.PUSH_REG_PREFIX)
-    newer = {**fields, "v": [wire.NOTIF_VERSION[0], 7], "priority": 3, "trace": {"id": "t"}}
+    newer = {
+        **fields,
+        "v": [wire.NOTIF_VERSION[0], wire.NOTIF_VERSION[1] + 1],
+        "priority": 3,
+        "trace": {"id": "t"},
+    }
     note = wire.decode_notification(with_body(wire.PUSH_REG_PREFIX, newer))
     assert note is not None and note.registration == REG
 

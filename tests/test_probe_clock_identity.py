@@ -32,13 +32,6 @@ def _push_reg(**overrides: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a late message of a dead D start that sorts after the live start P loaded from D's "
-    "side channel (the live one restarted on a clock behind) is taken for a restart, every "
-    "time: P fails the live start's requests and reloads it, once "
-    "per late message; it never learns the late start is dead",
-)
 def test_late_messages_of_a_dead_start_sorting_after_the_live_one_do_not_fail_the_live_one() -> None:
     """D start "d5" says HELLO and dies (or, on a host that lost the address, goes on sending);
     D comes back as "d1" on a host whose clock is behind (it sorts before "d5"). P's handshake,
@@ -47,7 +40,11 @@ def test_late_messages_of_a_dead_start_sorting_after_the_live_one_do_not_fail_th
     sorts after the loaded one, so P takes each for a restart: it fails the live start's
     request, drops the rank and loads d1 again from the side channel; the next late message
     does it again. (The reverse order, a late HELLO of an earlier-sorting start, costs one
-    reload at most: test_core_a_late_hello_of_a_start_p_never_loaded_costs_one_reload_at_most.)"""
+    reload at most: test_core_a_late_hello_of_a_start_p_never_loaded_costs_one_reload_at_most.)
+    Fixed: P takes a message of a start it has not loaded for a restart only once D's side
+    channel says that start runs (asked off the writer thread); a start whose message asked
+    for a handshake that loaded another, or that the side channel did not name, has its
+    messages dropped for a doubling backoff, and is asked about again after it."""
     from test_handshake_refusal import D_AGENT, _prefill
 
     from kvpush.core.actions import Connect, DropPeer, Post, Report
@@ -66,6 +63,41 @@ def test_late_messages_of_a_dead_start_sorting_after_the_live_one_do_not_fail_th
         if any(isinstance(a, Connect) for a in late):
             core.connected("D", 0, D_AGENT, "d1", 1, "", at + 0.05)  # still the live start
     assert not failed, failed
+
+
+def test_a_start_the_side_channel_does_not_serve_is_asked_about_at_most_once_per_backoff() -> None:
+    """A message of a start P has not loaded, sorting after the live one, makes P ask D's side
+    channel (``AskStart``) instead of failing the live start's requests. While the question is
+    out, further messages wait (no second question); the answer naming the live start drops
+    them, and the late start's messages are dropped unasked for a backoff that doubles. A
+    start the side channel does name is a restart: the live start's requests fail then."""
+    from test_handshake_refusal import D_AGENT, _prefill
+
+    from kvpush.core.actions import AskStart, Connect, DropPeer, Post, Report
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d1"), 100.0)
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)
+    core.finished("x-2", "p-2", ((6,),), "", 100.2)
+    reg = _push_reg(decode_incarnation="d1", request_id="d-2", match_key="x-2", grant=100.15)
+    assert any(isinstance(a, Post) for a in core.notification(D_AGENT, reg, 100.3))
+
+    def asks(actions: list[Any]) -> list[Any]:
+        assert not [a for a in actions if isinstance(a, Report | DropPeer | Connect)], actions
+        return [a for a in actions if isinstance(a, AskStart)]
+
+    assert len(asks(core.notification(D_AGENT, _hello("d5"), 100.4))) == 1  # a late one: asked
+    assert not asks(core.notification(D_AGENT, _hello("d5"), 100.45))  # the question is out
+    assert not asks(core.start_served("D", 0, "d1", "", 100.5))  # d1 runs: both dropped
+    assert not asks(core.notification(D_AGENT, _hello("d5"), 101.0))  # within the backoff (1 s)
+    assert len(asks(core.notification(D_AGENT, _hello("d5"), 101.6))) == 1  # asked again after it
+    assert not asks(core.start_served("D", 0, "d1", "", 101.7))
+    assert not asks(core.notification(D_AGENT, _hello("d5"), 103.0))  # the backoff doubled (2 s)
+    assert core.stats["starts_asked"] == 2
+    # d7 did restart: the side channel names it, and the live start's request fails then.
+    assert len(asks(core.notification(D_AGENT, _hello("d7"), 104.0))) == 1
+    restarted = core.start_served("D", 0, "d7", "", 104.1)
+    assert [a.outcome for a in restarted if isinstance(a, Report)] == ["failed"], restarted
 
 
 # ---------------------------------------------------------------------------------------------
