@@ -1541,11 +1541,15 @@ class PrefillCore:
 
     def _not_served(self, engine_id: str, rank: int, incarnation: str, now: float) -> None:
         """D's side channel served another start than ``incarnation`` (or could not be read)
-        after it spoke: drop its messages for a backoff that doubles each time."""
+        after it spoke: drop its messages for a backoff that doubles each time (up to a quarter
+        of the lease)."""
         where = (engine_id, rank, incarnation)
         until, backoff = self._unserved.pop(where, (now, 0.0))
         if now >= until:  # asked again since: a longer backoff
-            backoff = min(max(2 * backoff, self.s.retry_backoff_s), self.s.retry_backoff_max_s)
+            # At most a quarter of the lease (as the address backoff): a start the side channel
+            # names late is loaded before the finished prefills' leases run out.
+            cap = min(self.s.retry_backoff_max_s, max(self.s.retry_backoff_s, self.s.lease_s / 4))
+            backoff = min(max(2 * backoff, self.s.retry_backoff_s), cap)
             until = now + backoff
         self._unserved[where] = (until, backoff)
         while len(self._unserved) > MAX_REPLACED:
