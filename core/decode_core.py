@@ -2352,7 +2352,8 @@ class DecodeCore:
 def _attempt_seed(incarnation: str) -> int:
     """Where a start's registration attempt ids begin: 60 bits of a hash of its incarnation, so
     that a result for an earlier process under the same agent name (without a MAC) names an
-    id this start does not use; 2**62 ids stay below ``MAX_ATTEMPT``."""
+    id this start does not use; it starts below 2**60, so more than 2**62 ids stay below
+    ``notifications.MAX_ATTEMPT``."""
     digest = hashlib.blake2b(b"attempt\0" + incarnation.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 4
 
