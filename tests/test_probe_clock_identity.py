@@ -352,3 +352,25 @@ def test_a_grant_issued_by_an_earlier_p_process_on_the_shared_boot_clock_is_not_
     assert not core.confirm_post("x-1", 0, 100.31)  # the driver's check right before the post
     asks = [a for a in core.refresh("x-1", 0, 100.32) if isinstance(a, Send) and _decoded(a.message).want]
     assert asks
+
+
+def test_messages_held_while_the_side_channel_is_asked_are_bounded() -> None:
+    """A start that keeps sending while P asks D's side channel about it: one question, at most
+    ``MAX_DEFERRED`` messages held (the oldest kept, the rest dropped and counted, as lost
+    messages D resends), all dropped when the answer names the live start."""
+    from test_handshake_refusal import D_AGENT, _prefill
+
+    from kvpush.core.actions import AskStart
+    from kvpush.core.prefill_core import MAX_DEFERRED
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d1"), 100.0)
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)
+    rejected = core.stats["rejected_notifications"]
+    out: list[Any] = []
+    for i in range(MAX_DEFERRED + 20):
+        out += core.notification(D_AGENT, _hello("d9"), 100.2 + i * 1e-4)
+    assert len([a for a in out if isinstance(a, AskStart)]) == 1
+    assert core.stats["rejected_notifications"] - rejected == 20
+    assert not core.start_served("D", 0, "d1", "", 100.5)
+    assert core.stats["rejected_notifications"] - rejected == 20 + MAX_DEFERRED
