@@ -35,6 +35,18 @@ class Connect:
 
 
 @attrs.frozen
+class AskStart:
+    """P: ask D rank ``rank``'s side channel which start (incarnation) of it runs, off the writer
+    thread (one round trip, bounded by the handshake timeout); the driver answers
+    ``PrefillCore.start_served`` with the incarnation it serves, or the error."""
+
+    engine_id: str
+    host: str
+    port: int
+    rank: int
+
+
+@attrs.frozen
 class DropPeer:
     """Forget a peer engine: remove its agents (tears the connection down) and what was prepared."""
 

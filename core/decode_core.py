@@ -127,6 +127,9 @@ class ProducerInfo:
     """Per producer agent, earlier incarnations of it that ended in its process with nothing
     in flight (each said goodbye) -> whether a WRITE of it ever ended unsettled (published by
     P; a goodbye's ``BYE`` may have been lost)."""
+    echo_attempts: frozenset[str] = frozenset()
+    """The producer agents that stated (``result_attempts``) that each of their results echoes
+    the registration attempt it answers: a result of theirs that names none is refused."""
 
 
 class _EngineState(enum.Enum):
@@ -267,6 +270,11 @@ class _Receive:
     """A producer that closed said its DONE was sent (its ``BYE`` named the request, or the DONE
     arrived): the request waits for its DONEs or the watchdog, also when the engine's agents
     are dropped afterwards (:meth:`DecodeCore._engine_down`)."""
+    echoing: frozenset[str] = frozenset()
+    """Its producer agents that echo the attempt in every result (``ProducerInfo.echo_attempts``)."""
+    attempt: int = 0
+    """This registration attempt's id (``PushRegistration.attempt``): each PUSH_REG and CANCEL
+    of it states it, and only a result echoing it (or stating none: an earlier P) counts."""
     rereg: set[RankKey] = attrs.field(factory=set)
     """Producers whose process exited before they wrote (a P rank restarted under its name):
     registered again with the process that serves now, once the old one's connections are
@@ -316,6 +324,10 @@ class DecodeCore:
         """The id of the newest HELLO attempt (to any engine): each attempt's HELLOs carry it.
         It starts from this start's incarnation, so a refusal of a HELLO an earlier process
         under the same agent name sent does not echo a current id."""
+        self._attempt_seq = _attempt_seed(settings.incarnation)
+        """The id of the newest registration attempt (one per request added): never reused
+        within this start, so a result P sent for an earlier request of a reused id, replayed
+        (the MAC covers the id it echoes), names another attempt and counts for nothing."""
         self._seq = 0
         """Counts stamps and ends: orders "a stamp arrived" against "a key ended" here."""
         self._unanswered: OrderedDict[tuple[str, str], dict[str, tuple[str, str, bytes]]] = OrderedDict()
@@ -400,7 +412,10 @@ class DecodeCore:
         """Start receiving ``request`` (the driver validated it and its id is new)."""
         rid = request.request_id
         params = request.params
-        receive = _Receive(meta=request, key=params.match_key, engine_id=params.remote_engine_id)
+        self._attempt_seq += 1
+        receive = _Receive(
+            meta=request, key=params.match_key, engine_id=params.remote_engine_id, attempt=self._attempt_seq
+        )
         self._requests[rid] = receive
         self._timers.arm(("watchdog", rid), now + self.s.request_timeout_s)
         out = self._engine_wanted(request, now)
@@ -785,6 +800,9 @@ class DecodeCore:
                 and note.producer_tp_size == receive.prefill_tp
                 and producer not in receive.arrived  # after packed chunks: checked below
                 and (
+                    note.attempt == receive.attempt or (note.attempt is None and agent not in receive.echoing)
+                )
+                and (
                     not note.incarnation
                     or note.incarnation == receive.incarnations.get(agent, note.incarnation)
                 )
@@ -935,6 +953,7 @@ class DecodeCore:
         receive.writes_abortable = info.writes_abortable
         receive.processes = info.processes
         receive.incarnations = info.incarnations
+        receive.echoing = info.echo_attempts
         receive.phase = _Phase.REGISTERED
         engine.last_request = now
         if self._reserve_staging is not None:
@@ -1173,6 +1192,12 @@ class DecodeCore:
                 f"sent by incarnation {note.incarnation!r} of {agent}; this request registered with "
                 f"incarnation {registered!r}"
             )
+        if note.attempt is None and agent in receive.echoing:
+            return f"it names no registration attempt, and {agent} stated that each of its results echoes one"
+        if note.attempt is not None and note.attempt != receive.attempt:
+            # P's answer to another registration of this request id (an earlier request the
+            # engine gave the same id, or a replay of one): it says nothing of this one.
+            return f"it answers registration attempt {note.attempt}; this request's is {receive.attempt}"
         return ""
 
     def _count(self, rid: str, receive: _Receive, producer: RankKey, now: float) -> list[Any]:
@@ -1531,6 +1556,7 @@ class DecodeCore:
             **receive.incarnations,
             **{a: info.incarnations[a] for a in new_agents if a in info.incarnations},
         }
+        receive.echoing = (receive.echoing - new_agents) | (info.echo_attempts & new_agents)
         kept = {a: p for a, p in receive.processes.items() if a not in new_agents}
         receive.processes = {**kept, **{a: info.processes[a] for a in new_agents if a in info.processes}}
         # Conservative across the incarnations the request now spans.
@@ -2319,7 +2345,17 @@ class DecodeCore:
             prompt_fingerprint=receive.meta.params.prompt_fingerprint if receive is not None else None,
             block_start=receive.meta.block_start if receive is not None else None,
             num_tokens=receive.meta.num_tokens if receive is not None else None,
+            attempt=receive.attempt if receive is not None else None,
         )
+
+
+def _attempt_seed(incarnation: str) -> int:
+    """Where a start's registration attempt ids begin: 60 bits of a hash of its incarnation, so
+    that a result for an earlier process under the same agent name (without a MAC) names an
+    id this start does not use; it starts below 2**60, so more than 2**62 ids stay below
+    ``notifications.MAX_ATTEMPT``."""
+    digest = hashlib.blake2b(b"attempt\0" + incarnation.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 4
 
 
 def _hello_seed(incarnation: str) -> int:
@@ -2345,6 +2381,8 @@ def _take_agents(receive: _Receive, info: ProducerInfo) -> None:
         **receive.incarnations,
         **{a: info.incarnations[a] for a in mine.values() if a in info.incarnations},
     }
+    taken = frozenset(mine.values())
+    receive.echoing = (receive.echoing - taken) | (info.echo_attempts & taken)
 
 
 def _layout_change(receive: _Receive, info: ProducerInfo) -> str:

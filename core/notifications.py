@@ -42,6 +42,12 @@ Direction and meaning (docs/reliability.md):
   that HELLO is the one it waits on (a refusal of an earlier attempt, held in the network
   past an outage, is dropped); absent, as from a 2.5 P or to a D that stated no id, it
   answers whatever HELLO D waits on.
+- Since 2.7 ``PUSH_REG`` and ``CANCEL`` (with D's coordinates) optionally carry ``a``, D's
+  registration attempt id (unique within D's incarnation, never reused; the same in every
+  message of one attempt), and P echoes it in each ``DONE``, ``FAIL`` and ``CANCEL_ACK``
+  answering them: D counts a result only for the attempt it names (a replay of a result for an
+  earlier request of a reused D request id names another); absent: not stated (D then judges
+  without it, unless that P stated ``result_attempts`` in its handshake).
 - ``BYE`` P → D (since 2.3): a P worker closed (its producer rank and incarnation): it posts nothing more
   and every WRITE it posted to this D rank ended (``unsettled``: one ended without completing).
   Since 2.4 optionally ``done``: the D request ids whose WRITE (and so its DONE) to this D rank
@@ -55,6 +61,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
 import msgpack
 
 from kvpush.core.errors import WireError
@@ -70,7 +77,7 @@ from kvpush.core.types import (
 from kvpush.core.wire import MAX_PARALLEL as WIRE_MAX_PARALLEL
 from kvpush.core.wire import pack, unpack
 
-NOTIF_VERSION = (2, 6)
+NOTIF_VERSION = (2, 7)
 """(major, minor) of the notification format; only the major must match."""
 MAX_BLOCK_ID = (1 << 31) - 1
 MAX_PARALLEL = WIRE_MAX_PARALLEL
@@ -88,6 +95,8 @@ MAX_TOKENS = 1 << 40
 """Largest prompt length (tokens) a PUSH_REG may state."""
 MAX_HELLO_ID = (1 << 63) - 1
 """Largest HELLO id (``h``) a HELLO, or the FAIL answering it, may state (ids start at 1)."""
+MAX_ATTEMPT = (1 << 63) - 1
+"""Largest registration attempt id (``a``) a PUSH_REG, CANCEL or result may state (from 1)."""
 
 PUSH_REG_PREFIX = b"PUSH_REG:"
 DONE_PREFIX = b"DONE:"
@@ -140,16 +149,23 @@ def encode_push_reg(reg: PushRegistration) -> bytes:
         body["bs"] = list(reg.block_start)
     if reg.num_tokens is not None:
         body["nt"] = reg.num_tokens
+    if reg.attempt is not None:  # optional (2.7): absent means "not stated"
+        body["a"] = reg.attempt
     return _msg(PUSH_REG_PREFIX, body)
 
 
-def _result(request_id: str, producer: RankKey, incarnation: str, **fields: Any) -> dict[str, Any]:
+def _result(
+    request_id: str, producer: RankKey, incarnation: str, attempt: int | None, **fields: Any
+) -> dict[str, Any]:
     """The body of a P result (DONE, FAIL, CANCEL_ACK): request, producer, ``fields`` and,
-    when stated, the sending worker's incarnation (since 2.5)."""
+    when stated, the sending worker's incarnation (since 2.5) and the registration attempt it
+    answers (since 2.7)."""
     body: dict[str, Any] = {"request_id": request_id, "pp": producer.pp_rank, "tp": producer.tp_rank}
     body.update(fields)
     if incarnation:
         body["inc"] = incarnation
+    if attempt is not None:
+        body["a"] = attempt
     return body
 
 
@@ -159,9 +175,12 @@ def encode_done(
     producer_tp_size: int,
     packing: PackManifest | None = None,
     incarnation: str = "",
+    *,
+    attempt: int | None = None,
 ) -> bytes:
-    """``incarnation``: the sending P worker's (since 2.5; empty: not stated)."""
-    body = _result(request_id, producer, incarnation, ptp=producer_tp_size)
+    """``incarnation``: the sending P worker's (since 2.5; empty: not stated). ``attempt``: the
+    registration attempt it answers, from D's PUSH_REG (since 2.7; None: D stated none)."""
+    body = _result(request_id, producer, incarnation, attempt, ptp=producer_tp_size)
     if packing is not None:
         body["pk"] = [
             packing.staging_offset,
@@ -181,31 +200,45 @@ def encode_failed(
     incarnation: str = "",
     *,
     hello_id: int | None = None,
+    attempt: int | None = None,
 ) -> bytes:
     """``unsettled``: a WRITE posted to this D rank ended without completing (bytes may follow);
     True unless P knows otherwise. ``incarnation``: the sending P worker's (since 2.5).
     ``hello_id``: for a FAIL answering a HELLO, the id that HELLO stated (since 2.6; None: it
-    stated none)."""
-    body = _result(request_id, producer, incarnation, reason=reason[:MAX_REASON], unsettled=unsettled)
+    stated none). ``attempt``: the registration attempt it answers (since 2.7; None: D stated
+    none)."""
+    body = _result(
+        request_id, producer, incarnation, attempt, reason=reason[:MAX_REASON], unsettled=unsettled
+    )
     if hello_id is not None:
         body["h"] = hello_id
     return _msg(FAIL_PREFIX, body)
 
 
 def encode_cancel(match_key: str, reg: PushRegistration | None = None, decode_tp_rank: int = 0) -> bytes:
-    """CANCEL by match key; with ``reg`` (blocks not needed) P can reach the cancelling D rank."""
+    """CANCEL by match key; with ``reg`` (blocks not needed) P can reach the cancelling D rank,
+    and P's CANCEL_ACK echoes the registration attempt it names (since 2.7)."""
     body: dict[str, Any] = {"request_id": match_key}
     if reg is not None:
         body.update(_coordinates(reg, decode_tp_rank), d_request_id=reg.request_id)
+        if reg.attempt is not None:
+            body["a"] = reg.attempt
     return _msg(CANCEL_PREFIX, body)
 
 
 def encode_cancel_ack(
-    request_id: str, producer: RankKey, write_in_flight: bool, unsettled: bool = True, incarnation: str = ""
+    request_id: str,
+    producer: RankKey,
+    write_in_flight: bool,
+    unsettled: bool = True,
+    incarnation: str = "",
+    *,
+    attempt: int | None = None,
 ) -> bytes:
     """``unsettled``: a WRITE posted to this D rank ended without completing (bytes may follow);
-    True unless P knows otherwise. ``incarnation``: the sending P worker's (since 2.5)."""
-    body = _result(request_id, producer, incarnation, inflight=write_in_flight, unsettled=unsettled)
+    True unless P knows otherwise. ``incarnation``: the sending P worker's (since 2.5).
+    ``attempt``: the registration attempt the CANCEL named (since 2.7; None: it named none)."""
+    body = _result(request_id, producer, incarnation, attempt, inflight=write_in_flight, unsettled=unsettled)
     return _msg(CANCEL_ACK_PREFIX, body)
 
 
@@ -303,6 +336,13 @@ def _int_field(
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise WireError(f"{what} field {name!r} must be an int in [{low}, {high}], got {str(value)[:80]!r}")
     return value
+
+
+def _attempt(body: Mapping[str, Any], what: str) -> int | None:
+    """A registration attempt id (``a``, since 2.7): None when absent."""
+    if body.get("a") is None:
+        return None
+    return _int_field(body, "a", what, low=1, high=MAX_ATTEMPT)
 
 
 def _hello_id(body: Mapping[str, Any], what: str) -> int | None:
@@ -493,6 +533,7 @@ def decode_notification(message: bytes) -> Notification | None:
             producer_tp_size=_int_field(body, "ptp", what, low=1, high=MAX_PARALLEL),
             packing=_manifest(body, what),
             incarnation=_str_field(body, "inc", what, optional=True),
+            attempt=_attempt(body, what),
         )
     if kind is NotificationKind.PUSH_REG:
         rid = _str_field(body, "request_id", what)
@@ -522,6 +563,7 @@ def decode_notification(message: bytes) -> Notification | None:
             prompt_fingerprint=fingerprint,
             block_start=_block_start(body.get("bs"), len(block_ids), what),
             num_tokens=None if body.get("nt") is None else _int_field(body, "nt", what, high=MAX_TOKENS),
+            attempt=_attempt(body, what),
             **coordinates,
         )
         return Notification(kind=kind, request_id=rid, registration=reg)
@@ -570,8 +612,11 @@ def decode_notification(message: bytes) -> Notification | None:
     if kind is NotificationKind.CANCEL:
         if "d_request_id" not in body:
             return Notification(kind=kind, request_id=request_id)
-        reg = _decode_coordinates(
-            body, what, request_id=_str_field(body, "d_request_id", what), match_key=request_id
+        reg = attrs.evolve(
+            _decode_coordinates(
+                body, what, request_id=_str_field(body, "d_request_id", what), match_key=request_id
+            ),
+            attempt=_attempt(body, what),
         )
         return Notification(
             kind=kind, request_id=request_id, registration=reg, producer=RankKey(0, reg.decode_tp_rank)
@@ -587,6 +632,7 @@ def decode_notification(message: bytes) -> Notification | None:
             write_in_flight=bool(body.get("inflight")),
             unsettled=unsettled,
             incarnation=_str_field(body, "inc", what, optional=True),
+            attempt=_attempt(body, what),
         )
     reason = body.get("reason")
     reason = reason[:MAX_REASON] if isinstance(reason, str) else "unknown"
@@ -599,6 +645,7 @@ def decode_notification(message: bytes) -> Notification | None:
             unsettled=unsettled,
             incarnation=_str_field(body, "inc", what, optional=True),
             hello_id=_hello_id(body, what),
+            attempt=_attempt(body, what),
         )
     return Notification(kind=kind, request_id=request_id, producer=producer, reason=reason)
 
@@ -622,6 +669,7 @@ def _direct_done(message: bytes) -> Notification | None:
     version, rid = body.get("v"), body.get("request_id")
     pp, tp, ptp = body.get("pp"), body.get("tp"), body.get("ptp")
     inc = body.get("inc", "")
+    attempt = body.get("a")
     if (
         type(version) is list
         and len(version) >= 2
@@ -638,10 +686,16 @@ def _direct_done(message: bytes) -> Notification | None:
         and 1 <= ptp <= MAX_PARALLEL
         and type(inc) is str
         and len(inc) <= MAX_ID_CHARS
+        and (attempt is None or (type(attempt) is int and 1 <= attempt <= MAX_ATTEMPT))
     ):
         # RankKey's own checks (non-negative plain ints) hold: skip its constructor
         producer = _new_rank(RankKey, (pp, tp))
         return Notification(
-            kind=_DONE, request_id=rid, producer=producer, producer_tp_size=ptp, incarnation=inc
+            kind=_DONE,
+            request_id=rid,
+            producer=producer,
+            producer_tp_size=ptp,
+            incarnation=inc,
+            attempt=attempt,
         )
     return None

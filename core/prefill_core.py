@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from kvpush.core import notifications as wire
-from kvpush.core.actions import Abort, Connect, DropPeer, Post, Report, Send
+from kvpush.core.actions import Abort, AskStart, Connect, DropPeer, Post, Report, Send
 from kvpush.core.addresses import host_port
 from kvpush.core.deadlines import Deadlines, RateLimit
 from kvpush.core.types import (
@@ -168,8 +168,8 @@ class _Request:
     displaced: list[_Reg] = attrs.field(factory=list)
     """Registrations replaced on their D rank, before the finish, by one of another prompt:
     checked (and answered) at the finish with the others."""
-    cancel_acks: dict[str, str] = attrs.field(factory=dict)
-    """D agent -> D request id of cancels to acknowledge once nothing is in flight."""
+    cancel_acks: dict[str, tuple[str, int | None]] = attrs.field(factory=dict)
+    """D agent -> (D request id, registration attempt) of cancels to acknowledge once nothing is in flight."""
     cut: dict[int, str] = attrs.field(factory=dict)
     """D rank -> the D incarnation of the registration P dropped when the rank's endpoint
     broke, nothing posted to it (:meth:`PrefillCore._rank_gone`): asked for again by the next
@@ -211,6 +211,8 @@ class _Decode:
     """D ranks whose HELLO awaits the handshake, by the agent the HELLO came from."""
     hello_incarnations: dict[int, str] = attrs.field(factory=dict)
     """The incarnation each of those HELLOs stated."""
+    asked_for: dict[int, str] = attrs.field(factory=dict)
+    """The incarnation stated by the message that asked for each D rank's handshake in flight."""
     hello_ids: dict[int, int] = attrs.field(factory=dict)
     """The id each of those HELLOs stated (since 2.6; absent: none), echoed by a refusal."""
     last_want: dict[str, float] = attrs.field(factory=dict)
@@ -357,6 +359,15 @@ class _Refusal:
     """When a newer incarnation of that D rank last skipped the address backoff."""
 
 
+@attrs.define(eq=False)
+class _Asking:
+    """A side-channel question about which start of a D rank runs (``AskStart``), in flight."""
+
+    asked_at: float
+    held: list[tuple[str, Notification]] = attrs.field(factory=list)
+    """Messages of starts P has not loaded, handled once it is answered."""
+
+
 Planner = Callable[[BlockIds, PushRegistration], Sequence[ReadSpec]]
 """``plan(local blocks, registration)`` -> read specs (trim, read-spec hook, plan check)."""
 
@@ -385,6 +396,16 @@ class PrefillCore:
         self._replaced: dict[tuple[str, int], list[str]] = {}
         """(D engine, rank) -> the incarnations P loaded for it and dropped since (kept when the
         engine is forgotten): their late messages are stale, whatever their start time says."""
+        self._asking: dict[tuple[str, int], _Asking] = {}
+        """(D engine, rank) -> the side-channel question in flight about which start of it runs,
+        and the messages of the unknown start held until it is answered."""
+        self._served: dict[tuple[str, int], str] = {}
+        """(D engine, rank) -> the start its side channel said runs, once asked: a message of
+        that start is a restart of the rank."""
+        self._unserved: OrderedDict[tuple[str, int, str], tuple[float, float]] = OrderedDict()
+        """(D engine, rank, incarnation) of starts whose messages came while the side channel
+        served another start (at most ``MAX_REPLACED``) -> (until when their messages are
+        dropped unasked, the backoff that set it): a dead start's late messages."""
         self._closing = ""
         """Why this rank is shutting down ("" while it is not): see :meth:`shutdown`."""
         self._said_goodbye = False
@@ -412,6 +433,8 @@ class PrefillCore:
             "prompt_mismatches": 0,
             "handshake_refusals": 0,
             "decode_restarts": 0,
+            "starts_asked": 0,
+            "unserved_starts_dropped": 0,
         }
 
     # ------------------------------------------------------------------ queries
@@ -599,7 +622,12 @@ class PrefillCore:
             for rank, entry in sorted(held.items()):
                 if engine is not None and engine.agents.get(rank) == entry.agent:
                     message = wire.encode_failed(
-                        entry.reg.request_id, self.s.rank, reason, False, self.s.incarnation
+                        entry.reg.request_id,
+                        self.s.rank,
+                        reason,
+                        False,
+                        self.s.incarnation,
+                        attempt=entry.reg.attempt,
                     )
                     out.append(Send(entry.agent, message))
         request.others = {}
@@ -681,6 +709,10 @@ class PrefillCore:
         reg = note.registration
         if reg is not None:
             engine = self._engines.get(reg.decode_engine_id)
+            if engine is not None and self._unserved_now(engine, reg, now):
+                self.stats["unserved_starts_dropped"] += 1
+                self._reject(agent, note, "a late message of a D start its side channel does not serve")
+                return []
             if engine is not None and self._stale(engine, reg, hello=kind is NotificationKind.HELLO):
                 self._reject(agent, note, "a late message of a D incarnation P already replaced")
                 return []
@@ -1042,6 +1074,7 @@ class PrefillCore:
             False,
             unsettled=bool(ended is not None and ended.unsettled),
             incarnation=self.s.incarnation,
+            attempt=reg.attempt,
         )
         past = request.past if request is not None else None
         if past is not None and _ident(reg) in past.seen and _ident(reg) not in request.seen:
@@ -1077,7 +1110,7 @@ class PrefillCore:
             self._timers.arm(("refused", (key, ident)), now + self.s.registration_ttl_s)
             return [Send(agent, ack), *out]
         request.cancelled = True
-        request.cancel_acks[agent] = reg.request_id
+        request.cancel_acks[agent] = (reg.request_id, reg.attempt)
         if any(d.state is _Dest.INFLIGHT for d in (request.dests or {}).values()):
             self.stats["cancels_during_write"] += 1
             request.write_at_cancel = True
@@ -1154,7 +1187,12 @@ class PrefillCore:
             d.unsettled for d in ((request.dests or {}).values() if request is not None else ())
         )
         ack = wire.encode_cancel_ack(
-            reg.request_id, self.s.rank, False, unsettled=unsettled, incarnation=self.s.incarnation
+            reg.request_id,
+            self.s.rank,
+            False,
+            unsettled=unsettled,
+            incarnation=self.s.incarnation,
+            attempt=reg.attempt,
         )
         engine = self._engine_for(reg, now)
         if (reg.decode_host, reg.decode_port) != (engine.host, engine.port):
@@ -1253,6 +1291,8 @@ class PrefillCore:
             return []
         self._connecting[address] = engine.engine_id
         engine.connecting.add(rank)
+        if incarnation:
+            engine.asked_for[rank] = incarnation
         return [Connect(engine.engine_id, engine.host, engine.port, (RankKey(0, rank),))]
 
     def connected(
@@ -1276,6 +1316,13 @@ class PrefillCore:
         address = (engine.host, engine.port)
         if not engine.connecting and self._connecting.get(address) == engine_id:
             del self._connecting[address]
+        asked = engine.asked_for.pop(rank, "")
+        if not error and asked and asked > incarnation:
+            # The start whose message asked for this handshake sorts after the one D's side
+            # channel serves: a dead one's late message (a D restarted on a clock behind), or a
+            # start its side channel does not serve yet. Its further messages are dropped for a
+            # backoff, then D's side channel is asked again before they count as a restart.
+            self._not_served(engine_id, rank, asked, now)
         if error:
             earlier_backoff = self._address_backoff.get(address)
             failures = earlier_backoff.failures if earlier_backoff is not None else 0
@@ -1366,7 +1413,12 @@ class PrefillCore:
             unsettled = dest is not None and (dest.unsettled or dest.state is _Dest.INFLIGHT)
             if told and entry.agent == told and entry.reg.decode_incarnation == refusal.incarnation:  # type: ignore[union-attr]
                 message = wire.encode_failed(
-                    entry.reg.request_id, self.s.rank, why, unsettled, self.s.incarnation
+                    entry.reg.request_id,
+                    self.s.rank,
+                    why,
+                    unsettled,
+                    self.s.incarnation,
+                    attempt=entry.reg.attempt,
                 )
                 out.append(Send(told, message))
 
@@ -1407,7 +1459,13 @@ class PrefillCore:
         message is handled once the rank's stale agent is gone (after its WRITEs settled).
         Only the requests holding a registration (or a WRITE) of the rank's old start fail:
         that process is gone, with its request. The engine's other ranks, and the new start
-        once loaded, go on (their requests are served)."""
+        once loaded, go on (their requests are served).
+
+        Only once D's side channel says that start runs (:meth:`_ask_start`): a late message
+        of a dead start that sorts after the live one (a D restarted on a clock behind) failed
+        the live start's requests, once per late message."""
+        if self._served.get((engine.engine_id, reg.decode_tp_rank)) != reg.decode_incarnation:
+            return self._ask_start(engine, reg.decode_tp_rank, agent, note, now)
         engine.deferred.append((agent, note))
         if len(engine.deferred) > MAX_DEFERRED:
             dropped_agent, dropped = engine.deferred.pop(0)
@@ -1421,6 +1479,89 @@ class PrefillCore:
             f"{engine.incarnations.get(rank)} -> {reg.decode_incarnation})"
         )
         return self._rank_gone(engine, rank, reason, now)
+
+    def _ask_start(self, engine: _Decode, rank: int, agent: str, note: Notification, now: float) -> list[Any]:
+        """A message of a start of D rank ``rank`` P has not loaded: ask D's side channel (the
+        authority on which start runs) before taking it for a restart, off the writer thread;
+        the message waits for the answer (:meth:`start_served`). One question per rank at a
+        time (asked again if unanswered after ``lease_s``)."""
+        where = (engine.engine_id, rank)
+        asking = self._asking.get(where)
+        out: list[Any] = []
+        if asking is None or now >= asking.asked_at + self.s.lease_s:
+            held = asking.held if asking is not None else []
+            asking = self._asking[where] = _Asking(asked_at=now, held=held)
+            self.stats["starts_asked"] += 1
+            out.append(AskStart(engine.engine_id, engine.host, engine.port, rank))
+        if len(asking.held) >= MAX_DEFERRED:
+            self._reject(agent, note, f"over {MAX_DEFERRED} messages held for a D start being asked about")
+        else:
+            asking.held.append((agent, note))
+        return out
+
+    def start_served(self, engine_id: str, rank: int, incarnation: str, error: str, now: float) -> list[Any]:
+        """The driver's answer to :class:`AskStart`: D rank ``rank``'s side channel serves
+        ``incarnation`` (or could not be read: ``error``). Held messages of that start are
+        handled as a restart of the rank; those of any other start are a dead start's, late:
+        dropped, as are its further messages for a backoff (then asked again, at most once per
+        backoff: a side channel behind the start that spoke catches up). Unanswered, nothing is
+        known: the held messages are dropped (D sends its HELLO again) and asked again after a
+        backoff; the loaded start's requests are never failed on a message alone."""
+        asking = self._asking.pop((engine_id, rank), None)
+        if asking is None:
+            return []
+        out: list[Any] = []
+        if error or not incarnation:
+            logger.warning(
+                "cannot tell which start of D engine %r rank %s runs (%s): %d message(s) of a start P "
+                "has not loaded dropped",
+                engine_id,
+                rank,
+                error or "no incarnation",
+                len(asking.held),
+            )
+        else:
+            self._served[(engine_id, rank)] = incarnation
+            while len(self._served) > MAX_REPLACED:
+                del self._served[next(iter(self._served))]
+            self._unserved.pop((engine_id, rank, incarnation), None)
+        for agent, note in asking.held:
+            reg = note.registration
+            assert reg is not None
+            if reg.decode_incarnation == incarnation and not error:
+                out += self.notification(agent, note, now)
+            else:
+                self._not_served(engine_id, rank, reg.decode_incarnation, now)
+                self._reject(
+                    agent,
+                    note,
+                    f"a message of D start {reg.decode_incarnation!r}, which its side channel does not serve",
+                )
+        return out
+
+    def _not_served(self, engine_id: str, rank: int, incarnation: str, now: float) -> None:
+        """D's side channel served another start than ``incarnation`` (or could not be read)
+        after it spoke: drop its messages for a backoff that doubles each time (up to a quarter
+        of the lease)."""
+        where = (engine_id, rank, incarnation)
+        until, backoff = self._unserved.pop(where, (now, 0.0))
+        if now >= until:  # asked again since: a longer backoff
+            # At most a quarter of the lease (as the address backoff): a start the side channel
+            # names late is loaded before the finished prefills' leases run out.
+            cap = min(self.s.retry_backoff_max_s, max(self.s.retry_backoff_s, self.s.lease_s / 4))
+            backoff = min(max(2 * backoff, self.s.retry_backoff_s), cap)
+            until = now + backoff
+        self._unserved[where] = (until, backoff)
+        while len(self._unserved) > MAX_REPLACED:
+            self._unserved.popitem(last=False)
+
+    def _unserved_now(self, engine: _Decode, reg: PushRegistration, now: float) -> bool:
+        """Is ``reg`` of a start D's side channel lately said it does not serve (its backoff not
+        over), while P has another start of that rank loaded?"""
+        rank, incarnation = reg.decode_tp_rank, reg.decode_incarnation
+        entry = self._unserved.get((engine.engine_id, rank, incarnation))
+        known = engine.incarnations.get(rank)
+        return entry is not None and now < entry[0] and known is not None and known != incarnation
 
     def _rank_gone(
         self, engine: _Decode, rank: int, reason: str, now: float, *, keep_unposted: bool = False
@@ -1632,7 +1773,9 @@ class PrefillCore:
     def _refuse(self, reg: PushRegistration, agent: str, why: str, unsettled: bool, now: float) -> list[Any]:
         """Answer one registration FAIL: now if P loaded its D rank from ``agent``, else once it
         has (P connects to it, as for any registration)."""
-        message = wire.encode_failed(reg.request_id, self.s.rank, why, unsettled, self.s.incarnation)
+        message = wire.encode_failed(
+            reg.request_id, self.s.rank, why, unsettled, self.s.incarnation, attempt=reg.attempt
+        )
         engine = self._engines.get(reg.decode_engine_id)
         if engine is None:
             return []
@@ -1828,7 +1971,12 @@ class PrefillCore:
             entry = request.regs.get(rank)
             if entry is not None and (engine is None or rank not in engine.replacing):
                 message = wire.encode_failed(
-                    entry.reg.request_id, self.s.rank, dest.error, True, self.s.incarnation
+                    entry.reg.request_id,
+                    self.s.rank,
+                    dest.error,
+                    True,
+                    self.s.incarnation,
+                    attempt=entry.reg.attempt,
                 )
                 out.append(Send(entry.agent, message))
         else:
@@ -1867,7 +2015,12 @@ class PrefillCore:
             if loaded and rank != untold and entry.agent not in request.cancel_acks:
                 unsettled = dest is not None and dest.unsettled
                 message = wire.encode_failed(
-                    entry.reg.request_id, self.s.rank, reason, unsettled, self.s.incarnation
+                    entry.reg.request_id,
+                    self.s.rank,
+                    reason,
+                    unsettled,
+                    self.s.incarnation,
+                    attempt=entry.reg.attempt,
                 )
                 out.append(Send(entry.agent, message))
         for dest in (request.dests or {}).values():
@@ -1917,10 +2070,15 @@ class PrefillCore:
             Send(
                 agent,
                 wire.encode_cancel_ack(
-                    d_rid, self.s.rank, request.write_at_cancel, agent in unsettled, self.s.incarnation
+                    d_rid,
+                    self.s.rank,
+                    request.write_at_cancel,
+                    agent in unsettled,
+                    self.s.incarnation,
+                    attempt=attempt,
                 ),
             )
-            for agent, d_rid in request.cancel_acks.items()
+            for agent, (d_rid, attempt) in request.cancel_acks.items()
         ]
         if request.blocks is None:
             return out  # a stash that expired or was cancelled: nothing to report

@@ -58,6 +58,7 @@ from kvpush.core.worker import (
     BLOCK_PAIRING,
     BLOCK_PAIRING_KEY,
     PROCESS_KEY,
+    RESULT_ATTEMPTS_KEY,
     WRITE_DEADLINE_KEY,
     WRITES_ABORTABLE_KEY,
     RankWorker,
@@ -580,6 +581,11 @@ class PushReceiver(RankWorker):
             writes_abortable=self._writes_abortable(said, agents, processes),
             processes=processes,
             shares={r: share for r in wanted if (share := engine.ranks[r].share)},
+            echo_attempts=frozenset(
+                engine.ranks[r].agent
+                for r in wanted
+                if engine.ranks[r].meta.extensions.get(RESULT_ATTEMPTS_KEY) is True
+            ),
             ended={
                 engine.ranks[r].agent: dict(ended)
                 for r in wanted

@@ -9,6 +9,7 @@ registration is still fresh, polls them, and reports results to the engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -19,7 +20,7 @@ import attrs
 
 from kvpush.core import ended_workers
 from kvpush.core import notifications as wire
-from kvpush.core.actions import Abort, Connect, DropPeer, Post, Report, Send
+from kvpush.core.actions import Abort, AskStart, Connect, DropPeer, Post, Report, Send
 from kvpush.core.errors import ConfigError, KvpushError, PeerProcessExited, TransferError, WaitTimeout
 from kvpush.core.peers import PeerEngine
 from kvpush.core.planning import descriptor_id_grid, descriptor_ids, pair_blocks
@@ -127,6 +128,8 @@ class PushSender(RankWorker):
         why (writer thread): agent -> (D engine, D rank, the incarnation it published)."""
         self._telling: ThreadPoolExecutor | None = None
         """Reads a refused D rank's agent off its side channel (never on the writer)."""
+        self._asking: ThreadPoolExecutor | None = None
+        """Asks a D rank's side channel which start of it runs (``AskStart``; never on the writer)."""
 
     @property
     def stats(self) -> dict[str, int]:
@@ -462,6 +465,8 @@ class PushSender(RankWorker):
         elif isinstance(action, Abort):
             for handle in action.handles:
                 self._release_handle(handle)
+        elif isinstance(action, AskStart):
+            self._ask_start(action)
         else:
             raise TypeError(f"unknown action {action!r}")
 
@@ -520,6 +525,45 @@ class PushSender(RankWorker):
                     lease_clock(),
                 )
             self._execute(actions)
+
+    def _ask_start(self, action: AskStart) -> None:
+        """Writer: ask D's side channel which start of the rank runs, on a small executor (a
+        handshake round trip, bounded by ``handshake_timeout_s``); the core is answered on the
+        writer. Shut down: the core is not answered (nothing waits for it)."""
+        if self._asking is None:
+            self._asking = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpush-ask-start")
+        with contextlib.suppress(RuntimeError):  # shut down
+            self._asking.submit(self._read_start, action)
+
+    def _read_start(self, action: AskStart) -> None:
+        """Executor: one side-channel round trip for D rank ``action.rank``'s published start."""
+        from kvpush.core.wire import decode_identity
+
+        rank, incarnation, error = RankKey(0, action.rank), "", ""
+        try:
+            payload = fetch_metadata(
+                action.host,
+                action.port,
+                rank,
+                timeout_s=self.config.handshake_timeout_s,
+                engine_id=action.engine_id,
+            )
+            peer = decode_identity(payload, source=f"engine {action.engine_id!r} rank {rank}")
+            if peer.engine_id != action.engine_id or peer.rank != rank:
+                error = f"the side channel serves engine {peer.engine_id!r} rank {peer.rank}"
+            else:
+                incarnation = peer.incarnation
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+        self.run_on_writer(
+            lambda: (
+                self._execute(
+                    self.core.start_served(action.engine_id, action.rank, incarnation, error, lease_clock())
+                )
+                if self.core is not None
+                else None
+            )
+        )
 
     def _read_refused(self, action: Connect, error: BaseException) -> None:
         """Executor: read the refused D ranks' agents off their side channel (one round trip
@@ -733,6 +777,7 @@ class PushSender(RankWorker):
                     self.metadata.rank,
                     self.config.parallel.tp_size,
                     incarnation=self.incarnation,
+                    attempt=reg.attempt,
                 ),
             )
             post = post_grid or self.transport.post_write
@@ -803,7 +848,10 @@ class PushSender(RankWorker):
             decode_offset=reg.staging_offset,
             spec=spec,
             encode_notif=lambda manifest: self._sealed(
-                peer.agent, wire.encode_done(reg.request_id, producer, ptp, manifest, self.incarnation)
+                peer.agent,
+                wire.encode_done(
+                    reg.request_id, producer, ptp, manifest, self.incarnation, attempt=reg.attempt
+                ),
             ),
         )
         if written is None:
@@ -924,6 +972,8 @@ class PushSender(RankWorker):
     def _release_resources(self) -> None:
         if self._telling is not None:
             self._telling.shutdown(wait=False, cancel_futures=True)
+        if self._asking is not None:
+            self._asking.shutdown(wait=False, cancel_futures=True)
         super()._release_resources()
 
     def _closed(self) -> None:

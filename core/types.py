@@ -567,6 +567,10 @@ class PushRegistration:
     engine that cannot tell)."""
     num_tokens: int | None = None
     """The prompt's length D expects (``RequestMetadata.num_tokens``), or None."""
+    attempt: int | None = None
+    """D's id of this registration attempt (since notification format 2.7): unique within the D
+    incarnation, never reused, the same in every PUSH_REG and CANCEL of the attempt; P echoes it
+    in each DONE, FAIL and CANCEL_ACK answering it. None: not stated (an earlier release)."""
 
 
 @frozen(kw_only=True)
@@ -662,6 +666,9 @@ class Notification:
     hello_id: int | None = None
     """D → P HELLO: the id of that HELLO attempt; P → D FAIL of ``(hello)``: the id of the HELLO
     it answers (since 2.6). None: not stated (an earlier release)."""
+    attempt: int | None = None
+    """P → D DONE, FAIL, CANCEL_ACK: the registration attempt it answers, echoed from D's
+    PUSH_REG or CANCEL (since 2.7). None: not stated (an earlier release, or D stated none)."""
 
 
 @frozen(kw_only=True)

@@ -312,6 +312,7 @@ def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
     from kvpush.core.worker import (
         BLOCK_PAIRING_KEY,
         PROCESS_KEY,
+        RESULT_ATTEMPTS_KEY,
         WINDOW_BLOCKS_KEY,
         WRITE_DEADLINE_KEY,
         WRITES_ABORTABLE_KEY,
@@ -332,6 +333,9 @@ def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
         raise WireError(
             f"{what}: extension {WRITES_ABORTABLE_KEY!r} must be a bool, got {str(abortable)[:80]!r}"
         )
+    echoes = extensions.get(RESULT_ATTEMPTS_KEY)
+    if echoes is not None and not isinstance(echoes, bool):
+        raise WireError(f"{what}: extension {RESULT_ATTEMPTS_KEY!r} must be a bool, got {str(echoes)[:80]!r}")
     pairing = extensions.get(BLOCK_PAIRING_KEY)
     if pairing is not None and not (isinstance(pairing, str) and len(pairing) <= 32):
         raise WireError(

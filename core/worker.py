@@ -393,6 +393,7 @@ class RankWorker:
             WRITE_DEADLINE_KEY: self.config.write_deadline_s,
             WRITES_ABORTABLE_KEY: bool(getattr(self.transport, "writes_abortable", True)),
             BLOCK_PAIRING_KEY: BLOCK_PAIRING,
+            RESULT_ATTEMPTS_KEY: True,
             PROCESS_KEY: this_process(),
             **staging,
         }
@@ -923,3 +924,8 @@ WINDOW_BLOCKS_KEY = "window_block_tokens"
 """Metadata extension where a rank states ``WorkerConfig.window_block_tokens``: per KV group,
 the block (tokens) at which its engine frees a sliding window's blocks, 0 for a group it keeps
 whole. Absent: not stated (an engine that frees no window blocks)."""
+RESULT_ATTEMPTS_KEY = "result_attempts"
+"""Metadata extension where a P rank states (True) that every DONE, FAIL and CANCEL_ACK it sends
+echoes the registration attempt of D's PUSH_REG or CANCEL (notification format 2.7): D then
+refuses a result of it that names none. A P that does not state it is an older release, whose
+results D takes without one (as before)."""

@@ -31,6 +31,13 @@ def settle(worker: RankWorker) -> None:
     worker.call_on_writer(lambda: None)
 
 
+def attempt_of(receiver: PushReceiver, request_id: str) -> int:
+    """The registration attempt D's core gave the engine's request ``request_id`` (stated in its
+    PUSH_REG and CANCEL): what a P of this release echoes in each DONE, FAIL and CANCEL_ACK, so
+    a test standing in for P injects it too. Read on the writer thread."""
+    return receiver.call_on_writer(lambda: receiver.core._requests[receiver._core_id(request_id)].attempt)
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -132,7 +132,8 @@ def test_a_want_pending_when_d_restarts_goes_to_nobody() -> None:
     assert _wants(_stale(core, 1, T0)) == ["x-1"]
     assert not _wants(_stale(core, 2, T0 + 0.001))
     hello = wire.encode_hello(_reg(0, decode_incarnation="d2"), 0)
-    restart = core.notification(D_AGENT, _note(hello), T0 + 0.002)
+    core.notification(D_AGENT, _note(hello), T0 + 0.002)  # P asks D's side channel first
+    restart = core.start_served("D", 0, "d2", "", T0 + 0.002)  # it serves "d2": a restart
     assert any(isinstance(a, DropPeer) for a in restart)
     assert not _wants(core.handle_timer(T0 + core.s.want_interval_s))
     assert sorted(core.pending_requests()) == []

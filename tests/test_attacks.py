@@ -19,7 +19,7 @@ import pytest
 import torch
 from attacker import Attacker, registration, rogue_decode
 from attrs import evolve as attrs_evolve
-from cluster import MHA, Cluster, kv_bytes, settle, wait_until
+from cluster import MHA, Cluster, attempt_of, kv_bytes, settle, wait_until
 from test_push_flow import assert_pushed
 
 from kvpush.core import notifications as wire
@@ -530,8 +530,11 @@ def test_an_agent_that_takes_ps_name_cannot_complete_a_request(secret: str | Non
         w.push("warm", [1], [1])
         w.add("p", [40, 41])
         wait_until(lambda: w.receiver.stats["push_regs_sent"] >= 2, what="D's PUSH_REG")
+        # The impostor names the registration attempt too (without a secret nothing hides it:
+        # D's attempt ids count up from a hash of its published incarnation).
+        forged = wire.encode_done("d-p", P0, 1, attempt=attempt_of(w.receiver, "d-p"))
         with Attacker(name=w.p_agent) as impostor:  # the same agent name as P's rank
-            impostor.send(impostor.load(w.cluster.d_server.port, P0, "D"), wire.encode_done("d-p", P0, 1))
+            impostor.send(impostor.load(w.cluster.d_server.port, P0, "D"), forged)
             impostor.pump(0.5)
             settle(w.receiver)
         assert w.receiver.get_finished().done == (), "D reported done without the bytes"

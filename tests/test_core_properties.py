@@ -47,6 +47,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvpush.core import notifications as wire
 from kvpush.core.actions import (
     Abort,
+    AskStart,
     Connect,
     DropPeer,
     Fence,
@@ -413,6 +414,8 @@ class CoreCluster(RuleBasedStateMachine):
                         if d.tp_rank == rank.tp_rank:
                             p.told.pop(d.agent, None)
                 self.handshakes.append((p, action))
+            elif isinstance(action, AskStart):
+                self.handshakes.append((p, action))  # D's side channel answers as a handshake ends
             elif isinstance(action, DropPeer):
                 ranks = p.registry.get(action.engine_id, {})
                 for r in action.ranks or list(ranks):
@@ -813,6 +816,10 @@ class CoreCluster(RuleBasedStateMachine):
         if not proc.alive:
             return
         now = self.now(proc)
+        if isinstance(action, AskStart):
+            assert isinstance(proc, PProc)
+            self._answer_ask(proc, action, ok, now)
+            return
         if isinstance(proc, PProc):
             for rank in action.ranks:
                 r = rank.tp_rank
@@ -845,6 +852,16 @@ class CoreCluster(RuleBasedStateMachine):
             self._run_d(proc, proc.core.connected(action.engine_id, None, "side channel unreachable", now))
             return
         self._load_producers(proc, action, live, now)
+
+    def _served_d(self, tp_rank: int) -> Any:
+        """The D process D's side channel serves for ``tp_rank`` (None: none)."""
+        return next((d for d in self.live_d() if d.tp_rank == tp_rank), None)
+
+    def _answer_ask(self, p: PProc, action: AskStart, ok: bool, now: float) -> None:
+        """P's driver read which start of a D rank its side channel serves (``AskStart``)."""
+        served = self._served_d(action.rank) if ok else None
+        inc, error = (served.inc, "") if served is not None else ("", "side channel unreachable")
+        self._run_p(p, p.core.start_served(action.engine_id, action.rank, inc, error, now))
 
     def _load_producers(
         self,

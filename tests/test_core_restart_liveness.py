@@ -96,7 +96,7 @@ from test_core_properties import (
     _machine_settings,
 )
 
-from kvpush.core.actions import Connect, DropPeer, ProbeExit, Report
+from kvpush.core.actions import AskStart, Connect, DropPeer, ProbeExit, Report
 from kvpush.core.decode_core import ProducerInfo
 from kvpush.core.producers import expected_producers
 from kvpush.core.types import RankKey
@@ -210,7 +210,10 @@ class RestartCluster(HealCluster):
         if not proc.alive:
             return
         self._publish_due()
-        if isinstance(proc, PProc):
+        if isinstance(action, AskStart):
+            assert isinstance(proc, PProc)
+            self._answer_ask(proc, action, ok, self.now(proc))
+        elif isinstance(proc, PProc):
             self._p_handshake(proc, action, ok)
         else:
             assert isinstance(proc, DProc)
@@ -238,6 +241,11 @@ class RestartCluster(HealCluster):
                 self._run_p(
                     p, p.core.connected(action.engine_id, r, "", "", 0, "side channel unreachable", now)
                 )
+
+    def _served_d(self, tp_rank: int) -> Any:
+        """What D's side channel publishes for ``tp_rank`` (remote: a dead process's too)."""
+        pub = self.published_d.get(tp_rank)
+        return pub if pub is not None and (pub.alive or not self.same_host) else None
 
     def _d_handshake(self, d: DProc, action: Connect, ok: bool) -> None:
         """D's notif-only handshake with P: it loads what P's side channel publishes."""
@@ -850,7 +858,8 @@ def test_a_write_settling_under_a_restarted_d_rank_in_p_s_backoff_ends_its_reque
     assert p.confirm_post("k1", 0, t)
     p.posted("k1", 0, ["h0"], 1, t, abortable=True)
     t = 0.2  # D rank 0 restarts: its new start's HELLO waits for the WRITE to the old one
-    p.notification(a0, hello(0, "d1"), t)
+    p.notification(a0, hello(0, "d1"), t)  # P asks D's side channel which start runs
+    p.start_served("D", 0, "d1", "", t)  # "d1": a restart
     t = 0.3  # the WRITE ends (inside P's 1 s backoff of D's address)
     out = p.write_settled("k1", 0, "h0", True, t)
     reports = [a for a in out if isinstance(a, Report)]

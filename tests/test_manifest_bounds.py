@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from cluster import Cluster, kv_bytes, settle, wait_until
+from cluster import Cluster, attempt_of, kv_bytes, settle, wait_until
 
 from kvpush.core import notifications as wire
 from kvpush.core import packing
@@ -469,7 +469,8 @@ def test_a_forged_packed_done_from_ps_own_agent_moves_no_byte_into_ds_blocks(
             "regions": range(regions),
         }
         fields.update({k: v for k, v in change.items() if k != "offset"})
-        forged = wire.encode_done("d-1", P0, 1, PackManifest(**fields))
+        # P's own agent, naming the attempt (a forged DONE naming none is refused before this).
+        forged = wire.encode_done("d-1", P0, 1, PackManifest(**fields), attempt=attempt_of(receiver, "d-1"))
         sender.call_on_writer(lambda: sender.transport.send_notif(receiver.agent_name, forged))
         reason = cluster.wait_decode("d-1", timeout_s=15)[0]
         assert reason is not None and re.search(match, reason), reason
@@ -492,9 +493,10 @@ def test_real_workers_count_no_producer_whose_chunks_disagree(second: str) -> No
         [offset] = receiver.call_on_writer(lambda: list(receiver.staging._used))
         first = PackManifest(staging_offset=offset, regions=[0, 1], chunk=0, chunks=2)
         then = PackManifest(staging_offset=offset, regions=[1], chunk=1, chunks=2)
+        attempt = attempt_of(receiver, "d-1")
         for message in (
-            wire.encode_done("d-1", P0, 1, first),
-            wire.encode_done("d-1", P0, 1, then if second == "overlapping-chunk" else None),
+            wire.encode_done("d-1", P0, 1, first, attempt=attempt),
+            wire.encode_done("d-1", P0, 1, then if second == "overlapping-chunk" else None, attempt=attempt),
         ):
             sender.call_on_writer(lambda m=message: sender.transport.send_notif(receiver.agent_name, m))
         reason = cluster.wait_decode("d-1", timeout_s=15)[0]

@@ -92,9 +92,14 @@ def test_an_unsettled_write_is_assumed_unless_p_says_otherwise(prefix: bytes) ->
 
 
 def test_a_peer_one_minor_version_ahead_interoperates() -> None:
-    """A synthetic newer peer: minor version 7 and fields this side has never heard of."""
+    """A synthetic newer peer: the next minor version and fields this side has never heard of."""
     fields = body(wire.encode_push_reg(REG), wire.PUSH_REG_PREFIX)
-    newer = {**fields, "v": [wire.NOTIF_VERSION[0], 7], "priority": 3, "trace": {"id": "t"}}
+    newer = {
+        **fields,
+        "v": [wire.NOTIF_VERSION[0], wire.NOTIF_VERSION[1] + 1],
+        "priority": 3,
+        "trace": {"id": "t"},
+    }
     note = wire.decode_notification(with_body(wire.PUSH_REG_PREFIX, newer))
     assert note is not None and note.registration == REG
 
@@ -119,3 +124,39 @@ def test_heartbeat_answer_and_hello_round_trip() -> None:
     hello = wire.decode_notification(wire.encode_hello(REG, 1))
     assert hello is not None and hello.kind is NotificationKind.HELLO
     assert hello.registration is not None and hello.registration.decode_incarnation == "abc"
+
+
+def test_the_registration_attempt_round_trips_and_is_bounded() -> None:
+    """Since 2.7: D's PUSH_REG and CANCEL state the attempt ``a``, P's DONE (direct and packed
+    paths), FAIL and CANCEL_ACK echo it; absent means not stated; out of range is refused."""
+    import attrs
+
+    from kvpush.core.types import PackManifest
+
+    reg = attrs.evolve(REG, attempt=(1 << 63) - 1)
+    assert wire.decode_notification(wire.encode_push_reg(reg)).registration == reg
+    assert wire.decode_notification(wire.encode_push_reg(REG)).registration.attempt is None
+    cancel = wire.decode_notification(wire.encode_cancel("x-1", reg, 1))
+    assert cancel.registration.attempt == reg.attempt and cancel.registration.request_id == "d-1"
+    manifest = PackManifest(staging_offset=0, regions=[0], part=(0, 1), chunk=0, chunks=1)
+    results = [
+        wire.encode_done("d-1", RankKey(0, 0), 1, attempt=7),
+        wire.encode_done("d-1", RankKey(0, 0), 1, manifest, attempt=7),
+        wire.encode_failed("d-1", RankKey(0, 0), "x", attempt=7),
+        wire.encode_cancel_ack("d-1", RankKey(0, 0), False, attempt=7),
+    ]
+    assert [wire.decode_notification(m).attempt for m in results] == [7, 7, 7, 7]
+    assert wire.decode_notification(wire.encode_done("d-1", RankKey(0, 0), 1)).attempt is None
+    for prefix, message in zip(
+        (wire.DONE_PREFIX, wire.DONE_PREFIX, wire.FAIL_PREFIX, wire.CANCEL_ACK_PREFIX), results, strict=True
+    ):
+        for bad in (0, 1 << 63, -1, "7", True):
+            with pytest.raises(WireError, match="'a'"):
+                wire.decode_notification(with_body(prefix, {**body(message, prefix), "a": bad}))
+    for bad in (0, 1 << 63):
+        with pytest.raises(WireError, match="'a'"):
+            wire.decode_notification(
+                with_body(
+                    wire.PUSH_REG_PREFIX, {**body(wire.encode_push_reg(reg), wire.PUSH_REG_PREFIX), "a": bad}
+                )
+            )

@@ -32,13 +32,6 @@ def _push_reg(**overrides: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a late message of a dead D start that sorts after the live start P loaded from D's "
-    "side channel (the live one restarted on a clock behind) is taken for a restart, every "
-    "time: P fails the live start's requests and reloads it, once "
-    "per late message; it never learns the late start is dead",
-)
 def test_late_messages_of_a_dead_start_sorting_after_the_live_one_do_not_fail_the_live_one() -> None:
     """D start "d5" says HELLO and dies (or, on a host that lost the address, goes on sending);
     D comes back as "d1" on a host whose clock is behind (it sorts before "d5"). P's handshake,
@@ -47,7 +40,11 @@ def test_late_messages_of_a_dead_start_sorting_after_the_live_one_do_not_fail_th
     sorts after the loaded one, so P takes each for a restart: it fails the live start's
     request, drops the rank and loads d1 again from the side channel; the next late message
     does it again. (The reverse order, a late HELLO of an earlier-sorting start, costs one
-    reload at most: test_core_a_late_hello_of_a_start_p_never_loaded_costs_one_reload_at_most.)"""
+    reload at most: test_core_a_late_hello_of_a_start_p_never_loaded_costs_one_reload_at_most.)
+    Fixed: P takes a message of a start it has not loaded for a restart only once D's side
+    channel says that start runs (asked off the writer thread); a start whose message asked
+    for a handshake that loaded another, or that the side channel did not name, has its
+    messages dropped for a doubling backoff, and is asked about again after it."""
     from test_handshake_refusal import D_AGENT, _prefill
 
     from kvpush.core.actions import Connect, DropPeer, Post, Report
@@ -66,6 +63,41 @@ def test_late_messages_of_a_dead_start_sorting_after_the_live_one_do_not_fail_th
         if any(isinstance(a, Connect) for a in late):
             core.connected("D", 0, D_AGENT, "d1", 1, "", at + 0.05)  # still the live start
     assert not failed, failed
+
+
+def test_a_start_the_side_channel_does_not_serve_is_asked_about_at_most_once_per_backoff() -> None:
+    """A message of a start P has not loaded, sorting after the live one, makes P ask D's side
+    channel (``AskStart``) instead of failing the live start's requests. While the question is
+    out, further messages wait (no second question); the answer naming the live start drops
+    them, and the late start's messages are dropped unasked for a backoff that doubles. A
+    start the side channel does name is a restart: the live start's requests fail then."""
+    from test_handshake_refusal import D_AGENT, _prefill
+
+    from kvpush.core.actions import AskStart, Connect, DropPeer, Post, Report
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d1"), 100.0)
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)
+    core.finished("x-2", "p-2", ((6,),), "", 100.2)
+    reg = _push_reg(decode_incarnation="d1", request_id="d-2", match_key="x-2", grant=100.15)
+    assert any(isinstance(a, Post) for a in core.notification(D_AGENT, reg, 100.3))
+
+    def asks(actions: list[Any]) -> list[Any]:
+        assert not [a for a in actions if isinstance(a, Report | DropPeer | Connect)], actions
+        return [a for a in actions if isinstance(a, AskStart)]
+
+    assert len(asks(core.notification(D_AGENT, _hello("d5"), 100.4))) == 1  # a late one: asked
+    assert not asks(core.notification(D_AGENT, _hello("d5"), 100.45))  # the question is out
+    assert not asks(core.start_served("D", 0, "d1", "", 100.5))  # d1 runs: both dropped
+    assert not asks(core.notification(D_AGENT, _hello("d5"), 101.0))  # within the backoff (1 s)
+    assert len(asks(core.notification(D_AGENT, _hello("d5"), 101.6))) == 1  # asked again after it
+    assert not asks(core.start_served("D", 0, "d1", "", 101.7))
+    assert not asks(core.notification(D_AGENT, _hello("d5"), 103.0))  # the backoff doubled (2 s)
+    assert core.stats["starts_asked"] == 2
+    # d7 did restart: the side channel names it, and the live start's request fails then.
+    assert len(asks(core.notification(D_AGENT, _hello("d7"), 104.0))) == 1
+    restarted = core.start_served("D", 0, "d7", "", 104.1)
+    assert [a.outcome for a in restarted if isinstance(a, Report)] == ["failed"], restarted
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,8 +171,10 @@ def test_a_live_process_is_never_called_exited_where_proc_shows_another_pid_name
 # ---------------------------------------------------------------------------------------------
 
 
-def _decode_registered(rid: str, key: str, at: float, core: Any = None) -> Any:
-    """D core (start "d1") with ``rid`` registered with P start "p1"."""
+def _decode_registered(rid: str, key: str, at: float, core: Any = None, *, echoes: bool = True) -> Any:
+    """D core (start "d1") with ``rid`` registered with P start "p1" (``echoes``: P states that
+    its results echo the registration attempt, as every P of this release does)."""
+    import attrs
     from test_handshake_refusal import P0, P_AGENT, _decode, _info, _request
 
     from kvpush.core import notifications as wire
@@ -148,11 +182,29 @@ def _decode_registered(rid: str, key: str, at: float, core: Any = None) -> Any:
     if core is None:
         core = _decode()
         core.add(_request(rid, key), at)
-        core.connected("P", _info(), "", at + 0.01)
+        info = _info()
+        if echoes:
+            info = attrs.evolve(info, echo_attempts=frozenset({P_AGENT}))
+        core.connected("P", info, "", at + 0.01)
+        out: list[Any] = []
     else:
-        core.add(_request(rid, key), at)
-    out = core.notification(P_AGENT, _decoded(wire.encode_heartbeat_answer(P0, at + 0.02, "p1")), at + 0.02)
+        out = core.add(_request(rid, key), at)
+    out += core.notification(P_AGENT, _decoded(wire.encode_heartbeat_answer(P0, at + 0.02, "p1")), at + 0.02)
     return core, out
+
+
+def _attempt(actions: list[Any]) -> int:
+    """The registration attempt D's PUSH_REG among ``actions`` states (P echoes it)."""
+    from kvpush.core.actions import Send
+    from kvpush.core.types import NotificationKind
+
+    regs = [
+        n
+        for n in (_decoded(a.message) for a in actions if isinstance(a, Send))
+        if n.kind is NotificationKind.PUSH_REG
+    ]
+    assert len(regs) == 1 and regs[0].registration.attempt is not None, actions
+    return regs[0].registration.attempt
 
 
 def _decoded(message: bytes) -> Any:
@@ -163,31 +215,47 @@ def _decoded(message: bytes) -> Any:
     return note
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a DONE names only D's request id, the producer and P's incarnation (the MAC adds "
-    "sender, receiver and D's incarnation): a recorded DONE replayed when the engine uses the "
-    "id again (the receiver stops aliasing a reused id once it left its memory of ID_MEMORY "
-    "ids) completes the new request with nothing written: wrong KV, silently",
-)
 def test_a_replayed_done_of_an_earlier_request_of_the_id_does_not_complete_the_new_one() -> None:
-    """With the shared secret on, a DONE's MAC is the same bytes for every request of one id
+    """With the shared secret on, a DONE's MAC was the same bytes for every request of one id
     between the same two starts. r (key x-1) is pushed and done; much later the engine adds an
     id r again (the receiver aliases a reused id only while it remembers it: ID_MEMORY ids),
     for another prompt (key x-2), registered with the same P start. Someone on the path replays
-    the recorded DONE of the first r: D reports the new r done before P wrote a byte of it."""
+    the recorded DONE of the first r: D reported the new r done before P wrote a byte of it.
+    Fixed (notification format 2.7): each registration attempt has its own id, which P echoes
+    in its DONE (under the MAC); the replayed DONE names the earlier attempt and is refused."""
     from test_handshake_refusal import P0, P_AGENT
 
     from kvpush.core import notifications as wire
     from kvpush.core.actions import Report
 
     core, out = _decode_registered("r", "x-1", 0.0)
-    recorded = wire.encode_done("r", P0, 1, incarnation="p1")
+    recorded = wire.encode_done("r", P0, 1, incarnation="p1", attempt=_attempt(out))
     out = core.notification(P_AGENT, _decoded(recorded), 0.1)
     assert [(a.request_id, a.outcome) for a in out if isinstance(a, Report)] == [("r", "done")]
     core, out = _decode_registered("r", "x-2", 1.0, core)  # the id again, another prompt
     replayed = core.notification(P_AGENT, _decoded(recorded), 1.1)
     assert not [a for a in replayed if isinstance(a, Report) and a.outcome == "done"], replayed
+    assert core.stats["rejected_notifications"] == 1
+    done = wire.encode_done("r", P0, 1, incarnation="p1", attempt=_attempt(out))  # P's own DONE
+    out = core.notification(P_AGENT, _decoded(done), 1.2)
+    assert [(a.request_id, a.outcome) for a in out if isinstance(a, Report)] == [("r", "done")]
+
+
+def test_a_result_naming_no_attempt_counts_only_from_a_p_that_does_not_echo_attempts() -> None:
+    """A P of this release states ``result_attempts`` and echoes the attempt in every result: a
+    DONE of it naming none (stripped, or forged) is refused. A P of an earlier release states
+    nothing and names none: its DONE counts as before (compatibility one minor apart)."""
+    from test_handshake_refusal import P0, P_AGENT
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.actions import Report
+
+    bare = wire.encode_done("r", P0, 1, incarnation="p1")
+    core, _ = _decode_registered("r", "x-1", 0.0)
+    assert not [a for a in core.notification(P_AGENT, _decoded(bare), 0.1) if isinstance(a, Report)]
+    core, _ = _decode_registered("r", "x-1", 0.0, echoes=False)
+    out = core.notification(P_AGENT, _decoded(bare), 0.1)
+    assert [(a.request_id, a.outcome) for a in out if isinstance(a, Report)] == [("r", "done")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,25 +304,23 @@ def test_a_late_answer_of_a_p_start_d_saw_exit_does_not_fail_the_live_start() ->
     assert not [a for a in out if isinstance(a, Report)], out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a CANCEL_ACK names only D's request id, the producer and P's incarnation: a recorded "
-    "ack of an earlier request of the id, replayed when the engine cancels a new request of "
-    "that id, releases the new request's blocks before P acknowledged (its WRITE may still "
-    "land in blocks the engine reuses)",
-)
 def test_a_replayed_cancel_ack_of_an_earlier_request_of_the_id_does_not_release_the_new_one() -> None:
     """As the DONE above: r (key x-1) is cancelled and P acknowledges (nothing in flight). The
     id comes back after the receiver forgot it, for key x-2, and is cancelled while P may be
-    writing it; the recorded ack, replayed, settles P's rank and D releases the blocks."""
+    writing it; the recorded ack, replayed, settled P's rank and D released the blocks. Fixed
+    (2.7): the ack echoes the attempt D's CANCEL named, and the replayed one names the first."""
     from test_handshake_refusal import P0, P_AGENT
 
     from kvpush.core import notifications as wire
-    from kvpush.core.actions import Release
+    from kvpush.core.actions import Release, Send
+    from kvpush.core.types import NotificationKind
 
-    core, _ = _decode_registered("r", "x-1", 0.0)
-    core.cancel("r", 0.1)
-    recorded = wire.encode_cancel_ack("r", P0, False, unsettled=False, incarnation="p1")
+    core, out = _decode_registered("r", "x-1", 0.0)
+    cancels = [_decoded(a.message) for a in core.cancel("r", 0.1) if isinstance(a, Send)]
+    assert [n.registration.attempt for n in cancels if n.kind is NotificationKind.CANCEL] == [_attempt(out)]
+    recorded = wire.encode_cancel_ack(
+        "r", P0, False, unsettled=False, incarnation="p1", attempt=_attempt(out)
+    )
     assert any(isinstance(a, Release) for a in core.notification(P_AGENT, _decoded(recorded), 0.15))
     core, _ = _decode_registered("r", "x-2", 1.0, core)  # the id again, P may be writing it
     core.cancel("r", 1.1)
@@ -286,3 +352,25 @@ def test_a_grant_issued_by_an_earlier_p_process_on_the_shared_boot_clock_is_not_
     assert not core.confirm_post("x-1", 0, 100.31)  # the driver's check right before the post
     asks = [a for a in core.refresh("x-1", 0, 100.32) if isinstance(a, Send) and _decoded(a.message).want]
     assert asks
+
+
+def test_messages_held_while_the_side_channel_is_asked_are_bounded() -> None:
+    """A start that keeps sending while P asks D's side channel about it: one question, at most
+    ``MAX_DEFERRED`` messages held (the oldest kept, the rest dropped and counted, as lost
+    messages D resends), all dropped when the answer names the live start."""
+    from test_handshake_refusal import D_AGENT, _prefill
+
+    from kvpush.core.actions import AskStart
+    from kvpush.core.prefill_core import MAX_DEFERRED
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d1"), 100.0)
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)
+    rejected = core.stats["rejected_notifications"]
+    out: list[Any] = []
+    for i in range(MAX_DEFERRED + 20):
+        out += core.notification(D_AGENT, _hello("d9"), 100.2 + i * 1e-4)
+    assert len([a for a in out if isinstance(a, AskStart)]) == 1
+    assert core.stats["rejected_notifications"] - rejected == 20
+    assert not core.start_served("D", 0, "d1", "", 100.5)
+    assert core.stats["rejected_notifications"] - rejected == 20 + MAX_DEFERRED

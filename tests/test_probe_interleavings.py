@@ -393,7 +393,7 @@ class KeyReuseCluster(CoreCluster):
 
     def _handshake(self, item: tuple[Any, Connect], ok: bool, refused: bool = False) -> None:
         proc, action = item
-        if not isinstance(proc, PProc):
+        if not isinstance(proc, PProc) or not isinstance(action, Connect):  # D's, or an AskStart
             super()._handshake(item, ok, refused)
             return
         if not proc.alive:

@@ -157,6 +157,8 @@ def test_messages_of_a_restarted_d_held_behind_a_stuck_copy_are_bounded() -> Non
     rejected = core.stats["rejected_notifications"]
     for i in range(MAX_DEFERRED + 50):
         core.notification("D-agent", _note(wire.encode_hello(restarted, 0)), 100.1 + i * 1e-4)
+        if i == 0:  # P asks D's side channel first (AskStart): it serves "d2", a restart
+            core.start_served("D", 0, "d2", "", 100.1)
     engine = core._engines["D"]
     assert len(engine.deferred) == MAX_DEFERRED
     assert core.stats["rejected_notifications"] - rejected == 50

@@ -587,17 +587,20 @@ def _coordinates(**overrides: Any) -> Any:
 def test_core_a_hello_of_a_d_start_on_a_clock_behind_is_a_restart() -> None:
     """P loaded start "d5"; D restarts as "d1" (it sorts before: a clock behind). Its HELLO
     used to be answered to the dead start's agent (taken for the loaded start's), P never
-    loaded the new one. Now it is a restart: the old start's request fails once its WRITE
+    loaded the new one. Now it is a restart, once D's side channel says "d1" runs (asked off
+    the writer thread, ``AskStart``): the old start's request fails once its WRITE
     settled, the rank is dropped, and P handshakes afresh (D's side channel names the live
     start); its registrations are then served."""
     from test_handshake_refusal import D_AGENT, _hello
 
-    from kvpush.core.actions import Connect, DropPeer, Post, Report
+    from kvpush.core.actions import AskStart, Connect, DropPeer, Post, Report
 
     core = _core_loaded("d5")
     handle = object()
     core.posted("x-1", 0, [handle], 8, 100.35)  # the old start's WRITE, in flight
-    actions = core.notification(D_AGENT, _hello("d1"), 100.4)
+    asked = core.notification(D_AGENT, _hello("d1"), 100.4)
+    assert [a for a in asked if isinstance(a, AskStart)] == [AskStart("D", "127.0.0.1", 5601, 0)], asked
+    actions = core.start_served("D", 0, "d1", "", 100.45)  # D's side channel: "d1" runs
     assert not any(isinstance(a, DropPeer) for a in actions)  # not under its WRITE
     actions = core.write_settled("x-1", 0, handle, False, 100.5, "peer gone")
     assert any(isinstance(a, Report) and a.outcome == "failed" for a in actions), actions

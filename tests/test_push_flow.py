@@ -7,7 +7,7 @@ multi-process runs over real NIXL are in test_push_e2e.py.
 from __future__ import annotations
 
 import torch
-from cluster import MLA, Cluster, kv_bytes, settle, wait_until
+from cluster import MLA, Cluster, attempt_of, kv_bytes, settle, wait_until
 
 from kvpush.core import wire
 from kvpush.core.types import PushRegistration, RankKey, TransferParams
@@ -45,14 +45,15 @@ def test_completion_needs_one_notification_per_pp_stage() -> None:
         cluster.add("d-1", [[1, 2]], "x-1")
         wait_until(lambda: receiver.stats["push_regs_sent"] == 2, what="PUSH_REG to both stages")
         transport = receiver.transport
-        transport.inject("P-prefill-pp0-tp0", wire.encode_done("d-1", RankKey(0, 0), 1))
+        attempt = attempt_of(receiver, "d-1")  # P echoes it
+        transport.inject("P-prefill-pp0-tp0", wire.encode_done("d-1", RankKey(0, 0), 1, attempt=attempt))
         settle(receiver)
         assert receiver.get_finished().done == ()  # first stage counted, not done
-        transport.inject("P-prefill-pp0-tp0", wire.encode_done("d-1", RankKey(0, 0), 1))
+        transport.inject("P-prefill-pp0-tp0", wire.encode_done("d-1", RankKey(0, 0), 1, attempt=attempt))
         settle(receiver)
         assert receiver.get_finished().done == ()  # a duplicate never counts twice
         assert receiver.stats["duplicate_notifications"] == 1
-        transport.inject("P-prefill-pp1-tp0", wire.encode_done("d-1", RankKey(1, 0), 1))
+        transport.inject("P-prefill-pp1-tp0", wire.encode_done("d-1", RankKey(1, 0), 1, attempt=attempt))
         settle(receiver)
         assert receiver.get_finished().done == ("d-1",)
 
@@ -90,15 +91,22 @@ def test_done_from_an_unexpected_producer_or_agent_never_counts() -> None:
         cluster.add("d-1", [[1]], "x-1")
         wait_until(lambda: receiver.stats["push_regs_sent"] == 2, what="PUSH_REG to both stages")
         inject = receiver.transport.inject
-        inject("P-prefill-pp0-tp0", wire.encode_done("d-1", RankKey(0, 0), 1))
-        inject("P-prefill-pp0-tp0", wire.encode_done("d-1", RankKey(1, 0), 1))  # stage 1 from stage 0's agent
-        inject("P-prefill-pp1-tp0", wire.encode_done("d-1", RankKey(0, 3), 1))  # no such producer
-        inject("P-prefill-pp1-tp0", wire.encode_done("d-1", RankKey(1, 0), 4))  # wrong P TP size
-        inject("someone-else", wire.encode_done("d-1", RankKey(1, 0), 1))
+        a = attempt_of(receiver, "d-1")
+        inject("P-prefill-pp0-tp0", wire.encode_done("d-1", RankKey(0, 0), 1, attempt=a))
+        inject(
+            "P-prefill-pp0-tp0", wire.encode_done("d-1", RankKey(1, 0), 1, attempt=a)
+        )  # stage 1 from stage 0's agent
+        inject("P-prefill-pp1-tp0", wire.encode_done("d-1", RankKey(0, 3), 1, attempt=a))  # no such producer
+        inject("P-prefill-pp1-tp0", wire.encode_done("d-1", RankKey(1, 0), 4, attempt=a))  # wrong P TP size
+        inject("someone-else", wire.encode_done("d-1", RankKey(1, 0), 1, attempt=a))
+        inject(
+            "P-prefill-pp1-tp0", wire.encode_done("d-1", RankKey(1, 0), 1, attempt=a + 1)
+        )  # another attempt
+        inject("P-prefill-pp1-tp0", wire.encode_done("d-1", RankKey(1, 0), 1))  # none: P states it echoes one
         settle(receiver)
         assert receiver.get_finished().done == ()
-        assert receiver.stats["rejected_notifications"] == 4
-        inject("P-prefill-pp1-tp0", wire.encode_done("d-1", RankKey(1, 0), 1))
+        assert receiver.stats["rejected_notifications"] == 6
+        inject("P-prefill-pp1-tp0", wire.encode_done("d-1", RankKey(1, 0), 1, attempt=a))
         settle(receiver)
         assert receiver.get_finished().done == ("d-1",)
 
@@ -301,13 +309,21 @@ def test_prefill_lease_expires_when_decode_never_registers() -> None:
         assert reason is not None and "lease" in reason
 
 
-def test_completion_before_add_request_is_held_then_counted() -> None:
+def test_completion_before_add_request_is_held_then_judged_by_its_attempt() -> None:
+    """A DONE for an id D does not hold yet is held, and judged once the request registers: one
+    sent before D registered cannot answer this registration (it names no attempt, or an
+    earlier one: a previous request of the id, or its replay), so it never counts; P's DONE
+    echoing the attempt does."""
     with Cluster() as cluster:
         receiver = cluster.receivers[0]
         receiver.transport.inject("P-prefill-pp0-tp0", wire.encode_done("d-1", RankKey(0, 0), 1))
         settle(receiver)
         assert receiver.stats["unknown_notifications"] == 1
         cluster.add("d-1", [[1]], "x-1")
+        wait_until(lambda: receiver.stats["rejected_notifications"] == 1, what="the held DONE judged")
+        assert receiver.get_finished().done == ()
+        done = wire.encode_done("d-1", RankKey(0, 0), 1, attempt=attempt_of(receiver, "d-1"))
+        receiver.transport.inject("P-prefill-pp0-tp0", done)
         assert cluster.wait_decode("d-1") == {0: None}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from cluster import Cluster, settle, wait_until
+from cluster import Cluster, attempt_of, settle, wait_until
 from test_push_flow import assert_pushed
 
 from engines import Engines
@@ -187,10 +187,11 @@ def test_failure_from_one_stage_releases_only_after_the_other_stage_settled() ->
         cluster.add("d-1", [[1, 2]], "x-1")
         cluster.senders[RankKey(1, 0)].request_finished("p-1", [[3, 4]], match_key="x-1")
         wait_until(lambda: cluster.senders[RankKey(1, 0)].stats["writes"] == 1, what="stage 1's WRITE")
-        started = time.monotonic()
-        receiver.transport.inner.inject(
-            "P-prefill-pp0-tp0", wire.encode_failed("d-1", RankKey(0, 0), "injected stage-0 failure")
+        failure = wire.encode_failed(
+            "d-1", RankKey(0, 0), "injected stage-0 failure", attempt=attempt_of(receiver, "d-1")
         )
+        started = time.monotonic()
+        receiver.transport.inner.inject("P-prefill-pp0-tp0", failure)
         reason = cluster.wait_decode("d-1", timeout_s=5)[0]
         assert reason is not None and "injected stage-0 failure" in reason
         assert time.monotonic() - started < 0.2  # reported at once

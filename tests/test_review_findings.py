@@ -278,6 +278,7 @@ def test_p_goodbye_names_no_request_id_of_a_d_rank_start_that_is_gone() -> None:
     p.write_settled("x-1", 0, "h1", True, 100.1)  # delivered to rank 0's first start
     # Rank 0 restarts (incarnation d2 sorts after d1) and P loads the new start.
     p.notification("D-r0", _note(wire.encode_hello(_d_reg(0, "d2"), 0)), 101.0)
+    p.start_served("D", 0, "d2", "", 101.0)  # D's side channel: "d2" runs (a restart)
     p.connected("D", 0, "D-r0", "d2", 2, "", 101.0)
     assert p._engines["D"].incarnations == {0: "d2", 1: "d1"}
     p.shutdown("closing", 102.0)
