@@ -27,12 +27,17 @@ VLLM_VENV ?= .venv-vllm
 
 $(VLLM_VENV)/.kvpush-installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --disable-pip-version-check -q "vllm==0.33.0" "nixl==1.5.1" pytest pytest-timeout msgpack
+	$(VLLM_VENV)/bin/pip install --disable-pip-version-check -q "vllm==0.33.0" "nixl==1.5.1" pytest pytest-timeout msgpack hypothesis pytest-benchmark
 	$(VLLM_VENV)/bin/pip install --disable-pip-version-check -q -e .
 	touch $@
 
+# tests_vllm/, then the probes in tests/ that drive vLLM's real scheduler in-process (they skip
+# under .venv, which has no vLLM).
+VLLM_PROBES ?= tests/test_probe_block_translation.py
+
 test-vllm: $(VLLM_VENV)/.kvpush-installed
 	cd tests_vllm && $(abspath $(VLLM_VENV))/bin/python -m pytest
+	$(VLLM_VENV)/bin/python -m pytest $(VLLM_PROBES)
 
 lint: setup
 	$(VENV)/bin/ruff check .
