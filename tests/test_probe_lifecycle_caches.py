@@ -1,0 +1,255 @@
+"""Probe of 2026-12-03: the lifecycle lock, the registered-caches check and the window-block
+handshake check that landed that day, attacked for silent wrong KV, hangs, leaks and false
+refusals.
+
+Findings (each test failed before its fix):
+1. ``close()`` called on the worker's own writer thread (from a plugin hook, a transport
+   callback or a ``ready.query()``, which all run there) waited 10 s for a writer command that
+   could never run (the writer was busy running close()), then raised ``RuntimeError: cannot
+   join current thread``: the transport and registrations were never released, the pending
+   requests never reported (their blocks lost to the engine) and the writer stalled for 10 s.
+   Fixed: ``close()`` on the writer thread raises ``ConfigError`` at once and changes nothing;
+   the worker goes on and a ``close()`` from another thread closes it.
+2. A registered cache re-laid out in place (``resize_`` to another shape of the same size,
+   ``set_`` / ``as_strided_`` on the same storage with other strides) kept its identity and its
+   ``data_ptr``: the check passed, and P would push (D publish) blocks at the strides
+   described at start while the engine writes them at others: wrong KV, silently. Fixed: the
+   check compares each registered tensor's strides (and, on the slow path, element size) too.
+3. A false refusal: an engine that puts a fresh view of the very same memory in its mapping
+   (``kv_caches[name] = buffer[i]`` again; the same address, strides and dtype) was refused as
+   "replaced". Fixed: a replacement viewing exactly the registered bytes is the same cache
+   (the registered storage is held, so the address cannot belong to another allocation); it is
+   adopted and the cheap path holds again.
+4. Caches held as attributes of a plain object (a layout plugin's ``{"layer": KV(k, v)}``, no
+   ``.tensor``) were not walked: nothing was registered for the check, so ``obj.k`` replaced
+   passed silently. Fixed: the walk enters an object's ``__dict__`` (identity-compared like a
+   mapping; bounded depth, each object once).
+
+Checked and held: ``close()`` inside ``with worker:`` while another thread holds the results
+lock waits for the lock only (never for a start); a ``start()`` hung in the transport's
+creation makes a concurrent ``close()`` return at ``start_wait_s`` and the start release what
+it made (tests/test_probe_api_threads.py); ``get_finished`` after close; ``cancel`` /
+``request_abandoned`` during close are accepted (after close they raise ``ConfigError``); a
+request refused during close is never reported; ``(K, V)`` tuples, nested lists and dicts,
+per-layer views of one buffer (vLLM), a new unrelated key, a replaced tensor / storage swapped
+by ``.data =``; the window-block check's 0 (full attention group) vs ``None`` (not stated).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from cluster import Cluster
+
+from kvpush.core.errors import ConfigError
+from kvpush.core.registered_caches import RegisteredCaches
+from kvpush.core.types import KVRegion, RankKey
+
+P0 = RankKey(0, 0)
+SLOW_SILENCE = {"request_timeout_s": 60, "heartbeat_interval_s": 5.0}
+
+
+def _regions(named: Sequence[tuple[str, torch.Tensor]]) -> list[KVRegion]:
+    """One region over each tensor: its two rows as two blocks (row strides as registered)."""
+    return [
+        KVRegion(
+            base_addr=tensor.data_ptr(),
+            block_len=tensor[0].numel() * tensor.element_size(),
+            block_stride=tensor.stride(0) * tensor.element_size(),
+            num_blocks=2,
+            mem_type="DRAM",
+            device_id=0,
+            layer_names=(layer,),
+        )
+        for layer, tensor in named
+    ]
+
+
+def _check(caches: RegisteredCaches) -> None:
+    caches.check("request_finished", "P-prefill-pp0-tp0")
+
+
+def _refused(caches: RegisteredCaches, *words: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        _check(caches)
+    text = str(err.value)
+    for word in words:
+        assert word in text, text
+    return text
+
+
+# ---------------------------------------------------------------------------- finding 1
+
+
+def _close_on_writer(worker: Any) -> tuple[BaseException | None, float]:
+    """Run ``worker.close()`` on its writer thread (as a plugin hook would); what it raised
+    and how long it took (bounded wait: 30 s)."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def hook() -> None:
+        began = time.monotonic()
+        try:
+            worker.close()
+        except BaseException as err:  # reported to the test
+            box["error"] = err
+        finally:
+            box["took"] = time.monotonic() - began
+            done.set()
+
+    worker.run_on_writer(hook)
+    assert done.wait(30.0), "close() on the writer thread did not return within 30 s"
+    return box.get("error"), box["took"]
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_close_on_the_writer_thread_is_refused_at_once_and_the_worker_goes_on(role: str) -> None:
+    """close() from a hook running on the writer: refused at once (ConfigError naming the
+    writer thread), nothing changed; requests still move, and close() from the engine's
+    thread then closes the worker (its transport released)."""
+    with Cluster(transport="nixl", **SLOW_SILENCE) as cluster:
+        worker = cluster.receivers[0] if role == "decode" else cluster.senders[P0]
+        error, took = _close_on_writer(worker)
+        assert isinstance(error, ConfigError) and "writer thread" in str(error), repr(error)
+        assert took < 1.0, f"close() on the writer thread took {took:.1f}s"
+        assert not worker._closing
+        cluster.add("d-1", [[3]], "x-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        assert cluster.wait_decode("d-1") == {0: None}
+        worker.close()
+        assert worker._transport_closed and worker._thread is not None and not worker._thread.is_alive()
+
+
+# ---------------------------------------------------------------------------- finding 2
+
+
+def _relaid(kind: str, tensor: torch.Tensor) -> None:
+    """Re-lay ``tensor`` (2 x 8) out in place, keeping its object and its data_ptr."""
+    if kind == "resize_":
+        tensor.resize_(8, 2)
+    elif kind == "set_":
+        tensor.set_(tensor.untyped_storage(), 0, (2, 8), (1, 2))
+    else:
+        tensor.as_strided_((2, 8), (1, 2))
+
+
+@pytest.mark.parametrize("kind", ["resize_", "set_", "as_strided_"])
+def test_a_cache_re_laid_out_in_place_is_refused(kind: str) -> None:
+    caches = {f"layers.{i}": torch.zeros(2, 8) for i in range(3)}
+    registered = RegisteredCaches(caches, _regions(list(caches.items())))
+    _check(registered)
+    address = caches["layers.1"].data_ptr()
+    _relaid(kind, caches["layers.1"])
+    assert caches["layers.1"].data_ptr() == address  # what the check compared before
+    _refused(registered, "'layers.1'", "strides")
+
+
+def test_a_decode_cache_re_laid_out_in_place_is_refused_at_add_request() -> None:
+    """The same over real NIXL: D's tensor set_ to other strides on its registered storage."""
+    with Cluster(transport="nixl", **SLOW_SILENCE) as cluster:
+        caches = cluster.d_caches[0]
+        name = next(iter(caches))
+        tensor = caches[name]
+        tensor.set_(tensor.untyped_storage(), 0, tuple(reversed(tensor.shape)), tuple(reversed(tensor.stride())))
+        with pytest.raises(ConfigError, match="strides") as err:
+            cluster.add("d-1", [[3]], "x-1")
+        assert repr(name) in str(err.value), err.value
+
+
+def test_a_shrink_in_place_keeping_every_byte_where_it_was_is_accepted() -> None:
+    """``resize_`` to fewer rows keeps the strides and the address: the bytes of each block
+    lie where they were registered (the engine passes only blocks it has)."""
+    caches = {"layers.0": torch.zeros(2, 8)}
+    registered = RegisteredCaches(caches, _regions(list(caches.items())))
+    caches["layers.0"].resize_(1, 8)
+    _check(registered)
+
+
+# ---------------------------------------------------------------------------- finding 3
+
+
+def test_a_fresh_view_of_the_same_memory_is_the_same_cache() -> None:
+    buffer = torch.zeros(4, 2, 8)  # one buffer sliced per layer (as vLLM allocates)
+    caches = {f"layers.{i}": buffer[i] for i in range(4)}
+    registered = RegisteredCaches(caches, _regions(list(caches.items())))
+    caches["layers.1"] = buffer[1]  # the engine re-made its view: the same bytes
+    _check(registered)
+    _check(registered)  # adopted: the cheap path again
+    assert registered.registered["layers.1"][0] is caches["layers.1"]
+    caches["layers.2"] = buffer[3]  # another layer's memory: refused
+    _refused(registered, "'layers.2'", "replaced")
+
+
+def test_a_view_of_the_same_address_with_other_strides_is_refused() -> None:
+    buffer = torch.zeros(2, 8)
+    caches = {"layers.0": buffer}
+    registered = RegisteredCaches(caches, _regions(list(caches.items())))
+    caches["layers.0"] = buffer.view(8, 2)
+    _refused(registered, "'layers.0'", "replaced")
+
+
+# ---------------------------------------------------------------------------- finding 4
+
+
+class _KV:
+    """A layout plugin's cache object: K and V as plain attributes (no ``.tensor``)."""
+
+    def __init__(self) -> None:
+        self.k = torch.zeros(2, 8)
+        self.v = torch.zeros(2, 8)
+
+
+def test_a_tensor_replaced_in_a_plain_objects_attributes_is_refused() -> None:
+    caches = {f"layers.{i}": _KV() for i in range(2)}
+    named = [(f"layers.{i}", getattr(caches[f"layers.{i}"], part)) for i in range(2) for part in "kv"]
+    registered = RegisteredCaches(caches, _regions(named))
+    assert set(registered.registered) == {"layers.0.k", "layers.0.v", "layers.1.k", "layers.1.v"}
+    _check(registered)
+    caches["layers.1"].v = torch.zeros(2, 8)
+    _refused(registered, "'layers.1.v'", "replaced")
+
+
+def test_an_object_cycle_in_the_caches_is_walked_once() -> None:
+    kv = _KV()
+    kv.owner = {"back": kv}  # type: ignore[attr-defined]
+    caches = {"layers.0": kv}
+    registered = RegisteredCaches(caches, _regions([("layers.0", kv.k)]))
+    _check(registered)
+    kv.k = torch.zeros(2, 8)
+    _refused(registered, "'layers.0.k'")
+
+
+# ---------------------------------------------------------------------------- checked and held
+
+
+def test_k_v_tuples_and_a_new_key_and_views_of_one_buffer_hold() -> None:
+    buffer = torch.zeros(3, 2, 2, 8)
+    caches: dict[str, Any] = {f"layers.{i}": (buffer[i, 0], buffer[i, 1]) for i in range(3)}
+    named = [(name, pair[j]) for name, pair in caches.items() for j in range(2)]
+    registered = RegisteredCaches(caches, _regions(named))
+    assert len(registered.registered) == 6
+    caches["scratch"] = torch.zeros(1)
+    _check(registered)
+    caches["layers.2"] = (buffer[2, 0], torch.zeros(2, 8))
+    _refused(registered, "'layers.2[1]'")
+
+
+@pytest.mark.parametrize("layers", [80, 160])
+def test_the_cheap_check_costs_microseconds_per_call(layers: int) -> None:
+    """Measured on this 2-core host (loaded): printed; bounded generously (a regression to a
+    walk per call costs ~10x)."""
+    caches = {f"layers.{i}": (torch.zeros(2, 8), torch.zeros(2, 8)) for i in range(layers)}
+    named = [(name, pair[j]) for name, pair in caches.items() for j in range(2)]
+    registered = RegisteredCaches(caches, _regions(named))
+    calls = 2000
+    began = time.perf_counter()
+    for _ in range(calls):
+        _check(registered)
+    per_call_us = (time.perf_counter() - began) / calls * 1e6
+    print(f"RegisteredCaches.check, {layers} layers of (K, V): {per_call_us:.1f} us/call")
+    assert per_call_us < layers * 2.0, per_call_us
