@@ -10,16 +10,22 @@ that start a request (P's ``request_finished``, D's ``add_request``) run :meth:`
 which refuses such a change, naming the cache, instead of moving wrong KV silently.
 
 The check compares, in C-level ``map`` calls, every mutable container's items (the mapping's
-values, nested lists and dicts) and the ``.tensor`` of wrapper values by identity, and the
-``data_ptr()`` of each tensor that holds a registered region, with what they were at start
-(about 0.1 µs a tensor; only a change walks the caches again). Every object compared is held
-here, and so is the storage of each registered tensor: the registered memory stays allocated
-while the worker lives, even when the engine drops or re-points its tensor.
+values, nested lists and dicts, a plain object's attributes) and the ``.tensor`` of wrapper
+values by identity, and the ``data_ptr()`` and ``stride()`` of each tensor that holds a
+registered region, with what they were at start (about 0.2 µs a tensor; only a change walks the
+caches again). A tensor re-laid out in place (``resize_`` to another shape, ``set_`` or
+``as_strided_`` with other strides) keeps its identity and address but not its strides: refused
+too. A tensor replaced by another viewing exactly the registered bytes (the same address,
+strides and element size: the engine re-made its view of the same buffer) is the same cache and
+is adopted. Every object compared is held here, and so is the storage of each registered
+tensor: the registered memory stays allocated while the worker lives, even when the engine
+drops or re-points its tensor (so no other allocation can take a registered address).
 """
 
 from __future__ import annotations
 
 import operator
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +34,9 @@ from kvpush.core.types import KVRegion
 
 _TENSOR = operator.attrgetter("tensor")
 _DATA_PTR = operator.methodcaller("data_ptr")
+_STRIDE = operator.methodcaller("stride")
+MAX_DEPTH = 8
+"""Nesting levels of containers and objects walked below a ``kv_caches`` value."""
 
 
 def _is_tensor(value: Any) -> bool:
@@ -39,6 +48,18 @@ def _span(tensor: Any) -> tuple[int, int]:
     extent = 1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride()) if n)
     start = tensor.data_ptr()
     return start, start + extent * tensor.element_size()
+
+
+def _placement(tensor: Any) -> tuple[int, tuple[int, ...], int]:
+    """Where a tensor's elements lie: its address, strides and element size."""
+    return tensor.data_ptr(), tuple(tensor.stride()), tensor.element_size()
+
+
+def _walks_attributes(value: Any) -> bool:
+    """A plain object whose attributes may hold caches (not a class, module or function)."""
+    return isinstance(getattr(value, "__dict__", None), dict) and not isinstance(
+        value, (type, types.ModuleType, types.FunctionType, types.MethodType)
+    )
 
 
 class _Snapshot:
@@ -54,16 +75,24 @@ class _Snapshot:
         self.computed: list[tuple[str, Any]] = []
         """(path, wrapper) whose ``.tensor`` is made afresh on each access (a property)."""
         self.leaves: dict[str, Any] = {}
-        """Path (``key``, ``key[0]``, ``key['k']``) -> tensor, in walk order."""
+        """Path (``key``, ``key[0]``, ``key['k']``, ``key.k``) -> tensor, in walk order."""
+        self._seen: set[int] = {id(kv_caches)}
         self._add(kv_caches, True)
         for key, value in list(kv_caches.items()):
-            self._visit(str(key), value)
+            self._visit(str(key), value, 1)
 
     def _add(self, container: Any, mapping: bool) -> None:
         items = tuple(container.values()) if mapping else tuple(container)
         self.containers.append((container, mapping, items))
 
-    def _visit(self, path: str, value: Any) -> None:
+    def _first_visit(self, value: Any, depth: int) -> bool:
+        """Whether to walk into ``value``: not seen yet (a cycle is walked once), not too deep."""
+        if depth > MAX_DEPTH or id(value) in self._seen:
+            return False
+        self._seen.add(id(value))
+        return True
+
+    def _visit(self, path: str, value: Any, depth: int) -> None:
         if _is_tensor(value):
             self.leaves[path] = value
             return
@@ -76,14 +105,25 @@ class _Snapshot:
                 self.computed.append((path, value))
             self.leaves[path] = tensor
         elif isinstance(value, (tuple, list)):
+            if not self._first_visit(value, depth):
+                return
             if isinstance(value, list):
                 self._add(value, False)
             for index, item in enumerate(value):
-                self._visit(f"{path}[{index}]", item)
+                self._visit(f"{path}[{index}]", item, depth + 1)
         elif isinstance(value, Mapping):
+            if not self._first_visit(value, depth):
+                return
             self._add(value, True)
             for key, item in list(value.items()):
-                self._visit(f"{path}[{key!r}]", item)
+                self._visit(f"{path}[{key!r}]", item, depth + 1)
+        elif _walks_attributes(value):  # a plugin's cache object: its attributes, as a mapping
+            if not self._first_visit(value, depth):
+                return
+            attributes = vars(value)
+            self._add(attributes, True)
+            for name, item in list(attributes.items()):
+                self._visit(f"{path}.{name}", item, depth + 1)
 
     def unchanged(self) -> bool:
         """Every container holds the same items (the same objects) and every wrapper the same
@@ -115,6 +155,8 @@ class RegisteredCaches:
             ]
             if layers:
                 self.registered[path] = (tensor, tensor.data_ptr(), tuple(dict.fromkeys(layers)))
+        self._placements = {path: _placement(tensor) for path, (tensor, _, _) in self.registered.items()}
+        """Path -> (address, strides, element size) of each registered tensor at start."""
         self._set_fast()
         self.storages = [
             storage for tensor, _, _ in self.registered.values() if (storage := _storage(tensor)) is not None
@@ -125,11 +167,14 @@ class RegisteredCaches:
         computed = {path for path, _ in self._snapshot.computed}
         self._leaves = [t for path, (t, _, _) in self.registered.items() if path not in computed]
         self._ptrs = tuple(ptr for path, (_, ptr, _) in self.registered.items() if path not in computed)
+        self._strides = tuple(self._placements[path][1] for path in self.registered if path not in computed)
         kinds = {type(tensor) for tensor in self._leaves}
-        # One tensor type (torch's): its unbound data_ptr, a third cheaper than methodcaller's.
-        self._data_ptr = next(iter(kinds)).data_ptr if len(kinds) == 1 else _DATA_PTR
+        # One tensor type (torch's): its unbound methods, a third cheaper than methodcaller's.
+        kind = next(iter(kinds)) if len(kinds) == 1 else None
+        self._data_ptr = kind.data_ptr if kind is not None else _DATA_PTR
+        self._stride = kind.stride if kind is not None else _STRIDE
         self._computed = [
-            (wrapper, self.registered[path][1])
+            (wrapper, self._placements[path][:2])
             for path, wrapper in self._snapshot.computed
             if path in self.registered
         ]
@@ -140,24 +185,40 @@ class RegisteredCaches:
         if (
             self._snapshot.unchanged()
             and tuple(map(self._data_ptr, self._leaves)) == self._ptrs
-            and all(wrapper.tensor.data_ptr() == ptr for wrapper, ptr in self._computed)
+            and tuple(map(self._stride, self._leaves)) == self._strides
+            and all(_placement(wrapper.tensor)[:2] == placed for wrapper, placed in self._computed)
         ):
             return
         self._check_walk(call, agent)
 
     def _check_walk(self, call: str, agent: str) -> None:
-        """Something changed: walk the caches again. A registered tensor gone, replaced or moved
-        is refused; a change elsewhere (state kvpush does not move) is taken as the new snapshot."""
+        """Something changed: walk the caches again. A registered tensor gone, replaced by one
+        over other bytes, moved or re-laid out is refused; one replaced by a view of exactly
+        the registered bytes is adopted; a change elsewhere (state kvpush does not move) is
+        taken as the new snapshot."""
         current = _Snapshot(self._caches)
         computed = {path for path, _ in current.computed}
+        adopted: dict[str, Any] = {}
         for path, (tensor, ptr, layers) in self.registered.items():
             now = current.leaves.get(path)
+            placed = self._placements[path]
             if now is None:
                 why = "is gone from kv_caches"
             elif now is not tensor and path not in computed:
-                why = "was replaced by another tensor"
+                if _placement(now) == placed:
+                    adopted[path] = now  # a fresh view of the registered bytes: the same cache
+                    continue
+                why = (
+                    f"was replaced by another tensor (at {now.data_ptr():#x}, strides "
+                    f"{tuple(now.stride())}; registered at {ptr:#x}, strides {placed[1]})"
+                )
             elif now.data_ptr() != ptr:
                 why = f"now lies at {now.data_ptr():#x}, not at the {ptr:#x} registered"
+            elif _placement(now) != placed:
+                why = (
+                    f"was re-laid out in place (strides {tuple(now.stride())}, {now.element_size()}-byte "
+                    f"elements; registered: strides {placed[1]}, {placed[2]}-byte elements)"
+                )
             else:
                 continue
             raise ConfigError(
@@ -166,6 +227,9 @@ class RegisteredCaches:
                 f"the memory registered at start(), so this request's KV would be wrong. Close this "
                 f"worker and start a new one with the new caches (kvpush never re-registers silently)"
             )
+        for path, now in adopted.items():
+            _, ptr, layers = self.registered[path]
+            self.registered[path] = (now, ptr, layers)
         self._snapshot = current
         self._set_fast()
 

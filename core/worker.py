@@ -775,7 +775,17 @@ class RankWorker:
         what it made), then closes; a second close() waits for the first and finds it closed.
 
         Memory is never released under a live writer: if the writer does not stop within 10 s,
-        the transport is left open (and an error logged) rather than freed under it."""
+        the transport is left open (and an error logged) rather than freed under it.
+
+        close() on the writer thread itself (from a plugin hook, a transport callback or a
+        ``ready.query()``, which run there) raises ``ConfigError`` and changes nothing: it would
+        wait for the writer it runs on."""
+        if self._thread is not None and threading.current_thread() is self._thread:
+            raise ConfigError(
+                f"close() of {self.agent_name} was called on its writer thread (from a plugin hook, "
+                f"a transport callback or a ready.query()): it would wait for the writer it runs on "
+                f"and release nothing; nothing was changed. Call close() from another thread"
+            )
         with self._results_lock:
             self._closing = True
         wait_s = self.start_wait_s
