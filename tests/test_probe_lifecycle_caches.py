@@ -25,14 +25,19 @@ Findings (each test failed before its fix):
    passed silently. Fixed: the walk enters an object's ``__dict__`` (identity-compared like a
    mapping; bounded depth, each object once).
 
-Checked and held: ``close()`` inside ``with worker:`` while another thread holds the results
-lock waits for the lock only (never for a start); a ``start()`` hung in the transport's
-creation makes a concurrent ``close()`` return at ``start_wait_s`` and the start release what
-it made (tests/test_probe_api_threads.py); ``get_finished`` after close; ``cancel`` /
-``request_abandoned`` during close are accepted (after close they raise ``ConfigError``); a
-request refused during close is never reported; ``(K, V)`` tuples, nested lists and dicts,
-per-layer views of one buffer (vLLM), a new unrelated key, a replaced tensor / storage swapped
-by ``.data =``; the window-block check's 0 (full attention group) vs ``None`` (not stated).
+Checked and held (tested here): ``close()`` inside ``with worker:`` while another thread
+holds the results lock waits for the lock only; after close, ``add_request``, ``cancel``,
+``request_finished``, ``abort`` and ``request_abandoned`` raise ``ConfigError`` ("which is
+closed"), ``get_finished`` answers and a second close returns; ``(K, V)`` tuples, per-layer
+views of one buffer (as vLLM allocates), a new unrelated key; a resize_ that only shrinks
+(every byte where it was) is accepted; the cheap check's cost for 80 and 160 layers.
+Read and held (tested elsewhere): a start hung in transport creation vs a concurrent close
+(tests/test_probe_api_threads.py); the window-block check: 0 (a whole group) vs ``None`` (not
+stated: unchecked, the pairing refuses per request), group counts equal on PP stages (vLLM
+lists every transfer group on each stage). Not covered by the check (documented): memory
+remapped under the same address (vLLM sleep mode), a dtype reinterpreted at the same element
+size, a slotted object's attributes other than ``.tensor``; for vLLM the check sees the
+connector's own dict of wrappers, so it guards the tensors' address and strides only.
 """
 
 from __future__ import annotations
@@ -155,7 +160,9 @@ def test_a_decode_cache_re_laid_out_in_place_is_refused_at_add_request() -> None
         caches = cluster.d_caches[0]
         name = next(iter(caches))
         tensor = caches[name]
-        tensor.set_(tensor.untyped_storage(), 0, tuple(reversed(tensor.shape)), tuple(reversed(tensor.stride())))
+        tensor.set_(
+            tensor.untyped_storage(), 0, tuple(reversed(tensor.shape)), tuple(reversed(tensor.stride()))
+        )
         with pytest.raises(ConfigError, match="strides") as err:
             cluster.add("d-1", [[3]], "x-1")
         assert repr(name) in str(err.value), err.value
@@ -253,3 +260,48 @@ def test_the_cheap_check_costs_microseconds_per_call(layers: int) -> None:
     per_call_us = (time.perf_counter() - began) / calls * 1e6
     print(f"RegisteredCaches.check, {layers} layers of (K, V): {per_call_us:.1f} us/call")
     assert per_call_us < layers * 2.0, per_call_us
+
+
+def test_close_waits_only_for_a_results_lock_another_thread_holds() -> None:
+    """``with worker:`` ends while the engine's collector thread holds the results lock for a
+    moment: close() takes it once released, closes, and the collector's calls go on."""
+    with Cluster(transport="nixl", **SLOW_SILENCE) as cluster:
+        receiver = cluster.receivers[0]
+        held, release = threading.Event(), threading.Event()
+
+        def collector() -> None:
+            with receiver._results_lock:
+                held.set()
+                release.wait(10.0)
+
+        thread = threading.Thread(target=collector, name="collector", daemon=True)
+        thread.start()
+        assert held.wait(5.0), "the collector did not take the lock"
+        threading.Timer(0.3, release.set).start()
+        began = time.monotonic()
+        receiver.close()
+        assert time.monotonic() - began < 5.0
+        thread.join(5.0)
+        assert receiver._transport_closed
+        assert receiver.get_finished().done == ()
+
+
+def test_calls_after_close_are_refused_naming_the_close_or_report_nothing() -> None:
+    """After close(): the calls that act on requests raise ConfigError ("which is closed"),
+    get_finished() answers (nothing new), a second close() returns."""
+    with Cluster(transport="nixl", **SLOW_SILENCE) as cluster:
+        receiver, sender = cluster.receivers[0], cluster.senders[P0]
+        receiver.close()
+        sender.close()
+        for call in (
+            lambda: cluster.add("d-1", [[3]], "x-1"),
+            lambda: receiver.cancel("d-1"),
+            lambda: sender.request_finished("p-1", [[5]], match_key="x-1"),
+            lambda: sender.abort("p-1"),
+            lambda: sender.request_abandoned("p-1"),
+        ):
+            with pytest.raises(ConfigError, match="which is closed"):
+                call()
+        assert receiver.get_finished().done == () and sender.get_finished().sent == ()
+        receiver.close()
+        sender.close()
