@@ -777,6 +777,10 @@ class RankWorker:
         Memory is never released under a live writer: if the writer does not stop within 10 s,
         the transport is left open (and an error logged) rather than freed under it.
 
+        A close() that cannot take the results lock within ``CLOSE_LOCK_WAIT_S`` (held by a
+        kvpush call on this very thread that a signal handler interrupted) raises
+        ``ConfigError`` and changes nothing, rather than wait for ever.
+
         close() on the writer thread itself (from a plugin hook, a transport callback or a
         ``ready.query()``, which run there) raises ``ConfigError`` and changes nothing: it would
         wait for the writer it runs on."""
@@ -786,8 +790,18 @@ class RankWorker:
                 f"a transport callback or a ready.query()): it would wait for the writer it runs on "
                 f"and release nothing; nothing was changed. Call close() from another thread"
             )
-        with self._results_lock:
+        if not self._results_lock.acquire(timeout=CLOSE_LOCK_WAIT_S):
+            raise ConfigError(
+                f"close() of {self.agent_name} could not take the worker's results lock within "
+                f"{CLOSE_LOCK_WAIT_S:g}s: it is held by a kvpush call that does not return, most "
+                f"likely on this very thread (close() from a signal handler that interrupted "
+                f"add_request, request_finished or get_finished); nothing was changed. Call "
+                f"close() from another thread, or once the interrupted call returned"
+            )
+        try:
             self._closing = True
+        finally:
+            self._results_lock.release()
         wait_s = self.start_wait_s
         if not self._lifecycle.acquire(timeout=wait_s):
             logger.error(
@@ -912,6 +926,10 @@ def _watch_loop() -> None:
 
 WRITER_START_S = 60.0
 """Bound on the writer thread's set-up (timer slack, CUDA device: the first torch import)."""
+
+CLOSE_LOCK_WAIT_S = 5.0
+"""Bound on close()'s wait for the results lock (held for microseconds by the engine calls;
+held for ever only by a call on close()'s own thread that a signal handler interrupted)."""
 
 FRESH_POLL_S = 50e-6
 """The writer's poll interval for ``FRESH_WINDOW_S`` after a post (instead of ``busy_poll_s``)."""

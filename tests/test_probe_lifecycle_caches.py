@@ -24,6 +24,12 @@ Findings (each test failed before its fix):
    ``.tensor``) were not walked: nothing was registered for the check, so ``obj.k`` replaced
    passed silently. Fixed: the walk enters an object's ``__dict__`` (identity-compared like a
    mapping; bounded depth, each object once).
+5. ``close()`` from a signal handler (an engine's SIGTERM handler) that interrupted a kvpush
+   call holding the results lock on the same thread (``add_request``, ``get_finished``) waited
+   for ever for that lock (new with the day's ``_closing`` flag set under it): the process hung
+   at shutdown (the test's subprocess ran past 60 s). Fixed: close() waits at most
+   ``CLOSE_LOCK_WAIT_S`` (5 s) for the lock, then raises ``ConfigError`` and changes nothing; a
+   close() once the interrupted call returned closes the worker.
 
 Checked and held (tested here): ``close()`` inside ``with worker:`` while another thread
 holds the results lock waits for the lock only; after close, ``add_request``, ``cancel``,
@@ -305,3 +311,48 @@ def test_calls_after_close_are_refused_naming_the_close_or_report_nothing() -> N
         assert receiver.get_finished().done == () and sender.get_finished().sent == ()
         receiver.close()
         sender.close()
+
+
+_SIGNAL_CLOSE = """
+import signal, sys, time
+sys.path.insert(0, "tests")
+from cluster import Cluster
+from kvpush.core.errors import ConfigError
+
+with Cluster(transport="nixl", request_timeout_s=60, heartbeat_interval_s=5.0) as cluster:
+    receiver = cluster.receivers[0]
+    outcome = []
+
+    def on_term(signum, frame):
+        try:
+            receiver.close()
+            outcome.append("closed")
+        except ConfigError as err:
+            outcome.append(f"refused: {err}")
+
+    signal.signal(signal.SIGALRM, on_term)
+    with receiver._results_lock:  # as inside add_request / get_finished on this thread
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        deadline = time.monotonic() + 15.0
+        while not outcome and time.monotonic() < deadline:
+            time.sleep(0.01)
+    print("OUTCOME", outcome, flush=True)
+    receiver.close()
+    print("CLOSED", receiver._transport_closed, flush=True)
+"""
+
+
+def test_close_in_a_signal_handler_interrupting_a_kvpush_call_does_not_hang() -> None:
+    """An engine's SIGTERM handler calls close() while the main thread it interrupted is
+    inside a kvpush call holding the results lock (add_request, get_finished): close() must
+    not wait for ever for the lock its own thread holds. It is refused (ConfigError, bounded)
+    and a close() once the call returned closes the worker."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_CLOSE], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert 'OUTCOME ["refused: ' in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "results lock" in done.stdout, done.stdout
+    assert "CLOSED True" in done.stdout, done.stdout + done.stderr[-3000:]
