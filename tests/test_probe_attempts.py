@@ -108,3 +108,48 @@ def _request(rid: str, key: str) -> Any:
     from test_handshake_refusal import _request as request
 
     return request(rid, key)
+
+
+# ---------------------------------------------------------------------------------------------
+# (2) The side channel's answer, remembered
+# ---------------------------------------------------------------------------------------------
+
+
+def _hello(incarnation: str) -> Any:
+    from test_handshake_refusal import _hello as hello
+
+    return hello(incarnation)
+
+
+def _push_reg(**overrides: Any) -> Any:
+    from test_handshake_refusal import _note
+    from test_probe_reconfig_restart import wire_push_reg
+
+    return _note(wire_push_reg(**overrides))
+
+
+def test_a_start_the_side_channel_named_once_is_asked_about_again_once_another_was_loaded() -> None:
+    """P serves d1. d2 says HELLO; the side channel names d2 (a restart): P drops d1 and
+    handshakes again, but by then D restarted once more, on a clock behind: the side channel
+    serves d0, which P loads and serves. A late HELLO of d2 (sent before it died; it sorts after
+    d0) arrives once d2's backoff is over. P remembered the side channel's answer "d2" and took
+    the late HELLO for a restart unasked: d0's live request failed and the rank was reloaded.
+    Fixed: a handshake that loads a start forgets the earlier answer; d2 is asked about again."""
+    from test_handshake_refusal import D_AGENT, _prefill
+
+    from kvpush.core.actions import AskStart, Connect, DropPeer, Post, Report
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d1"), 100.0)
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)
+    assert any(isinstance(a, AskStart) for a in core.notification(D_AGENT, _hello("d2"), 101.0))
+    restarted = core.start_served("D", 0, "d2", "", 101.1)  # d2 runs: a restart
+    assert any(isinstance(a, Connect) for a in restarted), restarted
+    core.connected("D", 0, D_AGENT, "d0", 1, "", 101.2)  # D restarted again, on a clock behind
+    core.notification(D_AGENT, _hello("d0"), 101.3)  # the live start handshakes
+    core.finished("x-3", "p-3", ((6,),), "", 101.4)
+    reg = _push_reg(decode_incarnation="d0", request_id="d-3", match_key="x-3", grant=101.35)
+    assert any(isinstance(a, Post) for a in core.notification(D_AGENT, reg, 101.5))
+    late = core.notification(D_AGENT, _hello("d2"), 140.0)  # any backoff of d2's is over
+    assert not [a for a in late if isinstance(a, Report | DropPeer | Connect)], late
+    assert [a for a in late if isinstance(a, AskStart)], "d2 is asked about again"
