@@ -153,3 +153,41 @@ def test_a_start_the_side_channel_named_once_is_asked_about_again_once_another_w
     late = core.notification(D_AGENT, _hello("d2"), 140.0)  # any backoff of d2's is over
     assert not [a for a in late if isinstance(a, Report | DropPeer | Connect)], late
     assert [a for a in late if isinstance(a, AskStart)], "d2 is asked about again"
+
+
+def test_an_answer_naming_a_start_newer_than_both_drops_the_asked_one_and_serves_the_named_one() -> None:
+    """Held: P serves d1; d2 speaks, and by the time D's side channel answers, D restarted
+    again: it names d3. d2's message is dropped (its start is dead) and d1's request goes on;
+    d3's HELLO is then a restart at once (no second question), and d1's request fails."""
+    from test_handshake_refusal import D_AGENT, _prefill
+
+    from kvpush.core.actions import AskStart, Post, Report
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d1"), 100.0)
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)
+    core.finished("x-2", "p-2", ((6,),), "", 100.2)
+    reg = _push_reg(decode_incarnation="d1", request_id="d-2", match_key="x-2", grant=100.15)
+    assert any(isinstance(a, Post) for a in core.notification(D_AGENT, reg, 100.3))
+    assert any(isinstance(a, AskStart) for a in core.notification(D_AGENT, _hello("d2"), 101.0))
+    assert not [a for a in core.start_served("D", 0, "d3", "", 101.1) if isinstance(a, Report)]
+    restarted = core.notification(D_AGENT, _hello("d3"), 101.2)
+    assert not [a for a in restarted if isinstance(a, AskStart)], restarted
+    assert [a.outcome for a in restarted if isinstance(a, Report)] == ["failed"], restarted
+
+
+def test_an_answer_arriving_after_p_began_closing_sends_nothing_to_the_asked_start() -> None:
+    """Held: the question is out when P begins closing; the late answer (naming the start
+    asked about) writes nothing and loads nothing (a closing P connects to no D rank)."""
+    from test_handshake_refusal import D_AGENT, _prefill
+
+    from kvpush.core.actions import AskStart, Connect, Post
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d1"), 100.0)
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)
+    reg = _push_reg(decode_incarnation="d2", request_id="d-3", match_key="x-3", grant=100.9)
+    assert any(isinstance(a, AskStart) for a in core.notification(D_AGENT, reg, 101.0))
+    core.shutdown("closing", 101.05)
+    late = core.start_served("D", 0, "d2", "", 101.1)
+    assert not [a for a in late if isinstance(a, Post | Connect)], late
