@@ -191,3 +191,64 @@ def test_an_answer_arriving_after_p_began_closing_sends_nothing_to_the_asked_sta
     core.shutdown("closing", 101.05)
     late = core.start_served("D", 0, "d2", "", 101.1)
     assert not [a for a in late if isinstance(a, Post | Connect)], late
+
+
+# ---------------------------------------------------------------------------------------------
+# P's answers: each echoes the attempt of the registration or CANCEL it answers
+# ---------------------------------------------------------------------------------------------
+
+
+def _answers(actions: list[Any]) -> list[tuple[Any, str, Any]]:
+    from kvpush.core.types import NotificationKind
+
+    results = (NotificationKind.DONE, NotificationKind.FAILED, NotificationKind.CANCEL_ACK)
+    return [(n.kind, n.request_id, n.attempt) for n in _sent(actions) if n.kind in results]
+
+
+def test_a_registration_held_before_the_handshake_is_refused_naming_its_attempt() -> None:
+    """Held: a PUSH_REG of a D rank P has not loaded waits for the handshake; P refuses the
+    rank's metadata (its agent loaded notify-only): the FAIL echoes the registration's attempt."""
+    from test_handshake_refusal import D_AGENT, WHY, _prefill
+
+    from kvpush.core.types import NotificationKind
+
+    core = _prefill()
+    reg = _push_reg(request_id="d-1", match_key="x-1", attempt=77, grant=None)
+    core.notification(D_AGENT, reg, 100.0)
+    refused = core.connected("D", 0, D_AGENT, "d1", 0, WHY, 100.1)
+    assert (NotificationKind.FAILED, "d-1", 77) in _answers(refused), refused
+
+
+def test_a_cancel_of_an_unloaded_rank_is_acknowledged_naming_its_attempt_once_loaded() -> None:
+    """Held: the ack of a CANCEL from a D rank P has not loaded goes out once P loaded it, and
+    echoes the attempt the CANCEL named."""
+    from test_handshake_refusal import D_AGENT, _coordinates, _note, _prefill
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.types import NotificationKind
+
+    core = _prefill()
+    cancel = _note(wire.encode_cancel("x-1", _coordinates(request_id="d-1", match_key="x-1", attempt=78), 0))
+    core.notification(D_AGENT, cancel, 100.0)
+    loaded = core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)
+    assert (NotificationKind.CANCEL_ACK, "d-1", 78) in _answers(loaded), loaded
+
+
+def test_a_registration_of_a_failed_key_is_refused_naming_its_own_attempt() -> None:
+    """Held: a key P failed (its prefill failed) keeps a tombstone; a later registration of it
+    (another D request, another attempt, its grant not newer than the key's end) is answered
+    FAIL naming that registration's attempt, not the first one's."""
+    from test_handshake_refusal import D_AGENT, _prefill
+
+    from kvpush.core.types import NotificationKind
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d1"), 100.0)
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)
+    first = _push_reg(request_id="d-1", match_key="x-1", attempt=80, grant=100.05)
+    core.notification(D_AGENT, first, 100.2)
+    failed = core.abandoned("x-1", "prefill failed", 100.3, request_id="p-1")
+    assert (NotificationKind.FAILED, "d-1", 80) in _answers(failed), failed
+    later = _push_reg(request_id="d-2", match_key="x-1", attempt=81, grant=100.25)
+    answered = core.notification(D_AGENT, later, 100.4)
+    assert _answers(answered) == [(NotificationKind.FAILED, "d-2", 81)], answered
