@@ -65,8 +65,9 @@ def test_an_owed_cancel_ack_of_another_attempt_does_not_let_the_next_request_reg
     """r (x-0) is cancelled and acknowledged (recorded). r comes back (x-1), is cancelled, P
     silent: released on a fence, its cancel owed. A new request of x-1 asks that cancel again
     and waits for its ack before registering. The recorded ack of the first r, replayed, names
-    another attempt: it settles nothing (the new request still waits); P's real ack, echoing
-    the owed cancel's attempt, lets it register."""
+    another attempt: it settles nothing (the new request still waits), nor does an ack naming
+    no attempt (P echoes attempts) or one of another P start; P's real ack, echoing the owed
+    cancel's attempt, lets it register."""
     from test_handshake_refusal import P0, P_AGENT
 
     from kvpush.core import notifications as wire
@@ -84,6 +85,11 @@ def test_an_owed_cancel_ack_of_another_attempt_does_not_let_the_next_request_reg
     replayed = core.notification(P_AGENT, _decoded(recorded), 70.1)
     # Registering goes on (a fresh stamp asked for: the key ended here) only on the owed ack.
     assert _sent(replayed) == [], "a replayed ack of another attempt settled the owed cancel"
+    for wrong in (
+        wire.encode_cancel_ack("r", P0, False, unsettled=False, incarnation="p1"),  # names none
+        wire.encode_cancel_ack("r", P0, False, unsettled=False, incarnation="p0", attempt=owed_attempt),
+    ):
+        assert _sent(core.notification(P_AGENT, _decoded(wrong), 70.15)) == [], wrong
     ack = wire.encode_cancel_ack("r", P0, False, unsettled=False, incarnation="p1", attempt=owed_attempt)
     out = core.notification(P_AGENT, _decoded(ack), 70.2)
     assert _kinds(out) == [NotificationKind.HEARTBEAT], out
