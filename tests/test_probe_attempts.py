@@ -258,3 +258,31 @@ def test_a_registration_of_a_failed_key_is_refused_naming_its_own_attempt() -> N
     later = _push_reg(request_id="d-2", match_key="x-1", attempt=81, grant=100.25)
     answered = core.notification(D_AGENT, later, 100.4)
     assert _answers(answered) == [(NotificationKind.FAILED, "d-2", 81)], answered
+
+
+def test_a_restart_while_the_side_channel_is_unreachable_is_asked_about_within_a_quarter_lease() -> None:
+    """Held: D restarts (d2) while P cannot read its side channel. Each question fails; d2's
+    messages are dropped (D resends its HELLO) and asked about again after a backoff that
+    doubles but never exceeds a quarter of the lease; once the side channel answers d2, it
+    is a restart."""
+    from test_handshake_refusal import D_AGENT, _prefill
+
+    from kvpush.core.actions import AskStart, Connect, Report
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d1"), 100.0)
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)
+    cap = core.s.lease_s / 4
+    at, asked = 101.0, 0
+    while at < 101.0 + 8 * cap:
+        out = core.notification(D_AGENT, _hello("d2"), at)  # D resends its HELLO
+        assert not [a for a in out if isinstance(a, Report | Connect)], out
+        if [a for a in out if isinstance(a, AskStart)]:
+            asked += 1
+            assert not core.start_served("D", 0, "", "TimeoutError: partitioned", at + 0.1)
+        at += 0.5
+    assert asked >= 8, f"asked {asked} times in {8 * cap:g} s"
+    out = core.notification(D_AGENT, _hello("d2"), at + cap)
+    assert [a for a in out if isinstance(a, AskStart)], "asked again within a quarter lease"
+    restarted = core.start_served("D", 0, "d2", "", at + cap + 0.1)
+    assert [a for a in restarted if isinstance(a, Connect)], restarted
