@@ -38,7 +38,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -330,8 +330,8 @@ class DecodeCore:
         (the MAC covers the id it echoes), names another attempt and counts for nothing."""
         self._seq = 0
         """Counts stamps and ends: orders "a stamp arrived" against "a key ended" here."""
-        self._unanswered: OrderedDict[tuple[str, str], dict[str, tuple[str, str, bytes]]] = OrderedDict()
-        """(P engine, match key) -> agent -> (its incarnation, the request id, its CANCEL) of
+        self._unanswered: OrderedDict[tuple[str, str], dict[str, _Owed]] = OrderedDict()
+        """(P engine, match key) -> agent -> the CANCEL it owes an ack for (:class:`_Owed`) of
         registrations released on a fence with that producer silent (at most ENDED_MEMORY)."""
         self._unanswered_ids: dict[str, tuple[str, str]] = {}
         """Request id -> its entry in ``_unanswered`` (a late CANCEL_ACK finds it)."""
@@ -977,7 +977,7 @@ class DecodeCore:
         agents = set(info.agents.values())
         return {
             agent: message
-            for agent, (incarnation, _, message) in owed.items()
+            for agent, (incarnation, _, message, _, _) in owed.items()
             if agent in agents and info.incarnations.get(agent) == incarnation
         }
 
@@ -986,10 +986,23 @@ class DecodeCore:
         where = self._unanswered_ids.get(note.request_id)
         owed = self._unanswered.get(where) if where is not None else None
         entry = owed.get(agent) if owed is not None else None
-        if where is not None and owed is not None and entry is not None and entry[1] == note.request_id:
+        if (
+            where is not None
+            and owed is not None
+            and entry is not None
+            and entry.request_id == note.request_id
+        ):
+            # Only the ack of that registration: from the start it was cancelled with, echoing
+            # the attempt the CANCEL named (a replayed ack of an earlier request of the id
+            # names another; from a P that echoes attempts, one naming none is refused).
+            if (note.incarnation and entry.incarnation and note.incarnation != entry.incarnation) or not (
+                note.attempt == entry.attempt or (note.attempt is None and not entry.echoes)
+            ):
+                self._reject(agent, note, f"not the ack of the owed cancel of attempt {entry.attempt}")
+                return []
             engine_id, key = where
             del owed[agent]
-            if not any(rid == note.request_id for _, rid, _ in owed.values()):
+            if not any(o.request_id == note.request_id for o in owed.values()):
                 self._unanswered_ids.pop(note.request_id, None)
             if not owed:
                 del self._unanswered[where]
@@ -1270,12 +1283,18 @@ class DecodeCore:
                 replaced = owed.get(agent)
                 if replaced is not None and replaced[1] != rid:
                     self._unanswered_ids.pop(replaced[1], None)
-                owed[agent] = (receive.incarnations.get(agent, ""), rid, message)
+                owed[agent] = _Owed(
+                    receive.incarnations.get(agent, ""),
+                    rid,
+                    message,
+                    receive.attempt,
+                    agent in receive.echoing,
+                )
             self._unanswered_ids[rid] = (receive.engine_id, receive.key)
             if len(self._unanswered) > ENDED_MEMORY:
                 _, evicted = self._unanswered.popitem(last=False)
-                for _, old_rid, _ in evicted.values():
-                    self._unanswered_ids.pop(old_rid, None)
+                for old in evicted.values():
+                    self._unanswered_ids.pop(old.request_id, None)
         # The report goes first: the driver writes each action's result under its own hold of
         # the results lock, and an engine polling in between must never see ``released``
         # without ``cancelled`` (it may add the id again at once, and a late ``cancelled``
@@ -1853,7 +1872,7 @@ class DecodeCore:
             entry = owed.get(agent)
             if entry is not None and entry[0] == incarnation:
                 del owed[agent]
-                if not any(r == entry[1] for _, r, _ in owed.values()):
+                if not any(o.request_id == entry[1] for o in owed.values()):
                     self._unanswered_ids.pop(entry[1], None)
                 if not owed:
                     del self._unanswered[where]
@@ -2347,6 +2366,20 @@ class DecodeCore:
             num_tokens=receive.meta.num_tokens if receive is not None else None,
             attempt=receive.attempt if receive is not None else None,
         )
+
+
+class _Owed(NamedTuple):
+    """A CANCEL a silent producer owes an ack for (its registration released on a fence)."""
+
+    incarnation: str
+    """The producer's incarnation the request registered with."""
+    request_id: str
+    message: bytes
+    """The CANCEL, sent again before the key's next request registers."""
+    attempt: int
+    """The registration attempt it names: the ack must echo it."""
+    echoes: bool
+    """The producer stated that its results echo the attempt: an ack naming none is refused."""
 
 
 def _attempt_seed(incarnation: str) -> int:

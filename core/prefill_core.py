@@ -1323,6 +1323,11 @@ class PrefillCore:
             # start its side channel does not serve yet. Its further messages are dropped for a
             # backoff, then D's side channel is asked again before they count as a restart.
             self._not_served(engine_id, rank, asked, now)
+        if not error and incarnation:
+            # What the side channel serves now: an earlier answer about this rank (AskStart)
+            # is superseded. Kept, a late message of the start it named (dead since, unloaded:
+            # never in ``_replaced``) was taken for a restart unasked, failing the live start.
+            self._served.pop((engine_id, rank), None)
         if error:
             earlier_backoff = self._address_backoff.get(address)
             failures = earlier_backoff.failures if earlier_backoff is not None else 0
