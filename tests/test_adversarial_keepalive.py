@@ -301,7 +301,7 @@ def test_a_prefill_restarted_under_its_name_while_decode_keeps_it_alive() -> Non
     idles and sends keepalives to the old one. Whatever D's keepalives reach (nothing, or a
     send error), the requests after it are either pushed with the right KV or fail naming why,
     and one of them is pushed once D has reloaded P."""
-    from engines import Engines
+    from rank_engines import Engines
 
     with Engines(heartbeat_interval_s=0.2, fresh_s=0.4, peer_silence_s=1.0, keepalive_s=60.0) as engines:
         engines.plan("warm", [0], [0])

@@ -18,10 +18,10 @@ import pytest
 from cluster import Cluster, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rank_engines import Engines
 from test_hma import hybrid_model
 from test_push_flow import assert_pushed
 
-from engines import Engines
 from kvpush.core.block_claims import BlockClaims, GroupSpace, group_spaces
 from kvpush.core.errors import ConfigError
 from kvpush.core.types import KVRegion, RankKey

@@ -23,8 +23,8 @@ import time
 from typing import Any
 
 import pytest
+from rank_engines import Engines
 
-from engines import Engines
 from kvpush.core.types import RankKey
 
 P0 = RankKey(0, 0)

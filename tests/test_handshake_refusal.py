@@ -432,8 +432,8 @@ def test_across_processes_d_hears_ps_refusal_of_a_payload_contradicting_its_hash
     round trip naming P's check, not at its HELLO bound; D restarted with a sound payload (a new
     incarnation) is pushed byte for byte."""
     import msgpack
+    from rank_engines import Engines
 
-    from engines import Engines
     from kvpush.core.sidechannel import fetch_metadata
 
     with Engines(request_timeout_s=60, handshake_timeout_s=HANDSHAKE_TIMEOUT_S) as engines:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engines import Engines
+from rank_engines import Engines
 
 TIMINGS: dict[str, Any] = {
     "request_timeout_s": 1.0,

@@ -13,9 +13,9 @@ from typing import Any
 import attrs
 import torch
 from cluster import MHA, kv_bytes, wait_until
+from rank_engines import Engines
 
 import kvpush.transports.loopback
-from engines import Engines
 from kvpush.core.manager import get_plugin_manager
 from kvpush.core.receiver import PushReceiver
 from kvpush.core.sender import PushSender

@@ -20,9 +20,9 @@ from typing import Any
 
 import attrs
 import pytest
+from rank_engines import Engines
 from test_core_properties import CoreCluster, Proc, Violation
 
-from engines import Engines
 from kvpush.core.actions import DropPeer
 
 

@@ -32,8 +32,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from rank_engines import Engines
 
-from engines import Engines
 from kvpush.core.types import RankKey
 from kvpush.demo.runner import _Rank, _start_ranks
 

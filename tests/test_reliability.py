@@ -11,9 +11,9 @@ import time
 
 import pytest
 from cluster import Cluster, attempt_of, settle, wait_until
+from rank_engines import Engines
 from test_push_flow import assert_pushed
 
-from engines import Engines
 from kvpush.core import wire
 from kvpush.core.errors import WaitTimeout
 from kvpush.core.types import RankKey

@@ -27,10 +27,10 @@ import sys
 from typing import Any
 
 import attrs
+from rank_engines import Engines
 from test_adversarial_keepalive import P0, P_AGENT, _answer, _decode, _meta, _reports, _sent
 from test_adversarial_keepalive import _info as _keepalive_info
 
-from engines import Engines
 from kvpush.core.actions import Connect, DropPeer, ProbeExit
 from kvpush.core.decode_core import ProducerInfo
 from kvpush.core.errors import HandshakeError, PeerProcessExited
