@@ -537,18 +537,9 @@ class PushSender(RankWorker):
 
     def _read_start(self, action: AskStart) -> None:
         """Executor: one side-channel round trip for D rank ``action.rank``'s published start."""
-        from kvpush.core.wire import decode_identity
-
         rank, incarnation, error = RankKey(0, action.rank), "", ""
         try:
-            payload = fetch_metadata(
-                action.host,
-                action.port,
-                rank,
-                timeout_s=self.config.handshake_timeout_s,
-                engine_id=action.engine_id,
-            )
-            peer = decode_identity(payload, source=f"engine {action.engine_id!r} rank {rank}")
+            peer = self._fetch_identity(action.host, action.port, action.engine_id, rank)
             if peer.engine_id != action.engine_id or peer.rank != rank:
                 error = f"the side channel serves engine {peer.engine_id!r} rank {peer.rank}"
             else:
@@ -565,22 +556,23 @@ class PushSender(RankWorker):
             )
         )
 
+    def _fetch_identity(self, host: str, port: int, engine_id: str, rank: RankKey) -> Any:
+        """Executor: the identity (engine, rank, agent, incarnation) D rank ``rank`` publishes on
+        its side channel: one round trip, bounded by ``handshake_timeout_s``."""
+        from kvpush.core.wire import decode_identity
+
+        payload = fetch_metadata(
+            host, port, rank, timeout_s=self.config.handshake_timeout_s, engine_id=engine_id
+        )
+        return decode_identity(payload, source=f"engine {engine_id!r} rank {rank}")
+
     def _read_refused(self, action: Connect, error: BaseException) -> None:
         """Executor: read the refused D ranks' agents off their side channel (one round trip
         each, bounded by ``handshake_timeout_s``; never the geometry P refused)."""
-        from kvpush.core.wire import decode_identity
-
         found: dict[int, Any] = {}
         for rank in action.ranks:
             try:
-                payload = fetch_metadata(
-                    action.host,
-                    action.port,
-                    rank,
-                    timeout_s=self.config.handshake_timeout_s,
-                    engine_id=action.engine_id,
-                )
-                peer = decode_identity(payload, source=f"engine {action.engine_id!r} rank {rank}")
+                peer = self._fetch_identity(action.host, action.port, action.engine_id, rank)
             except Exception as err:
                 logger.warning(
                     "cannot tell D rank %s of %r why it was refused: %s", rank, action.engine_id, err
