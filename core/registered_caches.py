@@ -11,13 +11,15 @@ which refuses such a change, naming the cache, instead of moving wrong KV silent
 
 The check compares, in C-level ``map`` calls, every mutable container's items (the mapping's
 values, nested lists and dicts, a plain object's attributes) and the ``.tensor`` of wrapper
-values by identity, and the ``data_ptr()`` and ``stride()`` of each tensor that holds a
-registered region, with what they were at start (about 0.2 µs a tensor; only a change walks the
-caches again). A tensor re-laid out in place (``resize_`` to another shape, ``set_`` or
-``as_strided_`` with other strides) keeps its identity and address but not its strides: refused
-too. A tensor replaced by another viewing exactly the registered bytes (the same address,
-strides and element size: the engine re-made its view of the same buffer) is the same cache and
-is adopted. Every object compared is held here, and so is the storage of each registered
+values by identity, and the ``data_ptr()``, ``stride()`` and ``dtype`` of each tensor that
+holds a registered region, with what they were at start (about 0.3-0.4 µs a tensor on a loaded
+2-core host; only a change walks the caches again). A tensor re-laid out in place (``resize_`` to
+another shape, ``set_`` or ``as_strided_`` with other strides) keeps its identity and address but
+not its strides: refused too. So is one reinterpreted as another dtype (``tensor.data =
+tensor.view(other)``, even of the same element size): the engine would write values of a type
+the peer does not read them as. A tensor replaced by another viewing exactly the registered
+bytes (the same address, strides and dtype: the engine re-made its view of the same buffer) is
+the same cache and is adopted. Every object compared is held here, and so is the storage of each registered
 tensor: the registered memory stays allocated while the worker lives, even when the engine
 drops or re-points its tensor (so no other allocation can take a registered address).
 """
@@ -35,6 +37,7 @@ from kvpush.core.types import KVRegion
 _TENSOR = operator.attrgetter("tensor")
 _DATA_PTR = operator.methodcaller("data_ptr")
 _STRIDE = operator.methodcaller("stride")
+_DTYPE = operator.attrgetter("dtype")
 MAX_DEPTH = 8
 """Nesting levels of containers and objects walked below a ``kv_caches`` value."""
 
@@ -50,9 +53,9 @@ def _span(tensor: Any) -> tuple[int, int]:
     return start, start + extent * tensor.element_size()
 
 
-def _placement(tensor: Any) -> tuple[int, tuple[int, ...], int]:
-    """Where a tensor's elements lie: its address, strides and element size."""
-    return tensor.data_ptr(), tuple(tensor.stride()), tensor.element_size()
+def _placement(tensor: Any) -> tuple[int, tuple[int, ...], Any]:
+    """Where a tensor's elements lie and what they are: its address, strides and dtype."""
+    return tensor.data_ptr(), tuple(tensor.stride()), tensor.dtype
 
 
 def _walks_attributes(value: Any) -> bool:
@@ -156,7 +159,7 @@ class RegisteredCaches:
             if layers:
                 self.registered[path] = (tensor, tensor.data_ptr(), tuple(dict.fromkeys(layers)))
         self._placements = {path: _placement(tensor) for path, (tensor, _, _) in self.registered.items()}
-        """Path -> (address, strides, element size) of each registered tensor at start."""
+        """Path -> (address, strides, dtype) of each registered tensor at start."""
         self._set_fast()
         self.storages = [
             storage for tensor, _, _ in self.registered.values() if (storage := _storage(tensor)) is not None
@@ -168,13 +171,17 @@ class RegisteredCaches:
         self._leaves = [t for path, (t, _, _) in self.registered.items() if path not in computed]
         self._ptrs = tuple(ptr for path, (_, ptr, _) in self.registered.items() if path not in computed)
         self._strides = tuple(self._placements[path][1] for path in self.registered if path not in computed)
+        self._dtypes = tuple(self._placements[path][2] for path in self.registered if path not in computed)
         kinds = {type(tensor) for tensor in self._leaves}
-        # One tensor type (torch's): its unbound methods, a third cheaper than methodcaller's.
+        # One tensor type (torch's): its unbound methods and getter, a third cheaper than
+        # methodcaller's and attrgetter's.
         kind = next(iter(kinds)) if len(kinds) == 1 else None
         self._data_ptr = kind.data_ptr if kind is not None else _DATA_PTR
         self._stride = kind.stride if kind is not None else _STRIDE
+        dtype = getattr(kind, "dtype", None)
+        self._dtype = dtype.__get__ if hasattr(dtype, "__get__") else _DTYPE
         self._computed = [
-            (wrapper, self._placements[path][:2])
+            (wrapper, self._placements[path])
             for path, wrapper in self._snapshot.computed
             if path in self.registered
         ]
@@ -186,7 +193,8 @@ class RegisteredCaches:
             self._snapshot.unchanged()
             and tuple(map(self._data_ptr, self._leaves)) == self._ptrs
             and tuple(map(self._stride, self._leaves)) == self._strides
-            and all(_placement(wrapper.tensor)[:2] == placed for wrapper, placed in self._computed)
+            and tuple(map(self._dtype, self._leaves)) == self._dtypes
+            and all(_placement(wrapper.tensor) == placed for wrapper, placed in self._computed)
         ):
             return
         self._check_walk(call, agent)
@@ -210,14 +218,15 @@ class RegisteredCaches:
                     continue
                 why = (
                     f"was replaced by another tensor (at {now.data_ptr():#x}, strides "
-                    f"{tuple(now.stride())}; registered at {ptr:#x}, strides {placed[1]})"
+                    f"{tuple(now.stride())}, {now.dtype}; registered at {ptr:#x}, strides "
+                    f"{placed[1]}, {placed[2]})"
                 )
             elif now.data_ptr() != ptr:
                 why = f"now lies at {now.data_ptr():#x}, not at the {ptr:#x} registered"
             elif _placement(now) != placed:
                 why = (
-                    f"was re-laid out in place (strides {tuple(now.stride())}, {now.element_size()}-byte "
-                    f"elements; registered: strides {placed[1]}, {placed[2]}-byte elements)"
+                    f"was re-laid out or reinterpreted in place (strides {tuple(now.stride())}, "
+                    f"{now.dtype}; registered: strides {placed[1]}, {placed[2]})"
                 )
             else:
                 continue

@@ -145,3 +145,34 @@ def test_a_change_of_state_kvpush_does_not_move_is_accepted() -> None:
     registered.check("add_request", "D")  # the new snapshot: the cheap path again
     caches["layers.0"] = _kv()
     _refused(registered, "'layers.0'")
+
+
+def test_a_tensor_reinterpreted_in_place_as_another_dtype_of_its_size_is_refused() -> None:
+    """``tensor.data = tensor.view(other dtype)`` keeps identity, address, strides and element
+    size: the engine now writes values of another type into the bytes P pushes and D reads as the
+    dtype both agreed on at the handshake (wrong KV, silently), so the check compares dtypes too."""
+    caches = {f"layers.{i}": _kv() for i in range(4)}
+    registered = RegisteredCaches(caches, _regions(list(caches.items())))
+    tensor = caches["layers.1"]
+    tensor.data = tensor.view(torch.int32)
+    assert caches["layers.1"] is tensor and tensor.dtype == torch.int32
+    _refused(registered, "'layers.1'", "torch.int32", "torch.float32")
+
+
+def test_a_view_of_the_registered_bytes_as_another_dtype_is_refused_not_adopted() -> None:
+    caches = {f"layers.{i}": _kv() for i in range(4)}
+    registered = RegisteredCaches(caches, _regions(list(caches.items())))
+    caches["layers.3"] = caches["layers.3"].view(torch.int32)
+    _refused(registered, "'layers.3'", "torch.int32")
+    caches["layers.3"] = caches["layers.3"].view(torch.float32)  # back to the registered dtype
+    registered.check("add_request", "D")
+
+
+def test_a_wrapper_view_per_access_of_another_dtype_is_refused() -> None:
+    base = _kv()
+    wrapper = ComputedView(base)
+    caches: dict[str, Any] = {"layers.0": wrapper}
+    registered = RegisteredCaches(caches, _regions([("layers.0", base)]))
+    registered.check("add_request", "D")
+    wrapper._tensor = base.view(torch.int32)
+    _refused(registered, "'layers.0'", "torch.int32")
