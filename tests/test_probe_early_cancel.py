@@ -67,8 +67,30 @@ def test_a_finished_prefill_is_released_at_the_cancel_of_a_d_that_never_register
     assert "cancelled by D rank 0" in report.reason and "before it registered" in report.reason
     assert core.state_sizes()["requests"] == 0
     assert core.handle_timer(100.0 + core.s.lease_s + 1) == []  # nothing left for the lease
-    # A late PUSH_REG of the cancelled registration is never written.
+    # A late PUSH_REG of the cancelled registration is never written; a second CANCEL (D
+    # resent it, or another producer's copy was duplicated) is acknowledged, nothing more.
     assert _posts(_register(core, 100.2, grant=100.0)) == []
+    again = _cancel(core, 100.3, attempt=7)
+    assert len(_acks(again)) == 1 and _reports(again) == [], again
+
+
+def test_a_cancel_of_a_rank_p_has_not_loaded_ends_the_finish_too() -> None:
+    """P dropped (or never loaded) the D rank when its CANCEL came: P connects to it to send
+    the ack, and its finish ends at once all the same."""
+    from kvpush.core.prefill_core import PrefillCore, PrefillSettings
+
+    def plan(blocks: Any, reg: Any) -> list[ReadSpec]:
+        return [ReadSpec(dst_tp_rank=0, local_block_ids=blocks, remote_block_ids=reg.block_ids)]
+
+    core = PrefillCore(
+        PrefillSettings(engine_id="P", incarnation="p1", rank=RankKey(0, 0), tp_size=1), plan=plan
+    )
+    out = _cancel(core, 100.0, attempt=7)
+    assert _acks(out) == []  # owed until P loaded the rank
+    out = core.finished("x-1", "p-1", ((5,),), "", 100.1)
+    assert _reports(out) == [("p-1", "failed")] and _posts(out) == [], out
+    out = core.connected("D", 0, "D-agent", "d1", 1, "", 100.2)
+    assert [a.attempt for a in _acks(out)] == [7], out
 
 
 def test_a_cancel_before_the_prefill_finished_ends_the_finish_at_once() -> None:
@@ -407,3 +429,53 @@ def test_an_ack_of_a_live_request_naming_its_own_attempt_is_not_taken_for_the_ow
     out = core.notification(P_AGENT, _ack("r", live), 70.2)
     assert [a.request_id for a in out if isinstance(a, Release)] == ["r"], out
     assert core._unanswered, "the live request's ack settled the owed entry"
+
+
+@pytest.fixture
+def small_id_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvpush.core.receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "ID_MEMORY", 3)
+
+
+def test_the_owed_ack_of_an_id_the_engine_gave_again_over_real_workers(small_id_memory: None) -> None:
+    """Real workers (loopback transport behind the fault injector; D remembers 3 ids). r of
+    x-1 is cancelled, its CANCEL lost: released on a fence, its cancel owed. Once D forgot r,
+    the engine gives r again (x-2, registered as r), and n of x-1 asks r's owed cancel again.
+    P's ack of it used to be taken as the live r's answer (rejected there): n failed at D's
+    HELLO timeout. Now n registers and is pushed, and the live r is neither completed nor
+    released by that ack: its own push completes it."""
+    from cluster import Cluster, wait_until
+    from test_reliability import cancelled_reason, faulty
+
+    with Cluster(
+        heartbeat_interval_s=0.05,
+        write_deadline_s=0.4,
+        request_timeout_s=60,
+        **faulty(drop_notifs=1.0, drop_prefixes=["CANCEL:"]),
+    ) as cluster:
+        sender, receiver = cluster.senders[RankKey(0, 0)], cluster.receivers[0]
+        cluster.add("r", [[1]], "x-1")
+        wait_until(lambda: sender.call_on_writer(sender.core.state_sizes)["requests"] == 1, what="r at P")
+        receiver.cancel("r")
+        assert "fenced" in cancelled_reason(cluster, "r")
+        sender.transport.rates["drop_notifs"] = 0.0  # P hears every CANCEL from now on
+        for i in range(4):  # r leaves D's id memory
+            cluster.add(f"c-{i}", [[10 + i]], f"c-{i}")
+            cluster.finish(f"pc-{i}", [[10 + i]], f"c-{i}")
+            assert cluster.wait_decode(f"c-{i}") == {0: None}
+        cluster.add("r", [[2]], "x-2")  # the engine gives r again: registered as r itself
+        cluster.add("n", [[3]], "x-1")  # asks r's owed cancel first
+        wait_until(lambda: receiver.stats["push_regs_sent"] >= 7, timeout_s=10, what="n registered")
+        cluster.poll()
+        assert "n" not in cluster.d_results[0] and "r" not in cluster.d_results[0], cluster.d_results[0]
+        # x-1 ended on P at the owed cancel before P finished it: its first finish is that
+        # attempt's own prefill (refused); the next is n's.
+        cluster.finish("p-old", [[4]], "x-1")
+        assert "already ended" in (cluster.wait_prefill("p-old")[RankKey(0, 0)] or "")
+        cluster.finish("p-n", [[5]], "x-1")
+        assert cluster.wait_decode("n") == {0: None}
+        cluster.poll()
+        assert "r" not in cluster.d_results[0], "the owed ack ended the live r"
+        cluster.finish("p-r", [[6]], "x-2")
+        assert cluster.wait_decode("r") == {0: None}
