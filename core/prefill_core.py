@@ -1139,6 +1139,8 @@ class PrefillCore:
             out = self._cancel_tentative(request, reg, now)
             self._refused[(key, ident)] = now
             self._timers.arm(("refused", (key, ident)), now + self.s.registration_ttl_s)
+            if unheld:  # its other ranks' registrations of it may stay: the finish decides
+                self._remember_unregistered(key, reg, now)
             return [Send(agent, ack), *out]
         request.cancelled = True
         request.cancel_acks[agent] = (reg.request_id, reg.attempt)
