@@ -392,11 +392,11 @@ class PrefillCore:
         self._warned = RateLimit(per_s=10)
         self._refused: dict[tuple[str, _Ident], float] = {}
         """(key, D registration) D cancelled before P knew the key: its late PUSH_REG is refused."""
-        self._unregistered: dict[str, set[_Ident]] = {}
-        """Key -> D registrations D cancelled that P never held (D's request ended before it
-        registered; at most ``MAX_SEEN`` per key, each key ``registration_ttl_s`` after its last):
-        a finished prefill of the key that nothing else is held for ends at once instead of
-        waiting for its lease (:meth:`_cancelled_unregistered`)."""
+        self._unregistered: dict[str, dict[_Ident, None]] = {}
+        """Key -> D registrations D cancelled that P never held, in arrival order (D's request
+        ended before it registered; at most ``MAX_SEEN`` per key, each key ``registration_ttl_s``
+        after its last): a finished prefill of the key that nothing else is held for ends at
+        once instead of waiting for its lease (:meth:`_cancelled_unregistered`)."""
         self._connecting: dict[tuple[str, int], str] = {}
         """Address -> the one engine id being handshaken there."""
         self._address_backoff: dict[tuple[str, int], _Backoff] = {}
@@ -1271,23 +1271,24 @@ class PrefillCore:
 
     def _remember_unregistered(self, key: str, reg: PushRegistration, now: float) -> None:
         """D cancelled ``reg``, a registration of ``key`` P never held (see ``_unregistered``)."""
-        cancels = self._unregistered.setdefault(key, set())
+        cancels = self._unregistered.setdefault(key, {})
         if len(cancels) < MAX_SEEN:
-            cancels.add(_ident(reg))
+            cancels.setdefault(_ident(reg), None)
         self._timers.arm(("unregistered", key), now + self.s.registration_ttl_s)
 
     def _cancelled_unregistered(self, request: _Request, now: float) -> list[Any]:
         """End a finished prefill D gave up before registering for it: its key's D engine (the
-        one bound, else the first that cancelled) cancelled a D request P never held, and P
-        holds no registration of another D request of that engine (a new request under the
-        key: its push goes on). Registrations of the cancelled D request (other ranks that
-        registered first) are told FAIL. Without this, P held the blocks until its lease
-        (``lease_s``): D's request ended before it sent any PUSH_REG (its handshake ran)."""
+        one bound, or the first registrant, else the first that cancelled) cancelled a D
+        request P never held, and P holds no registration of another D request of that engine
+        (a new request under the key: its push goes on). Registrations of the cancelled D
+        request (other ranks that registered first) are told FAIL. Without this, P held the
+        blocks until its lease (``lease_s``): D's request ended before it sent any PUSH_REG
+        (its handshake ran)."""
         cancels = self._unregistered.get(request.key)
         if not cancels or request.blocks is None or request.failure or not request.bound:
             return []
-        engine_id = request.engine_id or min(c[0] for c in cancels)
-        mine = sorted(c for c in cancels if c[0] == engine_id)
+        engine_id = request.engine_id or next(iter(cancels))[0]
+        mine = [c for c in cancels if c[0] == engine_id]
         cancelled = {c[3] for c in mine}
         if not mine or any(e.reg.request_id not in cancelled for e in request.regs.values()):
             return []
