@@ -72,6 +72,9 @@ _DONE = NotificationKind.DONE
 HEARTBEAT_KEYS_PER_MESSAGE = 256
 ENDED_MEMORY = 4096
 """How many ended request ids D remembers, to tell late duplicates from early notifications."""
+MAX_UNTOLD_CANCELS = 1024
+"""Cancels of requests that never registered kept per P engine until its handshake is done
+(the oldest dropped first: P's lease then releases what it holds for them)."""
 ENGINE_PROBE = "\0engine:"
 """``ProbeExit`` request id prefix of a probe of a P engine's silent agents (not a request's)."""
 
@@ -190,6 +193,11 @@ class _Producer:
     restart_expired: bool = False
     """``peer_silence_s`` passed since the restart was seen: the attempt running or made now
     is the last; if it fails too, the requests waiting fail (:meth:`DecodeCore._on_restart_timeout`)."""
+    untold: OrderedDict[str, bytes] = attrs.field(factory=OrderedDict)
+    """Request id -> the CANCEL of a request that ended before it registered, made while the
+    engine was not ready: sent to its producers once it is (at most ``MAX_UNTOLD_CANCELS``), so
+    that P lets go of a finished prefill it holds for the request instead of waiting for its
+    lease."""
 
 
 class _Phase(enum.Enum):
@@ -503,6 +511,7 @@ class DecodeCore:
             engine.dead, engine.waiting = failed.dead, failed.waiting
             engine.previous = failed.previous  # a reconnect's: a P restart is still spotted
             engine.restarting, engine.restart_expired = failed.restarting, failed.restart_expired
+            engine.untold = failed.untold
             self._timers.disarm(("retry", engine.engine_id))
         self._engines[engine.engine_id] = engine
         return [*moved, Connect(engine.engine_id, engine.host, engine.port)]
@@ -981,6 +990,18 @@ class DecodeCore:
             if agent in agents and info.incarnations.get(agent) == incarnation
         }
 
+    def _owes(self, agent: str, note: Notification) -> bool:
+        """Is ``note`` (a CANCEL_ACK) the ack of the owed cancel of its D request id from
+        ``agent``? Yes when it names that cancel's attempt; one naming none (a P that echoes no
+        attempts cannot say which request of the id it answers) is taken for the owed cancel's
+        first: a live request of the id then settles only on a second ack, so an ack of the
+        earlier request never releases blocks P may still write."""
+        where = self._unanswered_ids.get(note.request_id)
+        entry = self._unanswered.get(where, {}).get(agent) if where is not None else None
+        if entry is None or entry.request_id != note.request_id:
+            return False
+        return note.attempt == entry.attempt if note.attempt is not None else not entry.echoes
+
     def _on_owed_ack(self, agent: str, note: Notification, now: float) -> list[Any]:
         """A CANCEL_ACK for a request that ended here: one of :meth:`_owed_cancels` answered?"""
         where = self._unanswered_ids.get(note.request_id)
@@ -1045,6 +1066,11 @@ class DecodeCore:
     def _on_result(self, agent: str, engine: _Producer | None, note: Notification, now: float) -> list[Any]:
         rid = note.request_id
         receive = self._requests.get(rid)
+        if receive is not None and note.kind is NotificationKind.CANCEL_ACK and self._owes(agent, note):
+            # The id is live again (the engine gave it to a new request after D forgot it), and
+            # the ack answers the owed cancel of its earlier request: it settles that, never
+            # the live request (whose own ack names its own attempt).
+            return self._on_owed_ack(agent, note, now)
         if receive is None:
             if note.kind is NotificationKind.CANCEL_ACK and self._unanswered:
                 return self._on_owed_ack(agent, note, now)
@@ -1230,7 +1256,8 @@ class DecodeCore:
                 engine.waiting.remove(rid)
             outcome = "cancelled" if cancelled else "failed"
             why = f"{reason} before any PUSH_REG was sent; nothing to settle"
-            return self._end(rid, receive, Report(rid, outcome, why), release=True)
+            told = self._tell_unregistered(rid, receive, engine) if engine is not None else []
+            return told + self._end(rid, receive, Report(rid, outcome, why), release=True)
         logger.warning("request %s stops: %s", rid, reason)
         if receive.rereg:
             # Not registered again yet: its exited producers settle through a fence of their
@@ -1253,6 +1280,23 @@ class DecodeCore:
             out += self._cancels(rid, receive, engine, receive.expected - receive.settled)
         receive.reason = reason
         return out + self._maybe_release(rid, receive, now)
+
+    def _tell_unregistered(self, rid: str, receive: _Receive, engine: _Producer) -> list[Any]:
+        """``rid`` ends before it registered: nothing of P's can land in its blocks (P writes
+        only on a PUSH_REG), but P may hold a finished prefill for it until its lease. Its
+        CANCEL goes to every producer of the engine now if it is ready, else once it is
+        (``_Producer.untold``). Not to an engine known at another address than the request
+        names (another P engine under that id)."""
+        params = receive.meta.params
+        if (engine.host, engine.port) != (params.remote_host, params.remote_port):
+            return []
+        message = wire.encode_cancel(receive.key, self._coordinates(rid, receive), self.s.tp_rank)
+        if engine.state is _EngineState.READY and engine.info is not None:
+            return [Send(agent, message) for agent in sorted(set(engine.info.agents.values()))]
+        engine.untold[rid] = message
+        while len(engine.untold) > MAX_UNTOLD_CANCELS:
+            engine.untold.popitem(last=False)
+        return []
 
     def _maybe_release(self, rid: str, receive: _Receive, now: float) -> list[Any]:
         if receive.fence_id is not None:
@@ -2088,6 +2132,10 @@ class DecodeCore:
         self._timers.disarm(("hello", engine.engine_id))
         self._timers.disarm(("hello_resend", engine.engine_id))
         out: list[Any] = []
+        untold, engine.untold = engine.untold, OrderedDict()
+        if engine.info is not None:  # cancels of requests that never registered, first
+            agents = sorted(set(engine.info.agents.values()))
+            out += [Send(agent, message) for message in untold.values() for agent in agents]
         for rid in sorted(engine.requests):
             if self._requests[rid].rereg:
                 out += self._reregister(rid, now)

@@ -83,6 +83,12 @@ def _another(current: _Reg | None, reg: PushRegistration) -> bool:
     )
 
 
+def _other_attempt(held: PushRegistration, named: PushRegistration) -> bool:
+    """Both state a registration attempt, and they differ: the same D request id given to
+    two requests (D forgot the first), so not the same registration."""
+    return held.attempt is not None and named.attempt is not None and held.attempt != named.attempt
+
+
 def _differs(fingerprint: str | None, reg: PushRegistration) -> bool:
     """Both sides stated a prompt fingerprint, and they differ."""
     return fingerprint is not None and reg.prompt_fingerprint not in (None, fingerprint)
@@ -386,6 +392,11 @@ class PrefillCore:
         self._warned = RateLimit(per_s=10)
         self._refused: dict[tuple[str, _Ident], float] = {}
         """(key, D registration) D cancelled before P knew the key: its late PUSH_REG is refused."""
+        self._unregistered: dict[str, dict[_Ident, None]] = {}
+        """Key -> D registrations D cancelled that P never held, in arrival order (D's request
+        ended before it registered; at most ``MAX_SEEN`` per key, each key ``registration_ttl_s``
+        after its last): a finished prefill of the key that nothing else is held for ends at
+        once instead of waiting for its lease (:meth:`_cancelled_unregistered`)."""
         self._connecting: dict[tuple[str, int], str] = {}
         """Address -> the one engine id being handshaken there."""
         self._address_backoff: dict[tuple[str, int], _Backoff] = {}
@@ -446,7 +457,7 @@ class PrefillCore:
         return {
             "requests": len(self._requests),
             "stashed": sum(1 for r in self._requests.values() if r.blocks is None),
-            "tombstones": len(self._tombstones) + len(self._refused),
+            "tombstones": len(self._tombstones) + len(self._refused) + len(self._unregistered),
             "engines": len(self._engines),
             "timers": len(self._timers),
             "inflight": sum(e.inflight for e in self._engines.values()),
@@ -552,6 +563,9 @@ class PrefillCore:
         wrong = [e for e in (*request.regs.values(), *displaced) if _differs(fingerprint, e.reg)]
         if wrong:
             return out + self._prompts_differ(request, wrong, now, displaced=displaced)
+        out += self._cancelled_unregistered(request, now)
+        if request.failure:
+            return out
         if request.regs:
             out += self._plan_request(request, now)
         return out
@@ -1077,6 +1091,7 @@ class PrefillCore:
             attempt=reg.attempt,
         )
         past = request.past if request is not None else None
+        unheld = not self._held_once(request, tomb, reg)  # before this CANCEL is remembered
         if past is not None and _ident(reg) in past.seen and _ident(reg) not in request.seen:
             # The CANCEL of an ended attempt's registration (resent, duplicated, late) reaching
             # a retry under the same key: acknowledged, the retry left alone.
@@ -1089,18 +1104,34 @@ class PrefillCore:
             request.seen.add(_ident(reg))
         ident = _ident(reg)
         current = request.regs.get(rank) if request is not None else None
-        if request is None or request.engine_id != engine.engine_id or _another(current, reg):
+        if current is not None and _ident(current.reg) == ident and _other_attempt(current.reg, reg):
+            # The rank holds a later attempt of the same D request id (the engine gave the id
+            # again once D forgot it): this CANCEL is of the earlier attempt, which P never
+            # held. Acknowledged; the held registration is left alone.
+            return [Send(agent, ack)]
+        mine = request is not None and request.engine_id == engine.engine_id
+        others_held = False
+        if request is not None and mine and current is None:
+            others_held = any(e.reg.request_id != reg.request_id for e in request.regs.values())
+        if request is None or not mine or _another(current, reg) or others_held:
             # Nothing of this key is being written to this registration: it is held for an
-            # engine the router may still name, or its rank now holds another registration
-            # (replaced, or the CANCEL overtook its PUSH_REG). Refuse it from now on (a PUSH_REG
-            # may still be on its way), then acknowledge: the cancel ends this registration,
-            # never another's (another D request of the rank, other ranks, another engine).
+            # engine the router may still name, its rank now holds another registration
+            # (replaced, or the CANCEL overtook its PUSH_REG), or P never held it and other
+            # ranks hold another D request's (a new request under the key). Refuse it from now
+            # on (a PUSH_REG may still be on its way), then acknowledge: the cancel ends this
+            # registration, never another's (another D request, other ranks, another engine).
+            # One P never held is remembered: a finished prefill nothing else is held for
+            # ends now or at its finish (D's request ended before it registered).
             out: list[Any] = []
             if request is not None:
                 self._gone(request, reg)
                 out = self._cancel_held(request, engine, reg, now)
             self._refused[(key, ident)] = now
             self._timers.arm(("refused", (key, ident)), now + self.s.registration_ttl_s)
+            if unheld:
+                self._remember_unregistered(key, reg, now)
+                if request is not None:
+                    out += self._cancelled_unregistered(request, now)
             return [Send(agent, ack), *out]
         if not request.bound and request.others:
             # Not bound, and other engines hold registrations the router may name: the first
@@ -1108,6 +1139,8 @@ class PrefillCore:
             out = self._cancel_tentative(request, reg, now)
             self._refused[(key, ident)] = now
             self._timers.arm(("refused", (key, ident)), now + self.s.registration_ttl_s)
+            if unheld:  # its other ranks' registrations of it may stay: the finish decides
+                self._remember_unregistered(key, reg, now)
             return [Send(agent, ack), *out]
         request.cancelled = True
         request.cancel_acks[agent] = (reg.request_id, reg.attempt)
@@ -1200,6 +1233,7 @@ class PrefillCore:
             return []
         rank = reg.decode_tp_rank
         out: list[Any] = []
+        held = False
         if request is not None:
             # Its PUSH_REG may have arrived first (P connecting to the rank since): it must
             # never be written once acknowledged. Ended as a cancel of a loaded rank ends it.
@@ -1207,6 +1241,7 @@ class PrefillCore:
             out += self._cancel_held(request, engine, reg, now)
             current = request.regs.get(rank)
             if current is not None and _ident(current.reg) == _ident(reg):
+                held = True
                 if not request.bound and request.others:
                     out += self._cancel_tentative(request, reg, now)
                 else:
@@ -1214,11 +1249,55 @@ class PrefillCore:
                     request.cancelled = True
                     why = f"cancelled by D rank {rank} before P loaded it"
                     out += self._fail_request(request, why, now)
+        if not held and not self._held_once(request, tomb, reg):  # as for a loaded rank's
+            self._remember_unregistered(key, reg, now)
+            if request is not None:
+                out += self._cancelled_unregistered(request, now)
         if sum(map(len, engine.owed.values())) >= MAX_OWED:
             logger.warning("dropped a CANCEL ack for %s of an unloaded D rank: %d held", key, MAX_OWED)
             return out
         engine.owed.setdefault(rank, []).append((agent, reg.decode_incarnation, ack))
         return out if self._closing else out + self._connect(engine, rank, now, reg.decode_incarnation)
+
+    @staticmethod
+    def _held_once(request: _Request | None, tomb: _Tomb | None, reg: PushRegistration) -> bool:
+        """Did an attempt of ``reg``'s key (this one, or an ended one) see ``reg``, or can P
+        not tell (more registrations than it remembers)?"""
+        ident = _ident(reg)
+        past = request.past if request is not None else None
+        return any(
+            ended is not None and (ended.overflow or ident in ended.seen) for ended in (tomb, past)
+        ) or (request is not None and (request.gone_overflow or ident in request.seen))
+
+    def _remember_unregistered(self, key: str, reg: PushRegistration, now: float) -> None:
+        """D cancelled ``reg``, a registration of ``key`` P never held (see ``_unregistered``)."""
+        cancels = self._unregistered.setdefault(key, {})
+        if len(cancels) < MAX_SEEN:
+            cancels.setdefault(_ident(reg), None)
+        self._timers.arm(("unregistered", key), now + self.s.registration_ttl_s)
+
+    def _cancelled_unregistered(self, request: _Request, now: float) -> list[Any]:
+        """End a finished prefill D gave up before registering for it: its key's D engine (the
+        one bound, or the first registrant, else the first that cancelled) cancelled a D
+        request P never held, and P holds no registration of another D request of that engine
+        (a new request under the key: its push goes on). Registrations of the cancelled D
+        request (other ranks that registered first) are told FAIL. Without this, P held the
+        blocks until its lease (``lease_s``): D's request ended before it sent any PUSH_REG
+        (its handshake ran)."""
+        cancels = self._unregistered.get(request.key)
+        if not cancels or request.blocks is None or request.failure or not request.bound:
+            return []
+        engine_id = request.engine_id or next(iter(cancels))[0]
+        mine = [c for c in cancels if c[0] == engine_id]
+        cancelled = {c[3] for c in mine}
+        if not mine or any(e.reg.request_id not in cancelled for e in request.regs.values()):
+            return []
+        del self._unregistered[request.key]
+        self._timers.disarm(("unregistered", request.key))
+        request.engine_id, request.cancelled = engine_id, True
+        _, _, rank, rid = mine[0]
+        why = f"cancelled by D rank {rank} before it registered (D request {rid!r})"
+        return self._fail_request(request, why, now)
 
     # ------------------------------------------------------------------ handshakes
 
@@ -2046,8 +2125,11 @@ class PrefillCore:
     def _end(self, request: _Request, now: float) -> list[Any]:
         """The one place a request's state is deleted; reports it (once) and answers cancels."""
         del self._requests[request.key]
-        for kind in ("lease", "stash"):
+        for kind in ("lease", "stash", "unregistered"):
             self._timers.disarm((kind, request.key))
+        # Cancels of registrations P never held end at most the attempt they met: a later
+        # attempt of the key (a retry under it) is not ended by them.
+        self._unregistered.pop(request.key, None)
         outcome = "failed" if request.failure else "sent"
         any_unsettled = any(d.unsettled for d in (request.dests or {}).values())
         tomb = _Tomb(outcome, request.engine_id, request.failure, any_unsettled, request.fingerprint, now)
@@ -2103,6 +2185,8 @@ class PrefillCore:
                 self._tombstones.pop(key, None)
             elif kind == "refused":
                 self._refused.pop(key, None)
+            elif kind == "unregistered":
+                self._unregistered.pop(key, None)
             elif kind == "refusal":
                 self._refusals.pop(key, None)
             elif kind == "unloaded":
