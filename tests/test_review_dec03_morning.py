@@ -1,0 +1,93 @@
+"""Review of 2026-12-03 (morning) of the previous session's changes: the owed CANCEL_ACK rules,
+the side channel's answer (``AskStart``), the lifecycle and the caches check.
+
+Findings:
+
+(1) An owed CANCEL_ACK (the cancel D asks again before a key's next request registers) was
+    found by D request id through a map holding one entry per id. An engine that reuses the id
+    (vLLM re-adds a preempted request under its id) lost the ack: (a) the new request of the id
+    and key waits for that ack, and P's ack, naming the id, was held as an early result of the
+    new request instead (it waited ``hello_timeout_s`` and failed, every retry); (b) the id
+    released again under another key pointed the map at the newer entry, so the first key's ack
+    was refused as "another attempt" and every request of that key failed the same way. Fixed:
+    the map holds every owed entry of an id (``DecodeCore._owed_ack_of`` picks the one the ack
+    answers), and an ack echoing an owed attempt, not the live request's, settles that cancel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from test_probe_attempts import _add_connected, _decoded, _kinds, _released_unanswered
+
+
+def _owed_ack(rid: str, attempt: int, agent_rank: Any = None) -> Any:
+    from test_handshake_refusal import P0
+
+    from kvpush.core import notifications as wire
+
+    return _decoded(
+        wire.encode_cancel_ack(
+            rid, agent_rank or P0, False, unsettled=False, incarnation="p1", attempt=attempt
+        )
+    )
+
+
+def _released_again(core: Any, rid: str, key: str, at: float) -> int:
+    """``rid`` (``key``) added to ``core`` (handshaking again), registered, cancelled, P silent:
+    released on a fence, its cancel owed. Returns the attempt the owed cancel names."""
+    from test_probe_clock_identity import _attempt
+
+    from kvpush.core.actions import Fence, Release
+
+    attempt = _attempt(_add_connected(core, rid, key, at))
+    core.cancel(rid, at + 0.1)
+    fences = [a for a in core.handle_timer(at + 60.0) if isinstance(a, Fence)]
+    assert fences, "the quarantine fences the silent producer"
+    released = core.fenced(fences[0].fence_id, at + 60.1)
+    assert any(isinstance(a, Release) and a.request_id == rid for a in released), released
+    return attempt
+
+
+# ---------------------------------------------------------------------------------------------
+# (1) The owed CANCEL_ACK of a reused request id
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_owed_ack_settles_the_cancel_when_the_engine_re_adds_the_request_under_its_id() -> None:
+    """r (x-1) released on a fence, its cancel owed; the engine adds r (x-1) again (a preempted
+    request re-added). D asks the cancel again; P's ack names r and the owed attempt: it settles
+    the cancel and r registers (a fresh stamp asked for), not held as an early result of the new
+    r (which then failed after ``hello_timeout_s``)."""
+    from test_handshake_refusal import P_AGENT
+
+    from kvpush.core.types import NotificationKind
+
+    core, owed_attempt = _released_unanswered(None, "r", "x-1", 1.0)
+    asked = _add_connected(core, "r", "x-1", 70.0)
+    assert NotificationKind.CANCEL in _kinds(asked), asked
+    out = core.notification(P_AGENT, _owed_ack("r", owed_attempt), 70.2)
+    assert _kinds(out) == [NotificationKind.HEARTBEAT], out
+
+
+def test_an_owed_ack_is_found_after_the_id_was_released_again_under_another_key() -> None:
+    """r (x-1) released on a fence, its cancel owed; r comes back as x-2 and is released on a
+    fence too (owed as well). A new request of x-1 asks x-1's cancel again: P's ack (r, x-1's
+    attempt) settles it. The map from id to owed entry pointed at x-2's only: the ack was
+    refused as naming another attempt, and every request of x-1 failed."""
+    from test_handshake_refusal import P_AGENT
+
+    from kvpush.core.types import NotificationKind
+
+    core, first = _released_unanswered(None, "r", "x-1", 1.0)
+    second = _released_again(core, "r", "x-2", 70.0)
+    assert first != second
+    asked = _add_connected(core, "n", "x-1", 140.0)
+    assert NotificationKind.CANCEL in _kinds(asked), asked
+    out = core.notification(P_AGENT, _owed_ack("r", first), 140.2)
+    assert _kinds(out) == [NotificationKind.HEARTBEAT], out
+    # x-2's cancel is still owed: its own ack settles it for x-2's next request.
+    asked = _add_connected(core, "m", "x-2", 140.5)
+    assert NotificationKind.CANCEL in _kinds(asked), asked
+    out = core.notification(P_AGENT, _owed_ack("r", second), 140.7)
+    assert _kinds(out) == [NotificationKind.HEARTBEAT], out
