@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from test_probe_attempts import _add_connected, _decoded, _kinds, _released_unanswered
 
 
@@ -91,3 +92,71 @@ def test_an_owed_ack_is_found_after_the_id_was_released_again_under_another_key(
     assert NotificationKind.CANCEL in _kinds(asked), asked
     out = core.notification(P_AGENT, _owed_ack("r", second), 140.7)
     assert _kinds(out) == [NotificationKind.HEARTBEAT], out
+
+
+# ---------------------------------------------------------------------------------------------
+# (2) Caches in a slotted object's attributes
+# ---------------------------------------------------------------------------------------------
+
+
+class _SlottedKV:
+    """A layout plugin's cache object with ``__slots__`` (as an ``attrs.define`` class has)."""
+
+    __slots__ = ("k", "unset", "v")
+
+    def __init__(self) -> None:
+        import torch
+
+        self.k = torch.zeros(2, 8)
+        self.v = torch.zeros(2, 8)
+
+
+def _attrs_kv() -> Any:
+    import attrs
+    import torch
+
+    @attrs.define
+    class KV:
+        k: Any = attrs.field(factory=lambda: torch.zeros(2, 8))
+        v: Any = attrs.field(factory=lambda: torch.zeros(2, 8))
+
+    return KV
+
+
+def _registered_objects(make: Any) -> tuple[dict[str, Any], Any]:
+    from test_probe_lifecycle_caches import _regions
+
+    from kvpush.core.registered_caches import RegisteredCaches
+
+    caches = {f"layers.{i}": make() for i in range(2)}
+    named = [(f"layers.{i}", getattr(caches[f"layers.{i}"], part)) for i in range(2) for part in "kv"]
+    return caches, RegisteredCaches(caches, _regions(named))
+
+
+@pytest.mark.parametrize("kind", ["__slots__", "attrs.define"])
+def test_a_tensor_replaced_in_a_slotted_objects_attributes_is_refused(kind: str) -> None:
+    """A plugin's ``KV(k, v)`` with slots (no ``__dict__``): the walk did not enter it, so no
+    tensor of it was registered for the check and ``obj.v`` replaced passed silently (wrong
+    KV). Now its slots are walked and compared like a plain object's attributes."""
+    import torch
+    from test_probe_lifecycle_caches import _check, _refused
+
+    caches, registered = _registered_objects(_SlottedKV if kind == "__slots__" else _attrs_kv())
+    assert set(registered.registered) == {"layers.0.k", "layers.0.v", "layers.1.k", "layers.1.v"}
+    _check(registered)
+    caches["layers.1"].v = torch.zeros(2, 8)
+    _refused(registered, "'layers.1.v'", "replaced")
+
+
+def test_a_slot_set_deleted_or_left_unset_is_told_apart() -> None:
+    """An unset slot is no cache; one set later (state) is taken as the new snapshot; a
+    registered slot deleted is refused as gone."""
+    import torch
+    from test_probe_lifecycle_caches import _check, _refused
+
+    caches, registered = _registered_objects(_SlottedKV)
+    caches["layers.0"].unset = torch.zeros(1)
+    _check(registered)
+    _check(registered)
+    del caches["layers.0"].k
+    _refused(registered, "'layers.0.k'", "gone")
