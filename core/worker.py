@@ -46,12 +46,16 @@ logger = logging.getLogger(__name__)
 
 
 def _check_window_block_tokens(value: tuple[Any, ...] | None) -> None:
-    if value is not None and not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    """What every peer's metadata check accepts (``wire``): at most ``wire.MAX_PARALLEL`` groups,
+    each an int in ``[0, wire.MAX_LAYERS]``; beyond it each handshake with this rank failed."""
+    if value is not None and not (
+        len(value) <= wire.MAX_PARALLEL
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= wire.MAX_LAYERS for v in value)
     ):
         raise ConfigError(
-            f"window_block_tokens must give one block size in tokens (an int >= 0, 0 for a group kept "
-            f"whole) per KV group, got {value!r:.200}"
+            f"window_block_tokens must give one block size in tokens (an int in [0, {wire.MAX_LAYERS}], 0 "
+            f"for a group kept whole) per KV group, for at most {wire.MAX_PARALLEL} groups, got "
+            f"{value!r:.200}"
         )
 
 

@@ -160,3 +160,42 @@ def test_a_slot_set_deleted_or_left_unset_is_told_apart() -> None:
     _check(registered)
     del caches["layers.0"].k
     _refused(registered, "'layers.0.k'", "gone")
+
+
+# ---------------------------------------------------------------------------------------------
+# (3) window_block_tokens out of the range the peers accept
+# ---------------------------------------------------------------------------------------------
+
+
+def _config(window_block_tokens: Any) -> Any:
+    from cluster import MHA
+
+    from kvpush.core.types import ParallelConfig
+    from kvpush.core.worker import WorkerConfig
+
+    parallel = ParallelConfig(tp_size=1, tp_rank=0, num_layers=MHA.num_layers)
+    return WorkerConfig(engine_id="P", parallel=parallel, model=MHA, window_block_tokens=window_block_tokens)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [(-16,), (True,), (16.0,), ("16",), ((1 << 16) + 1,), (16,) * 4097],
+    ids=["negative", "bool", "float", "str", "over-MAX_LAYERS", "over-MAX_PARALLEL-groups"],
+)
+def test_window_block_tokens_out_of_what_peers_accept_is_refused_naming_the_field(sizes: Any) -> None:
+    """A size or a group count the peers' metadata check refuses (``wire.MAX_LAYERS``,
+    ``wire.MAX_PARALLEL``) was accepted here: the rank started and every handshake with it
+    failed on a malformed-extension error far from the setting. Now refused at config."""
+    from kvpush.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="window_block_tokens"):
+        _config(sizes)
+
+
+def test_window_block_tokens_in_range_is_accepted_and_published_as_peers_accept() -> None:
+    from kvpush.core import wire
+    from kvpush.core.worker import WINDOW_BLOCKS_KEY
+
+    config = _config([0, 16, 1 << 16])
+    assert config.window_block_tokens == (0, 16, 1 << 16)
+    wire._check_extensions({WINDOW_BLOCKS_KEY: list(config.window_block_tokens)}, "test")
