@@ -199,3 +199,38 @@ def test_window_block_tokens_in_range_is_accepted_and_published_as_peers_accept(
     config = _config([0, 16, 1 << 16])
     assert config.window_block_tokens == (0, 16, 1 << 16)
     wire._check_extensions({WINDOW_BLOCKS_KEY: list(config.window_block_tokens)}, "test")
+
+
+# ---------------------------------------------------------------------------------------------
+# (4) The side channel's answer to a question asked before a handshake loaded another start
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_answer_to_a_question_a_handshake_overtook_is_asked_again() -> None:
+    """P serves d1. d3 says HELLO: P asks D's side channel (AskStart). Before the answer, d1's
+    endpoint breaks and D's live start d2 (a clock behind: it sorts before d3) handshakes and
+    is loaded, serving a request. Then the answer comes: "d3", read at some moment while that
+    handshake ran, so it may be older than the handshake's. P took it as the newest word: d3's
+    held HELLO was a restart, d2's live request failed and the rank was reloaded. Now an answer
+    whose question a handshake overtook is not trusted: d3 is asked about again, d2's request
+    goes on; the new answer ("d2") drops d3's messages."""
+    from test_handshake_refusal import D_AGENT, _prefill
+    from test_probe_attempts import _hello, _push_reg
+
+    from kvpush.core.actions import AskStart, Connect, DropPeer, Post, Report
+
+    core = _prefill()
+    core.notification(D_AGENT, _hello("d1"), 100.0)
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 100.1)
+    assert any(isinstance(a, AskStart) for a in core.notification(D_AGENT, _hello("d3"), 101.0))
+    core.unreachable(D_AGENT, "endpoint broken", 101.1)  # d1 died
+    assert any(isinstance(a, Connect) for a in core.notification(D_AGENT, _hello("d2"), 101.2))
+    core.connected("D", 0, D_AGENT, "d2", 1, "", 101.3)
+    core.finished("x-2", "p-2", ((6,),), "", 101.4)
+    reg = _push_reg(decode_incarnation="d2", request_id="d-2", match_key="x-2", grant=101.35)
+    assert any(isinstance(a, Post) for a in core.notification(D_AGENT, reg, 101.5))
+    late = core.start_served("D", 0, "d3", "", 101.6)
+    assert not [a for a in late if isinstance(a, Report | DropPeer | Connect)], late
+    assert [a for a in late if isinstance(a, AskStart)], "d3 is asked about again"
+    again = core.start_served("D", 0, "d2", "", 101.7)
+    assert not [a for a in again if isinstance(a, Report | DropPeer | Connect | AskStart)], again
