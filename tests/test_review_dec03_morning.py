@@ -234,3 +234,107 @@ def test_an_answer_to_a_question_a_handshake_overtook_is_asked_again() -> None:
     assert [a for a in late if isinstance(a, AskStart)], "d3 is asked about again"
     again = core.start_served("D", 0, "d2", "", 101.7)
     assert not [a for a in again if isinstance(a, Report | DropPeer | Connect | AskStart)], again
+
+
+# ---------------------------------------------------------------------------------------------
+# (5) start() interrupted after it started the writer (a signal handler's exception)
+# ---------------------------------------------------------------------------------------------
+
+
+def _start_interrupted_by_a_signal(worker: Any, handler: Any) -> BaseException | None:
+    """Run ``worker.start()`` on this (main) thread while a signal arrives once its writer
+    thread began its set-up (which then takes 0.5 s, as a first CUDA initialization does):
+    ``handler`` runs as the signal handler. What start() raised (None: it returned)."""
+    import signal
+    import threading
+    import time
+
+    main = threading.get_ident()
+    fired = threading.Event()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if not fired.is_set() and threading.current_thread().name.startswith("kvpush-writer"):
+            fired.set()
+            signal.pthread_kill(main, signal.SIGUSR1)
+            time.sleep(0.5)
+
+    earlier = signal.signal(signal.SIGUSR1, handler)
+    threading.setprofile(profile)
+    try:
+        worker.start()
+    except BaseException as err:  # what the test asserts on
+        return err
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+        signal.signal(signal.SIGUSR1, earlier)
+    return None
+
+
+def test_an_exception_interrupting_start_after_the_writer_started_stops_the_writer_first() -> None:
+    """A signal handler raising (an engine's SIGTERM handler calling ``sys.exit``, a Ctrl-C)
+    while start() waits for its writer's set-up: start() released the transport and
+    registrations under the live writer and left ``_running`` True; the writer then ran its
+    rounds for ever over a closed transport. Now start() stops the writer first, then releases."""
+    from cluster import Cluster
+    from test_probe_lifecycle_caches import P0, SLOW_SILENCE
+
+    from kvpush.core.sender import PushSender
+
+    class Interrupted(Exception):
+        pass
+
+    def raise_interrupted(signum: int, frame: Any) -> None:
+        raise Interrupted("a signal handler's exception")
+
+    with Cluster(**SLOW_SILENCE) as cluster:
+        sender = PushSender(cluster.senders[P0].config, cluster.p_caches[P0], pm=cluster.pm)
+        raised = _start_interrupted_by_a_signal(sender, raise_interrupted)
+        assert isinstance(raised, Interrupted), raised
+        writer = sender._thread
+        assert writer is not None
+        released_under_writer = sender._transport_closed and writer.is_alive()
+        writer.join(5.0)
+        alive = writer.is_alive()
+        sender.close()
+        assert not released_under_writer, "the transport was released while the writer lived"
+        assert not alive, "the writer of a start that raised runs on"
+        assert sender._running is False
+
+
+def test_close_in_a_signal_handler_interrupting_start_abandons_the_start_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine's SIGTERM handler calls close() while the main thread it interrupted is in
+    start() (which holds the lifecycle lock): close() waited ``start_wait_s`` (85 s by default)
+    for the lock its own thread held, then returned without closing; start() then went on and
+    returned a running worker nobody closes. Now close() there raises ``ConfigError`` at once,
+    which ends the start() it interrupted: the writer stopped, everything released."""
+    import time
+
+    from cluster import Cluster
+    from test_probe_lifecycle_caches import P0, SLOW_SILENCE
+
+    from kvpush.core.errors import ConfigError
+    from kvpush.core.sender import PushSender
+
+    monkeypatch.setattr(PushSender, "start_wait_s", 3.0)  # bounded, should the fix regress
+    with Cluster(**SLOW_SILENCE) as cluster:
+        sender = PushSender(cluster.senders[P0].config, cluster.p_caches[P0], pm=cluster.pm)
+        took: list[float] = []
+
+        def close_on_signal(signum: int, frame: Any) -> None:
+            began = time.monotonic()
+            try:
+                sender.close()
+            finally:
+                took.append(time.monotonic() - began)
+
+        raised = _start_interrupted_by_a_signal(sender, close_on_signal)
+        assert took and took[0] < 1.5, f"close() in the handler took {took}"
+        assert isinstance(raised, ConfigError) and "start()" in str(raised), raised
+        writer = sender._thread
+        assert writer is None or not writer.is_alive()
+        assert sender._transport_closed and sender._running is False
+        with pytest.raises(ConfigError, match="closed"):
+            sender.request_finished("p-1", [[5]], match_key="x-1")
+        sender.close()  # a second close returns
