@@ -12,6 +12,17 @@ Findings:
     was refused as "another attempt" and every request of that key failed the same way. Fixed:
     the map holds every owed entry of an id (``DecodeCore._owed_ack_of`` picks the one the ack
     answers), and an ack echoing an owed attempt, not the live request's, settles that cancel.
+(2) A plugin's cache object with ``__slots__`` (an ``attrs.define`` class) was not walked by
+    ``RegisteredCaches``: a tensor replaced in it passed the check silently (wrong KV).
+(3) ``WorkerConfig.window_block_tokens`` accepted sizes and group counts every peer's metadata
+    check refuses: each handshake with the rank failed far from the setting.
+(4) P took the side channel's answer (``AskStart``) as the newest word although a handshake
+    loaded another start of the rank while the question was out: a stale answer failed the
+    loaded start's requests.
+(5) An exception ending ``start()`` after its writer started released the transport under the
+    live writer; ``close()`` in a signal handler that interrupted ``start()`` waited 85 s for
+    its own thread and closed nothing.
+See docs/reliability.md, "Probe of 2026-12-03 (morning)".
 """
 
 from __future__ import annotations
