@@ -349,3 +349,65 @@ def test_close_in_a_signal_handler_interrupting_start_abandons_the_start_at_once
         with pytest.raises(ConfigError, match="closed"):
             sender.request_finished("p-1", [[5]], match_key="x-1")
         sender.close()  # a second close returns
+
+
+# ---------------------------------------------------------------------------------------------
+# (6) P's close() whose writer commands time out, with a WRITE in flight
+# ---------------------------------------------------------------------------------------------
+
+
+class _StallsOnce:
+    """A ``ready`` whose first ``query()`` (on the writer thread) takes ``stall_s``."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+        self.stalled = False
+
+    def query(self) -> bool:
+        import time
+
+        if not self.stalled:
+            self.stalled = True
+            time.sleep(self.stall_s)
+        return False
+
+
+def test_a_close_whose_writer_commands_time_out_still_keeps_what_a_write_in_flight_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """P closes while its writer is stalled (a ``ready.query()`` taking 1 s, past the command
+    bound, shortened here to 0.3 s from 10 s) and a WRITE of p-1 is in flight (it lands in
+    30 s). ``_before_stop`` gave up on ``WaitTimeout`` before it recorded the WRITEs in flight:
+    the writer then stopped within the join, and p-1 was reported failed as "closed before the
+    push finished", its blocks the engine's to reuse while the WRITE (and the DONE it carries)
+    may still read them, and the registered storages were not kept. Now what is still in flight
+    once the writer stopped is reported NOT released and its memory kept."""
+    import functools
+
+    from cluster import Cluster
+    from test_close_tells_decode import _wait_posted
+    from test_probe_lifecycle_caches import P0, SLOW_SILENCE
+
+    from kvpush.core import worker as worker_module
+    from kvpush.core.worker import RankWorker
+
+    options = {"inner": "loopback", "slow_writes": 1.0, "write_delay_s": 30.0}
+    with Cluster(
+        transport="faulty", transport_options=options, close_timeout_s=0.3, **SLOW_SILENCE
+    ) as cluster:
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[3]], "x-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        _wait_posted(sender)
+        sender.request_finished("p-2", [[6]], match_key="x-2", ready=_StallsOnce(1.0))
+        monkeypatch.setattr(
+            type(sender), "call_on_writer", functools.partialmethod(RankWorker.call_on_writer, timeout_s=0.3)
+        )
+        kept_before = len(worker_module._KEPT_FOR_PROCESS)
+        storages = sender.registered_caches.storages
+        sender.close()
+        got = sender.get_finished()
+        reason = got.failed.get("p-1", "")
+        assert "NOT released" in reason, got
+        kept = worker_module._KEPT_FOR_PROCESS[kept_before:]
+        assert any(k is storages for k in kept), "the registered storages a WRITE reads were not kept"
