@@ -22,6 +22,8 @@ Findings:
 (5) An exception ending ``start()`` after its writer started released the transport under the
     live writer; ``close()`` in a signal handler that interrupted ``start()`` waited 85 s for
     its own thread and closed nothing.
+(6) P's close() whose writer commands timed out recorded no WRITE in flight: a prefill whose
+    WRITE still ran was reported failed as released, its memory not kept.
 See docs/reliability.md, "Probe of 2026-12-03 (morning)".
 """
 
