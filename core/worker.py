@@ -823,6 +823,23 @@ class RankWorker:
                 f"a transport callback or a ready.query()): it would wait for the writer it runs on "
                 f"and release nothing; nothing was changed. Call close() from another thread"
             )
+        holder = self._lifecycle_holder
+        if holder is not None and holder[0] == threading.get_ident():
+            # A signal handler interrupted start() or close() on this very thread: waiting for
+            # it would wait for ever (bounded only by start_wait_s, then closing nothing).
+            if holder[1] == "close":
+                logger.warning(
+                    "close() of %s called again while it closes on this thread (a signal "
+                    "handler): the running close() finishes the job",
+                    self.agent_name,
+                )
+                return
+            self._closing = True  # no lock: this thread runs the start() it would order against
+            raise ConfigError(
+                f"close() of {self.agent_name} interrupted its start() on this thread (a signal "
+                f"handler): the start() is abandoned, its writer stopped and what it made "
+                f"released; make a new worker to start again"
+            )
         if not self._results_lock.acquire(timeout=CLOSE_LOCK_WAIT_S):
             raise ConfigError(
                 f"close() of {self.agent_name} could not take the worker's results lock within "
@@ -835,22 +852,6 @@ class RankWorker:
             self._closing = True
         finally:
             self._results_lock.release()
-        holder = self._lifecycle_holder
-        if holder is not None and holder[0] == threading.get_ident():
-            # A signal handler interrupted start() or close() on this very thread: waiting for
-            # it would wait for ever (bounded only by start_wait_s, then closing nothing).
-            if holder[1] == "close":
-                logger.warning(
-                    "close() of %s called again while it closes on this thread (a signal "
-                    "handler): the running close() finishes the job",
-                    self.agent_name,
-                )
-                return
-            raise ConfigError(
-                f"close() of {self.agent_name} interrupted its start() on this thread (a signal "
-                f"handler): the start() is abandoned, its writer stopped and what it made "
-                f"released; make a new worker to start again"
-            )
         wait_s = self.start_wait_s
         if not self._lifecycle.acquire(timeout=wait_s):
             logger.error(

@@ -413,3 +413,55 @@ def test_a_close_whose_writer_commands_time_out_still_keeps_what_a_write_in_flig
         assert "NOT released" in reason, got
         kept = worker_module._KEPT_FOR_PROCESS[kept_before:]
         assert any(k is storages for k in kept), "the registered storages a WRITE reads were not kept"
+
+
+def test_close_in_a_signal_handler_interrupting_close_returns_at_once_and_the_close_finishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SIGTERM handler calls close() while the main thread it interrupted is itself in
+    close() (P waiting for a WRITE in flight to settle): the inner close() returns at once
+    (it waited ``start_wait_s`` for the lifecycle lock its own thread held, 85 s by default)
+    and the outer close finishes the job: the WRITE lands, D finishes, the transport closes."""
+    import signal
+    import threading
+    import time
+
+    from cluster import Cluster
+    from test_close_tells_decode import _wait_posted
+    from test_probe_lifecycle_caches import P0, SLOW_SILENCE
+
+    from kvpush.core.sender import PushSender
+
+    monkeypatch.setattr(PushSender, "start_wait_s", 3.0)  # bounded, should the fix regress
+    options = {"inner": "loopback", "slow_writes": 1.0, "write_delay_s": 0.6}
+    with Cluster(transport="faulty", transport_options=options, **SLOW_SILENCE) as cluster:
+        sender = cluster.senders[P0]
+        cluster.add("d-1", [[3]], "x-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        _wait_posted(sender)
+        took: list[float] = []
+
+        def close_on_signal(signum: int, frame: Any) -> None:
+            began = time.monotonic()
+            sender.close()
+            took.append(time.monotonic() - began)
+
+        main = threading.get_ident()
+
+        def signal_during_close() -> None:
+            deadline = time.monotonic() + 5.0
+            while sender._lifecycle_holder is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+        earlier = signal.signal(signal.SIGUSR1, close_on_signal)
+        helper = threading.Thread(target=signal_during_close)
+        try:
+            helper.start()
+            sender.close()
+        finally:
+            helper.join(5.0)
+            signal.signal(signal.SIGUSR1, earlier)
+        assert took and took[0] < 1.5, f"close() in the handler took {took}"
+        assert sender._transport_closed and sender._running is False
+        assert cluster.wait_decode("d-1", timeout_s=5) == {0: None}
