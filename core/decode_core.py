@@ -341,8 +341,9 @@ class DecodeCore:
         self._unanswered: OrderedDict[tuple[str, str], dict[str, _Owed]] = OrderedDict()
         """(P engine, match key) -> agent -> the CANCEL it owes an ack for (:class:`_Owed`) of
         registrations released on a fence with that producer silent (at most ENDED_MEMORY)."""
-        self._unanswered_ids: dict[str, tuple[str, str]] = {}
-        """Request id -> its entry in ``_unanswered`` (a late CANCEL_ACK finds it)."""
+        self._unanswered_ids: dict[str, set[tuple[str, str]]] = {}
+        """Request id -> the entries of ``_unanswered`` owing a cancel of it (a late CANCEL_ACK
+        finds them): several when the engine reused the id under other keys."""
         self._closed: OrderedDict[tuple[str, str], None] = OrderedDict()
         """(P agent, incarnation) of P workers that said goodbye (``BYE``; at most
         ENDED_MEMORY): a handshake loading one again (P's side channel still names the closed
@@ -990,65 +991,72 @@ class DecodeCore:
             if agent in agents and info.incarnations.get(agent) == incarnation
         }
 
-    def _owes(self, agent: str, note: Notification) -> bool:
-        """Is ``note`` (a CANCEL_ACK) the ack of the owed cancel of its D request id from
-        ``agent``? Yes when it names that cancel's attempt; one naming none (a P that echoes no
-        attempts cannot say which request of the id it answers) is taken for the owed cancel's
-        first: a live request of the id then settles only on a second ack, so an ack of the
-        earlier request never releases blocks P may still write."""
-        where = self._unanswered_ids.get(note.request_id)
-        entry = self._unanswered.get(where, {}).get(agent) if where is not None else None
-        if entry is None or entry.request_id != note.request_id:
-            return False
-        return note.attempt == entry.attempt if note.attempt is not None else not entry.echoes
+    def _owed_ack_of(self, agent: str, note: Notification) -> tuple[str, str] | None:
+        """The entry of ``_unanswered`` whose cancel ``note`` (a CANCEL_ACK from ``agent``)
+        acknowledges, or None. Only the ack of that registration: from the start it was
+        cancelled with, echoing the attempt the CANCEL named (a replayed ack of an earlier
+        request of the id names another; from a P that echoes attempts, one naming none is
+        refused)."""
+        for where in sorted(self._unanswered_ids.get(note.request_id, ())):
+            entry = self._unanswered.get(where, {}).get(agent)
+            if (
+                entry is not None
+                and entry.request_id == note.request_id
+                and not (note.incarnation and entry.incarnation and note.incarnation != entry.incarnation)
+                and (note.attempt == entry.attempt or (note.attempt is None and not entry.echoes))
+            ):
+                return where
+        return None
+
+    def _forget_owed(self, where: tuple[str, str], agent: str) -> None:
+        """``agent`` owes the cancel of ``where`` no more (its ack came, or its start ended)."""
+        owed = self._unanswered.get(where)
+        entry = owed.pop(agent, None) if owed is not None else None
+        if owed is not None and not owed:
+            del self._unanswered[where]
+        if entry is not None:
+            self._unindex_owed(entry.request_id, where)
+
+    def _unindex_owed(self, rid: str, where: tuple[str, str]) -> None:
+        """Drop ``where`` from ``rid``'s owed entries once none of its producers owes ``rid``."""
+        if any(o.request_id == rid for o in self._unanswered.get(where, {}).values()):
+            return
+        wheres = self._unanswered_ids.get(rid)
+        if wheres is not None:
+            wheres.discard(where)
+            if not wheres:
+                del self._unanswered_ids[rid]
 
     def _on_owed_ack(self, agent: str, note: Notification, now: float) -> list[Any]:
         """A CANCEL_ACK for a request that ended here: one of :meth:`_owed_cancels` answered?"""
-        where = self._unanswered_ids.get(note.request_id)
-        owed = self._unanswered.get(where) if where is not None else None
-        entry = owed.get(agent) if owed is not None else None
-        if (
-            where is not None
-            and owed is not None
-            and entry is not None
-            and entry.request_id == note.request_id
-        ):
-            # Only the ack of that registration: from the start it was cancelled with, echoing
-            # the attempt the CANCEL named (a replayed ack of an earlier request of the id
-            # names another; from a P that echoes attempts, one naming none is refused).
-            if (note.incarnation and entry.incarnation and note.incarnation != entry.incarnation) or not (
-                note.attempt == entry.attempt or (note.attempt is None and not entry.echoes)
-            ):
-                self._reject(agent, note, f"not the ack of the owed cancel of attempt {entry.attempt}")
-                return []
-            engine_id, key = where
-            del owed[agent]
-            if not any(o.request_id == note.request_id for o in owed.values()):
-                self._unanswered_ids.pop(note.request_id, None)
-            if not owed:
-                del self._unanswered[where]
-            # P ended the key only now: a registration of it needs a stamp issued after this.
-            self._seq += 1
-            self._ended_keys[(engine_id, key)] = self._seq
-            self._ended_keys.move_to_end((engine_id, key))
-            if len(self._ended_keys) > ENDED_MEMORY:
-                self._ended_keys.popitem(last=False)
-            engine = self._engines.get(engine_id)
-            out: list[Any] = []
-            for rid in sorted(engine.requests if engine is not None else ()):
-                receive = self._requests[rid]
-                if receive.key != key or agent not in receive.acks:
-                    continue
-                receive.acks.discard(agent)
-                if receive.acks or receive.phase is not _Phase.WAITING:
-                    continue
-                self._timers.disarm(("acks", rid))
-                if engine is not None and engine.state is _EngineState.READY:
-                    out += self._register(rid, now)
-                elif engine is not None and rid not in engine.waiting:
-                    engine.waiting.append(rid)
-            return out
-        return []
+        where = self._owed_ack_of(agent, note)
+        if where is None:
+            if note.request_id in self._unanswered_ids:
+                self._reject(agent, note, "not the ack of a cancel this rank owes (another attempt or start)")
+            return []
+        engine_id, key = where
+        self._forget_owed(where, agent)
+        # P ended the key only now: a registration of it needs a stamp issued after this.
+        self._seq += 1
+        self._ended_keys[(engine_id, key)] = self._seq
+        self._ended_keys.move_to_end((engine_id, key))
+        if len(self._ended_keys) > ENDED_MEMORY:
+            self._ended_keys.popitem(last=False)
+        engine = self._engines.get(engine_id)
+        out: list[Any] = []
+        for rid in sorted(engine.requests if engine is not None else ()):
+            receive = self._requests[rid]
+            if receive.key != key or agent not in receive.acks:
+                continue
+            receive.acks.discard(agent)
+            if receive.acks or receive.phase is not _Phase.WAITING:
+                continue
+            self._timers.disarm(("acks", rid))
+            if engine is not None and engine.state is _EngineState.READY:
+                out += self._register(rid, now)
+            elif engine is not None and rid not in engine.waiting:
+                engine.waiting.append(rid)
+        return out
 
     def _on_acks_timeout(self, rid: str, now: float) -> list[Any]:
         receive = self._requests.get(rid)
@@ -1066,10 +1074,19 @@ class DecodeCore:
     def _on_result(self, agent: str, engine: _Producer | None, note: Notification, now: float) -> list[Any]:
         rid = note.request_id
         receive = self._requests.get(rid)
-        if receive is not None and note.kind is NotificationKind.CANCEL_ACK and self._owes(agent, note):
-            # The id is live again (the engine gave it to a new request after D forgot it), and
-            # the ack answers the owed cancel of its earlier request: it settles that, never
-            # the live request (whose own ack names its own attempt).
+        if (
+            note.kind is NotificationKind.CANCEL_ACK
+            and receive is not None
+            and rid in self._unanswered_ids
+            and note.attempt != receive.attempt
+            and self._owed_ack_of(agent, note) is not None
+        ):
+            # The ack of a cancel owed for an earlier request of this id, which the engine
+            # re-added or gave to a new request after D forgot it: the attempt it echoes tells
+            # them apart. One naming none (a P that echoes no attempts cannot say which request
+            # of the id it answers) settles the owed cancel first: the live request then settles
+            # only on a second ack, so an ack of the earlier request never releases blocks P may
+            # still write.
             return self._on_owed_ack(agent, note, now)
         if receive is None:
             if note.kind is NotificationKind.CANCEL_ACK and self._unanswered:
@@ -1323,10 +1340,9 @@ class DecodeCore:
             owed = self._unanswered.setdefault((receive.engine_id, receive.key), {})
             self._unanswered.move_to_end((receive.engine_id, receive.key))
             message = wire.encode_cancel(receive.key, self._coordinates(rid, receive), self.s.tp_rank)
+            where = (receive.engine_id, receive.key)
             for agent in receive.unanswered:
                 replaced = owed.get(agent)
-                if replaced is not None and replaced[1] != rid:
-                    self._unanswered_ids.pop(replaced[1], None)
                 owed[agent] = _Owed(
                     receive.incarnations.get(agent, ""),
                     rid,
@@ -1334,11 +1350,13 @@ class DecodeCore:
                     receive.attempt,
                     agent in receive.echoing,
                 )
-            self._unanswered_ids[rid] = (receive.engine_id, receive.key)
+                if replaced is not None and replaced.request_id != rid:
+                    self._unindex_owed(replaced.request_id, where)
+            self._unanswered_ids.setdefault(rid, set()).add(where)
             if len(self._unanswered) > ENDED_MEMORY:
-                _, evicted = self._unanswered.popitem(last=False)
+                evicted_at, evicted = self._unanswered.popitem(last=False)
                 for old in evicted.values():
-                    self._unanswered_ids.pop(old.request_id, None)
+                    self._unindex_owed(old.request_id, evicted_at)
         # The report goes first: the driver writes each action's result under its own hold of
         # the results lock, and an engine polling in between must never see ``released``
         # without ``cancelled`` (it may add the id again at once, and a late ``cancelled``
@@ -1914,12 +1932,8 @@ class DecodeCore:
                 out += self._maybe_release(rid, receive, now)
         for where, owed in list(self._unanswered.items()):  # nothing of it is held any more
             entry = owed.get(agent)
-            if entry is not None and entry[0] == incarnation:
-                del owed[agent]
-                if not any(o.request_id == entry[1] for o in owed.values()):
-                    self._unanswered_ids.pop(entry[1], None)
-                if not owed:
-                    del self._unanswered[where]
+            if entry is not None and entry.incarnation == incarnation:
+                self._forget_owed(where, agent)
                 out += self._acks_moot(where, agent, incarnation, now)
         return out
 

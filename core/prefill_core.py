@@ -372,6 +372,9 @@ class _Asking:
     asked_at: float
     held: list[tuple[str, Notification]] = attrs.field(factory=list)
     """Messages of starts P has not loaded, handled once it is answered."""
+    overtaken: bool = False
+    """A handshake loaded a start of the rank while this was in flight: the answer, read at
+    some moment during it, may be older than the handshake's word, so it is not taken."""
 
 
 Planner = Callable[[BlockIds, PushRegistration], Sequence[ReadSpec]]
@@ -1407,6 +1410,9 @@ class PrefillCore:
             # is superseded. Kept, a late message of the start it named (dead since, unloaded:
             # never in ``_replaced``) was taken for a restart unasked, failing the live start.
             self._served.pop((engine_id, rank), None)
+            asking = self._asking.get((engine_id, rank))
+            if asking is not None:
+                asking.overtaken = True  # its answer may predate this handshake: asked again
         if error:
             earlier_backoff = self._address_backoff.get(address)
             failures = earlier_backoff.failures if earlier_backoff is not None else 0
@@ -1590,11 +1596,20 @@ class PrefillCore:
         dropped, as are its further messages for a backoff (then asked again, at most once per
         backoff: a side channel behind the start that spoke catches up). Unanswered, nothing is
         known: the held messages are dropped (D sends its HELLO again) and asked again after a
-        backoff; the loaded start's requests are never failed on a message alone."""
+        backoff; the loaded start's requests are never failed on a message alone. An answer
+        to a question a handshake of the rank overtook is not taken: the held messages are
+        handled again (asked about anew)."""
         asking = self._asking.pop((engine_id, rank), None)
         if asking is None:
             return []
         out: list[Any] = []
+        if asking.overtaken:
+            # A handshake loaded a start of the rank while the question was out: which word is
+            # newer cannot be told, and taken, an older answer failed the loaded start's
+            # requests. The held messages are handled again (asked about anew where needed).
+            for agent, note in asking.held:
+                out += self.notification(agent, note, now)
+            return out
         if error or not incarnation:
             logger.warning(
                 "cannot tell which start of D engine %r rank %s runs (%s): %d message(s) of a start P "

@@ -10,18 +10,19 @@ that start a request (P's ``request_finished``, D's ``add_request``) run :meth:`
 which refuses such a change, naming the cache, instead of moving wrong KV silently.
 
 The check compares, in C-level ``map`` calls, every mutable container's items (the mapping's
-values, nested lists and dicts, a plain object's attributes) and the ``.tensor`` of wrapper
-values by identity, and the ``data_ptr()``, ``stride()`` and ``dtype`` of each tensor that
-holds a registered region, with what they were at start (about 0.3-0.4 µs a tensor on a loaded
-2-core host; only a change walks the caches again). A tensor re-laid out in place (``resize_`` to
-another shape, ``set_`` or ``as_strided_`` with other strides) keeps its identity and address but
-not its strides: refused too. So is one reinterpreted as another dtype (``tensor.data =
-tensor.view(other)``, even of the same element size): the engine would write values of a type
-the peer does not read them as. A tensor replaced by another viewing exactly the registered
-bytes (the same address, strides and dtype: the engine re-made its view of the same buffer) is
-the same cache and is adopted. Every object compared is held here, and so is the storage of each registered
-tensor: the registered memory stays allocated while the worker lives, even when the engine
-drops or re-points its tensor (so no other allocation can take a registered address).
+values, nested lists and dicts, a plain object's attributes, a slotted object's set slots) and
+the ``.tensor`` of wrapper values by identity, and the ``data_ptr()``, ``stride()`` and
+``dtype`` of each tensor that holds a registered region, with what they were at start (about
+0.3-0.4 µs a tensor on a loaded 2-core host; only a change walks the caches again). A tensor
+re-laid out in place (``resize_`` to another shape, ``set_`` or ``as_strided_`` with other
+strides) keeps its identity and address but not its strides: refused too. So is one
+reinterpreted as another dtype (``tensor.data = tensor.view(other)``, even of the same element
+size): the engine would write values of a type the peer does not read them as. A tensor
+replaced by another viewing exactly the registered bytes (the same address, strides and dtype:
+the engine re-made its view of the same buffer) is the same cache and is adopted. Every object
+compared is held here, and so is the storage of each registered tensor: the registered memory
+stays allocated while the worker lives, even when the engine drops or re-points its tensor (so
+no other allocation can take a registered address).
 """
 
 from __future__ import annotations
@@ -58,11 +59,29 @@ def _placement(tensor: Any) -> tuple[int, tuple[int, ...], Any]:
     return tensor.data_ptr(), tuple(tensor.stride()), tensor.dtype
 
 
+_NOT_WALKED = (type, types.ModuleType, types.FunctionType, types.MethodType)
+
+
 def _walks_attributes(value: Any) -> bool:
     """A plain object whose attributes may hold caches (not a class, module or function)."""
-    return isinstance(getattr(value, "__dict__", None), dict) and not isinstance(
-        value, (type, types.ModuleType, types.FunctionType, types.MethodType)
-    )
+    return isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, _NOT_WALKED)
+
+
+def _slot_names(value: Any) -> tuple[str, ...]:
+    """The attribute names of the slots ``value``'s class declares (``__slots__``, as an
+    ``attrs.define`` class has; private names mangled), in declaration order."""
+    if isinstance(value, _NOT_WALKED):
+        return ()
+    names: list[str] = []
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{cls.__name__.lstrip('_')}{name}"
+            names.append(name)
+    return tuple(dict.fromkeys(names))
 
 
 class _Snapshot:
@@ -75,6 +94,10 @@ class _Snapshot:
         """Values whose ``.tensor`` (a plain attribute) is the tensor."""
         self.wrapped: list[Any] = []
         """The ``.tensor`` of each of ``wrappers`` at the walk."""
+        self.slot_owners: list[Any] = []
+        self.slot_names: list[str] = []
+        self.slot_values: list[Any] = []
+        """Each set slot of a slotted object walked: its object, name and value at the walk."""
         self.computed: list[tuple[str, Any]] = []
         """(path, wrapper) whose ``.tensor`` is made afresh on each access (a property)."""
         self.leaves: dict[str, Any] = {}
@@ -120,12 +143,22 @@ class _Snapshot:
             self._add(value, True)
             for key, item in list(value.items()):
                 self._visit(f"{path}[{key!r}]", item, depth + 1)
-        elif _walks_attributes(value):  # a plugin's cache object: its attributes, as a mapping
+        elif _walks_attributes(value) or _slot_names(value):  # a plugin's cache object
             if not self._first_visit(value, depth):
                 return
-            attributes = vars(value)
-            self._add(attributes, True)
-            for name, item in list(attributes.items()):
+            if _walks_attributes(value):  # its attributes, as a mapping
+                attributes = vars(value)
+                self._add(attributes, True)
+                for name, item in list(attributes.items()):
+                    self._visit(f"{path}.{name}", item, depth + 1)
+            for name in _slot_names(value):  # its slots, each compared by identity
+                try:
+                    item = getattr(value, name)
+                except AttributeError:  # unset: holds no cache
+                    continue
+                self.slot_owners.append(value)
+                self.slot_names.append(name)
+                self.slot_values.append(item)
                 self._visit(f"{path}.{name}", item, depth + 1)
 
     def unchanged(self) -> bool:
@@ -135,6 +168,13 @@ class _Snapshot:
             if len(container) != len(items):
                 return False
             if not all(map(operator.is_, container.values() if mapping else container, items)):
+                return False
+        if self.slot_owners:
+            try:
+                slots = list(map(getattr, self.slot_owners, self.slot_names))
+            except AttributeError:  # a slot deleted
+                return False
+            if not all(map(operator.is_, slots, self.slot_values)):
                 return False
         return all(map(operator.is_, map(_TENSOR, self.wrappers), self.wrapped))
 

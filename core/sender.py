@@ -940,8 +940,9 @@ class PushSender(RankWorker):
             logger.warning("%s could not tell D it is closing: %s", self.agent_name, err)
 
     def _keep_what_is_still_read(self) -> None:
-        """close() stops waiting with WRITEs in flight (writer thread): their prefills are
-        reported NOT released, and a packed one's staging pool is kept for the process's life."""
+        """close() stops waiting with WRITEs in flight (on the writer thread, or on the closing
+        thread once the writer stopped): their prefills are reported NOT released, and a packed
+        one's staging pool and the registered storages are kept for the process's life."""
         assert self.core is not None
         self._inflight_at_close = {key for key, _ in self.core.inflight_handles().values()}
         if self._packed and self.staging is not None:
@@ -970,6 +971,12 @@ class PushSender(RankWorker):
 
     def _closed(self) -> None:
         """Report every prefill still held as failed: the engine may free its blocks."""
+        if self.core is not None and not self._inflight_at_close:
+            # ``_before_stop`` may have given up before recording the WRITEs in flight (its
+            # writer commands timed out: a stalled writer that stopped within the join since).
+            # The writer is stopped now: what is still in flight is read here, reported NOT
+            # released and its memory kept (a WRITE, and the DONE it carries, may still read it).
+            self._keep_what_is_still_read()
         with self._results_lock:
             pending = list(self._keys.items())  # in the core, or still queued for the writer
         if pending:

@@ -46,12 +46,16 @@ logger = logging.getLogger(__name__)
 
 
 def _check_window_block_tokens(value: tuple[Any, ...] | None) -> None:
-    if value is not None and not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    """What every peer's metadata check accepts (``wire``): at most ``wire.MAX_PARALLEL`` groups,
+    each an int in ``[0, wire.MAX_LAYERS]``; beyond it each handshake with this rank failed."""
+    if value is not None and not (
+        len(value) <= wire.MAX_PARALLEL
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= wire.MAX_LAYERS for v in value)
     ):
         raise ConfigError(
-            f"window_block_tokens must give one block size in tokens (an int >= 0, 0 for a group kept "
-            f"whole) per KV group, got {value!r:.200}"
+            f"window_block_tokens must give one block size in tokens (an int in [0, {wire.MAX_LAYERS}], 0 "
+            f"for a group kept whole) per KV group, for at most {wire.MAX_PARALLEL} groups, got "
+            f"{value!r:.200}"
         )
 
 
@@ -273,6 +277,9 @@ class RankWorker:
         ``_closing``): a call that starts a request re-checks ``_closing`` under it."""
         self._lifecycle = threading.Lock()
         """Held by ``start()`` and ``close()`` for their whole run: they never interleave."""
+        self._lifecycle_holder: tuple[int, str] | None = None
+        """(thread id, "start" or "close") holding ``_lifecycle``: a close() on that very thread
+        (a signal handler that interrupted it) must not wait for it."""
         self._started = False
         """``start()`` was called (never cleared: a worker starts once)."""
         self._closing = False
@@ -326,6 +333,7 @@ class RankWorker:
                 f"start() of {self.agent_name} refused: another thread is starting or closing this "
                 f"worker right now; call start() once, from one thread"
             )
+        self._lifecycle_holder = (threading.get_ident(), "start")
         try:
             if self._started:
                 closed = " and closed" if self._closing else ""
@@ -337,11 +345,30 @@ class RankWorker:
             self._started = True
             try:
                 return self._start()
-            except BaseException:
-                self._release_resources()
+            except BaseException:  # also a signal handler's exception, wherever it struck
+                self._abandon_start()
                 raise
         finally:
+            self._lifecycle_holder = None
             self._lifecycle.release()
+
+    def _abandon_start(self) -> None:
+        """start() failed or was interrupted: stop the writer if it started (never release
+        under a live writer: it polls the transport), then release what start() made."""
+        self._running = False
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._stop.set()
+            self._signal()
+            thread.join(timeout=WRITER_STOP_S)
+            if thread.is_alive():
+                logger.error(
+                    "writer of %s did not stop within %gs after start() failed; its transport is left open",
+                    self.agent_name,
+                    WRITER_STOP_S,
+                )
+                return
+        self._release_resources()
 
     def _start(self) -> AgentMetadata:
         if self.role is Role.DECODE and self.config.parallel.pp_size > 1:
@@ -774,12 +801,18 @@ class RankWorker:
         ``start_wait_s``; a start() that had not started the writer yet stops and releases
         what it made), then closes; a second close() waits for the first and finds it closed.
 
-        Memory is never released under a live writer: if the writer does not stop within 10 s,
-        the transport is left open (and an error logged) rather than freed under it.
+        Memory is never released under a live writer: if the writer does not stop within
+        ``WRITER_STOP_S`` (10 s), the transport is left open (and an error logged) rather than
+        freed under it.
 
         A close() that cannot take the results lock within ``CLOSE_LOCK_WAIT_S`` (held by a
         kvpush call on this very thread that a signal handler interrupted) raises
         ``ConfigError`` and changes nothing, rather than wait for ever.
+
+        A close() on the thread running start() or close() (a signal handler that interrupted
+        it) does not wait for it: during start() it raises ``ConfigError``, which abandons that
+        start() (its writer stopped first, then everything released); during close() it
+        returns, the running close() finishing the job.
 
         close() on the writer thread itself (from a plugin hook, a transport callback or a
         ``ready.query()``, which run there) raises ``ConfigError`` and changes nothing: it would
@@ -789,6 +822,23 @@ class RankWorker:
                 f"close() of {self.agent_name} was called on its writer thread (from a plugin hook, "
                 f"a transport callback or a ready.query()): it would wait for the writer it runs on "
                 f"and release nothing; nothing was changed. Call close() from another thread"
+            )
+        holder = self._lifecycle_holder
+        if holder is not None and holder[0] == threading.get_ident():
+            # A signal handler interrupted start() or close() on this very thread: waiting for
+            # it would wait for ever (bounded only by start_wait_s, then closing nothing).
+            if holder[1] == "close":
+                logger.warning(
+                    "close() of %s called again while it closes on this thread (a signal "
+                    "handler): the running close() finishes the job",
+                    self.agent_name,
+                )
+                return
+            self._closing = True  # no lock: this thread runs the start() it would order against
+            raise ConfigError(
+                f"close() of {self.agent_name} interrupted its start() on this thread (a signal "
+                f"handler): the start() is abandoned, its writer stopped and what it made "
+                f"released; make a new worker to start again"
             )
         if not self._results_lock.acquire(timeout=CLOSE_LOCK_WAIT_S):
             raise ConfigError(
@@ -812,9 +862,11 @@ class RankWorker:
                 wait_s,
             )
             return
+        self._lifecycle_holder = (threading.get_ident(), "close")
         try:
             self._close()
         finally:
+            self._lifecycle_holder = None
             self._lifecycle.release()
 
     @property
@@ -832,10 +884,12 @@ class RankWorker:
         self._stop.set()
         self._signal()
         if self._thread is not None:
-            self._thread.join(timeout=10.0)
+            self._thread.join(timeout=WRITER_STOP_S)
             if self._thread.is_alive():
                 logger.error(
-                    "writer of %s did not stop within 10s; its transport is left open", self.agent_name
+                    "writer of %s did not stop within %gs; its transport is left open",
+                    self.agent_name,
+                    WRITER_STOP_S,
                 )
                 return
         if was_running:
@@ -926,6 +980,9 @@ def _watch_loop() -> None:
 
 WRITER_START_S = 60.0
 """Bound on the writer thread's set-up (timer slack, CUDA device: the first torch import)."""
+
+WRITER_STOP_S = 10.0
+"""Bound on the wait for the writer thread to stop (close(), an abandoned start())."""
 
 CLOSE_LOCK_WAIT_S = 5.0
 """Bound on close()'s wait for the results lock (held for microseconds by the engine calls;
