@@ -280,19 +280,16 @@ def _tell_failed(
     reg: PushRegistration,
     attempt: int | None,
     now: float,
-) -> bool:
+) -> None:
     """P answers D rank ``reg`` (a heartbeat's coordinates) that a key failed: a D that named
     the attempt it asked about (since 2.8) ends that one, which P then never writes; one that
-    named none ends every registration of the key older than the answer (``told``). Returns
-    False when the attempts told are past ``MAX_SEEN`` (the key's every registration is then
-    taken for an ended one's)."""
+    named none ends every registration of the key older than the answer (``told``). Past
+    ``MAX_SEEN`` attempts one more is kept, which marks the overflow (every registration of
+    the key is then taken for an ended one's: ``_Tomb.overflow``)."""
     if attempt is None:
         told[(reg.decode_engine_id, reg.decode_tp_rank)] = now
-        return True
-    if len(told_attempts) >= MAX_SEEN:
-        return False
-    told_attempts.add((reg.decode_engine_id, reg.decode_incarnation, reg.decode_tp_rank, attempt))
-    return True
+    elif len(told_attempts) <= MAX_SEEN:
+        told_attempts.add((reg.decode_engine_id, reg.decode_incarnation, reg.decode_tp_rank, attempt))
 
 
 @attrs.define(eq=False)
@@ -1045,8 +1042,9 @@ class PrefillCore:
                     failed_attempts.append(attempt)
                     if not tomb.unsettled:  # no WRITE of any attempt of it ended unsettled
                         settled.append(key)
-                    if not _tell_failed(tomb.told, tomb.told_attempts, reg, attempt, now):
-                        tomb.overflow = True
+                    _tell_failed(tomb.told, tomb.told_attempts, reg, attempt, now)
+                    if len(tomb.told_attempts) > MAX_SEEN:
+                        tomb.overflow, tomb.told_attempts = True, set()
                 continue
             if request.engine_id != engine.engine_id:
                 held = request.others.get(engine.engine_id, {}).get(rank)
@@ -1057,8 +1055,7 @@ class PrefillCore:
                 elif request.engine_id:  # bound to another D engine: this one was refused
                     failed.append(key)
                     failed_attempts.append(attempt)
-                    if not _tell_failed(request.told, request.told_attempts, reg, attempt, now):
-                        request.gone_overflow = True
+                    _tell_failed(request.told, request.told_attempts, reg, attempt, now)
                 continue
             self.stats["heartbeat_renewals"] += 1
             if request.blocks is not None:

@@ -218,3 +218,30 @@ def test_answer_attempts_round_trip_and_are_range_checked(entries: str) -> None:
         body[{"want": "wa", "failed": "fa", "unknown": "ua"}[entries]] = bad
         with pytest.raises(WireError):
             wire.decode_notification(wire.HEARTBEAT_PREFIX + pack(body))
+
+
+def test_p_asks_a_fresh_grant_naming_the_attempt_of_the_registration_it_holds() -> None:
+    """A registration whose grant is not fresh waits for one: P's ``want`` names its attempt (D
+    renews that request only, not a later one of the key)."""
+    core = _prefill()
+    reg = _registration(request_id="d-1", attempt=11, grant=None)
+    core.notification(D_AGENT, _decoded(wire.encode_push_reg(reg)), 99.0)
+    core.connected("D", 0, D_AGENT, "d1", 1, "", 99.1)
+    wants = [n for n in _sent(core.finished("x-1", "p-1", ((7,),), "D", 100.0)) if n.want]
+    assert [(n.want, n.want_attempts) for n in wants] == [(("x-1",), (11,))]
+
+
+def test_a_heartbeat_states_one_attempt_per_key_or_none() -> None:
+    from kvpush.core.errors import WireError
+    from kvpush.core.wire import pack
+
+    reg = _registration(request_id="(heartbeat)", match_key="(heartbeat)", block_ids=())
+    with pytest.raises(ValueError, match="one attempt"):
+        wire.encode_heartbeat(["a", "b"], reg, 0, attempts=[1])
+    message = wire.encode_heartbeat(["a", "b"], reg, 0, attempts=[1, None])
+    assert _decoded(message).request_attempts == (1, None)
+    body = wire._unpackb(message[len(wire.HEARTBEAT_PREFIX) :], raw=False)
+    for bad in ([1], [1, 1 << 63], [1, -1], {"a": 1}):
+        body["ra"] = bad
+        with pytest.raises(WireError, match="'ra'"):
+            wire.decode_notification(wire.HEARTBEAT_PREFIX + pack(body))
