@@ -245,3 +245,18 @@ def test_a_heartbeat_states_one_attempt_per_key_or_none() -> None:
         body["ra"] = bad
         with pytest.raises(WireError, match="'ra'"):
             wire.decode_notification(wire.HEARTBEAT_PREFIX + pack(body))
+
+
+def test_a_p_worker_states_answer_attempts_and_d_reads_it_from_the_handshake() -> None:
+    """Over the real handshake (NIXL between workers): every P rank of this release states
+    ``answer_attempts``, and D's core binds its heartbeat answers to attempts."""
+    from cluster import Cluster
+
+    with Cluster() as cluster:
+        cluster.add("d-1", [[3]], "x-1")
+        cluster.finish("p-1", [[5]], "x-1")
+        assert cluster.wait_decode("d-1") == {0: None}
+        receiver = cluster.receivers[0]
+        agents = {sender.transport.agent_name for sender in cluster.senders.values()}
+        stated = receiver.call_on_writer(lambda: receiver.core._engines["P"].info.answer_attempts)
+        assert stated == agents
