@@ -133,6 +133,10 @@ class ProducerInfo:
     echo_attempts: frozenset[str] = frozenset()
     """The producer agents that stated (``result_attempts``) that each of their results echoes
     the registration attempt it answers: a result of theirs that names none is refused."""
+    answer_attempts: frozenset[str] = frozenset()
+    """The producer agents that stated (``answer_attempts``) that each entry of their heartbeat
+    answers names the attempt it speaks of: D acts on one only for that attempt's request, and
+    refuses one naming none."""
 
 
 class _EngineState(enum.Enum):
@@ -1826,16 +1830,21 @@ class DecodeCore:
             engine.hello_pending.discard(agent)
             if not engine.hello_pending:
                 out += self._engine_ready(engine, now)
-        failed, settled = set(note.failed_keys), set(note.settled_keys)
+        binds = agent in engine.info.answer_attempts
+        failed = self._entries(agent, note, note.failed_keys, note.failed_attempts, binds)
+        settled = set(note.settled_keys)
         if failed:
             ranks = {r for r, a in engine.info.agents.items() if a == agent}
             for rid in sorted(r for r in engine.requests if self._requests[r].key in failed):
                 receive = self._requests.get(rid)
                 if receive is None:
                     continue
-                grant = receive.grants.get(agent)
-                older = grant is None or grant < note.stamp  # else P holds it as a new attempt's
-                if receive.phase is _Phase.REGISTERED and ranks & receive.expected and older:
+                if binds:  # about the attempt it names, whatever the order of P's clock
+                    about = receive.attempt in failed[receive.key]
+                else:  # by key: about registrations older than the answer (P ends those)
+                    grant = receive.grants.get(agent)
+                    about = grant is None or grant < note.stamp  # else P holds it as a new attempt's
+                if receive.phase is _Phase.REGISTERED and ranks & receive.expected and about:
                     # P stopped; unless the answer says no WRITE of the key ended unsettled
                     # (``settled``; an older P does not say), one may have (aborted at its
                     # deadline, with bytes still on the way; its FAIL, which says so, was lost):
@@ -1851,9 +1860,40 @@ class DecodeCore:
         if engine.info is None:
             return out  # a fence above reset the engine: the rest of the answer is about old agents
         if note.unknown_keys:
-            out += self._on_unknown(engine, agent, set(note.unknown_keys), now)
+            unknown = self._entries(agent, note, note.unknown_keys, note.unknown_attempts, binds)
+            out += self._on_unknown(engine, agent, unknown, now)
         if note.want:
-            out += self._renew(engine, agent, set(note.want), now)
+            out += self._renew(
+                engine, agent, self._entries(agent, note, note.want, note.want_attempts, binds), now
+            )
+        return out
+
+    def _entries(
+        self,
+        agent: str,
+        note: Notification,
+        keys: tuple[str, ...],
+        attempts: tuple[int | None, ...] | None,
+        binds: bool,
+    ) -> dict[str, set[int] | None]:
+        """A heartbeat answer's list: key -> the registration attempts its entries name (None:
+        any request of the key, from a P that does not state ``answer_attempts``). From a P that
+        does, an entry naming no attempt is refused: a late or replayed answer about an earlier
+        request of the key must not act on the next one."""
+        if not binds:
+            return dict.fromkeys(keys)
+        out: dict[str, set[int] | None] = {}
+        refused = 0
+        for i, key in enumerate(keys):
+            attempt = attempts[i] if attempts is not None else None
+            if attempt is None:
+                refused += 1
+                continue
+            named = out.setdefault(key, set())
+            assert named is not None
+            named.add(attempt)
+        if refused:
+            self._reject(agent, note, f"{refused} heartbeat answer entries name no registration attempt")
         return out
 
     def _on_goodbye(self, agent: str, engine: _Producer | None, note: Notification, now: float) -> list[Any]:
@@ -2112,7 +2152,9 @@ class DecodeCore:
             return []
         return self._register(rid, now)
 
-    def _on_unknown(self, engine: _Producer, agent: str, keys: set[str], now: float) -> list[Any]:
+    def _on_unknown(
+        self, engine: _Producer, agent: str, keys: Mapping[str, set[int] | None], now: float
+    ) -> list[Any]:
         """A producer never heard of these registered requests. Once could be a PUSH_REG still
         on its way; twice from one agent (a heartbeat interval apart) means it was lost: fail
         at once."""
@@ -2125,6 +2167,8 @@ class DecodeCore:
                 continue
             if not (receive.expected - receive.settled) & ranks or receive.rereg:
                 continue  # (a rank that wrote it whole may have restarted since)
+            if not _names(keys[receive.key], receive):
+                continue  # about another request of the key
             strikes = receive.unknown_strikes[agent] = receive.unknown_strikes.get(agent, 0) + 1
             if strikes >= 2:
                 out += self._close(
@@ -2355,7 +2399,9 @@ class DecodeCore:
                 out[receive.key] = rid
         return out
 
-    def _renew(self, engine: _Producer, agent: str, want: set[str], now: float) -> list[Any]:
+    def _renew(
+        self, engine: _Producer, agent: str, want: Mapping[str, set[int] | None], now: float
+    ) -> list[Any]:
         """P asked ``agent``'s registrations of ``want`` for a fresh grant: each registered
         request of those keys whose producer there has not settled sends its own PUSH_REG
         again, with the newest stamp. P renews a registration only on a message naming it (a
@@ -2370,7 +2416,7 @@ class DecodeCore:
             receive = self._requests[rid]
             if receive.key not in want or receive.phase is not _Phase.REGISTERED:
                 continue
-            if not (receive.expected - receive.settled) & ranks:
+            if not (receive.expected - receive.settled) & ranks or not _names(want[receive.key], receive):
                 continue
             if grant is not None:
                 receive.last_grant = now
@@ -2381,13 +2427,19 @@ class DecodeCore:
     def _send_renewal(self, engine: _Producer, agent: str, keys: dict[str, str], now: float) -> list[Any]:
         """The keys D still waits for at ``agent``: P keeps their leases and answers with its
         stamp (a liveness check) and what it wants, failed or never heard of. It renews no
-        registration's grant (see :meth:`_renew`)."""
+        registration's grant (see :meth:`_renew`). To a P that states ``answer_attempts`` it
+        names the attempt of each key (``ra``): P's answer names it back, D acts on it only for
+        that attempt, and P ends only the attempts it answered failed. To one that does not it
+        names none: P then ends every registration of a key older than its ``failed`` answer,
+        as D does (:meth:`_on_stamp`)."""
         reg = self._coordinates("(heartbeat)", None, grant=engine.stamps.get(agent))
+        binds = engine.info is not None and agent in engine.info.answer_attempts
         names = sorted(keys)
         out = []
         for start in range(0, len(names), HEARTBEAT_KEYS_PER_MESSAGE):
             chunk = names[start : start + HEARTBEAT_KEYS_PER_MESSAGE]
-            out.append(Send(agent, wire.encode_heartbeat(chunk, reg, self.s.tp_rank)))
+            attempts = [self._requests[keys[k]].attempt or None for k in chunk] if binds else None
+            out.append(Send(agent, wire.encode_heartbeat(chunk, reg, self.s.tp_rank, attempts=attempts)))
             self.stats["heartbeats_sent"] += 1
         return out
 
@@ -2428,6 +2480,11 @@ class DecodeCore:
             num_tokens=receive.meta.num_tokens if receive is not None else None,
             attempt=receive.attempt if receive is not None else None,
         )
+
+
+def _names(attempts: set[int] | None, receive: _Receive) -> bool:
+    """Does a heartbeat answer's entry (the attempts it names; None: any) speak of ``receive``?"""
+    return attempts is None or receive.attempt in attempts
 
 
 class _Owed(NamedTuple):

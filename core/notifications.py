@@ -48,6 +48,14 @@ Direction and meaning (docs/reliability.md):
   answering them: D counts a result only for the attempt it names (a replay of a result for an
   earlier request of a reused D request id names another); absent: not stated (D then judges
   without it, unless that P stated ``result_attempts`` in its handshake).
+- Since 2.8 D's ``HB`` optionally carries ``ra``, the registration attempt of each key it
+  names (one per entry of ``request_ids``), and P's answer ``wa``, ``fa`` and ``ua``, the
+  attempt each entry of ``want``, ``failed`` and ``unknown`` speaks of (one per entry; nil:
+  none known): the attempt D named for that key, or for ``want`` the one P holds. D acts on
+  an entry only for the request of that attempt (an answer about an earlier request of the
+  key, delayed or replayed, acts on nothing), and refuses entries naming none from a P that
+  stated ``answer_attempts`` in its handshake; absent: not stated (D then acts on keys, as
+  before). P ends only the attempts it named ``failed`` to a D that named them.
 - ``BYE`` P → D (since 2.3): a P worker closed (its producer rank and incarnation): it posts nothing more
   and every WRITE it posted to this D rank ended (``unsettled``: one ended without completing).
   Since 2.4 optionally ``done``: the D request ids whose WRITE (and so its DONE) to this D rank
@@ -77,7 +85,7 @@ from kvpush.core.types import (
 from kvpush.core.wire import MAX_PARALLEL as WIRE_MAX_PARALLEL
 from kvpush.core.wire import pack, unpack
 
-NOTIF_VERSION = (2, 7)
+NOTIF_VERSION = (2, 8)
 """(major, minor) of the notification format; only the major must match."""
 MAX_BLOCK_ID = (1 << 31) - 1
 MAX_PARALLEL = WIRE_MAX_PARALLEL
@@ -242,16 +250,28 @@ def encode_cancel_ack(
     return _msg(CANCEL_ACK_PREFIX, body)
 
 
+def _entry_attempts(keys: Sequence[str], attempts: Sequence[int | None] | None, what: str) -> list[Any]:
+    """The attempts of a heartbeat list's entries (one per key, cut where the keys are)."""
+    if attempts is None or len(attempts) != len(keys):
+        raise ValueError(f"{what}: one attempt (or None) per key, got {attempts!r} for {len(keys)} keys")
+    return list(attempts)[:MAX_KEYS]
+
+
 def encode_heartbeat(
     match_keys: list[str],
     reg: PushRegistration | None = None,
     decode_tp_rank: int = 0,
+    *,
+    attempts: Sequence[int | None] | None = None,
 ) -> bytes:
     """D → P: the keys D still waits for; with ``reg`` (blocks not needed) its coordinates, so P
-    can keep their leases and answer (the grant it carries renews nothing)."""
+    can keep their leases and answer (the grant it carries renews nothing). ``attempts``: the
+    registration attempt of each key (since 2.8; None: not stated)."""
     body: dict[str, Any] = {"request_ids": list(match_keys)}
     if reg is not None:
         body.update(_coordinates(reg, decode_tp_rank), grant=reg.grant, fresh=reg.fresh_s)
+    if attempts is not None:
+        body["ra"] = _entry_attempts(match_keys, attempts, "heartbeat")
     return _msg(HEARTBEAT_PREFIX, body)
 
 
@@ -263,10 +283,16 @@ def encode_heartbeat_answer(
     failed: list[str] = (),  # type: ignore[assignment]
     unknown: list[str] = (),  # type: ignore[assignment]
     settled: list[str] = (),  # type: ignore[assignment]
+    *,
+    want_attempts: Sequence[int | None] | None = None,
+    failed_attempts: Sequence[int | None] | None = None,
+    unknown_attempts: Sequence[int | None] | None = None,
 ) -> bytes:
     """P → D: P's stamp (its clock), the keys it needs a fresh grant for, the keys it knows
     failed (``settled``: those of them no WRITE of which ended unsettled, so D need not fence),
-    and the keys it has never heard of (D fails one reported unknown twice)."""
+    and the keys it has never heard of (D fails one reported unknown twice). ``*_attempts``
+    (since 2.8): the registration attempt each entry of that list speaks of (None in it: none
+    known; None for the list: not stated)."""
     body: dict[str, Any] = {
         "request_ids": [],
         "pp": producer.pp_rank,
@@ -277,6 +303,13 @@ def encode_heartbeat_answer(
         "failed": list(failed)[:MAX_KEYS],
         "unknown": list(unknown)[:MAX_KEYS],
     }
+    for name, keys, attempts in (
+        ("wa", want, want_attempts),
+        ("fa", failed, failed_attempts),
+        ("ua", unknown, unknown_attempts),
+    ):
+        if attempts is not None:
+            body[name] = _entry_attempts(keys, attempts, f"heartbeat answer {name!r}")
     if settled:
         body["fs"] = list(settled)[:MAX_KEYS]
     return _msg(HEARTBEAT_PREFIX, body)
@@ -343,6 +376,28 @@ def _attempt(body: Mapping[str, Any], what: str) -> int | None:
     if body.get("a") is None:
         return None
     return _int_field(body, "a", what, low=1, high=MAX_ATTEMPT)
+
+
+def _attempt_list(body: Mapping[str, Any], name: str, keys: int, what: str) -> tuple[int | None, ...] | None:
+    """The attempts of a heartbeat list's entries (``ra``, ``wa``, ``fa``, ``ua``, since 2.8):
+    one per entry of the list (``keys`` long), each nil or an int in ``[1, MAX_ATTEMPT]``; None
+    when absent."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != keys:
+        raise WireError(
+            f"{what} field {name!r} must be a list of {keys} attempts (one per key), got {str(value)[:80]!r}"
+        )
+    for attempt in value:
+        if attempt is not None and (
+            not isinstance(attempt, int) or isinstance(attempt, bool) or not 1 <= attempt <= MAX_ATTEMPT
+        ):
+            raise WireError(
+                f"{what} field {name!r} holds {str(attempt)[:40]!r}; attempts must be nil or ints in "
+                f"[1, {MAX_ATTEMPT}]"
+            )
+    return tuple(value)
 
 
 def _hello_id(body: Mapping[str, Any], what: str) -> int | None:
@@ -571,15 +626,21 @@ def decode_notification(message: bytes) -> Notification | None:
         ids = _str_list(body, "request_ids", what)
         if "stamp" in body:  # P's answer
             stamp = _float_field(body, "stamp", what)
+            want = _str_list(body, "want", what)
+            failed = _str_list(body, "failed", what)
+            unknown = _str_list(body, "unknown", what)
             return Notification(
                 kind=kind,
                 producer=_producer(body, what),
                 stamp=stamp,
                 incarnation=_str_field(body, "inc", what, optional=True),
-                want=_str_list(body, "want", what),
-                failed_keys=_str_list(body, "failed", what),
+                want=want,
+                failed_keys=failed,
                 settled_keys=_str_list(body, "fs", what),
-                unknown_keys=_str_list(body, "unknown", what),
+                unknown_keys=unknown,
+                want_attempts=_attempt_list(body, "wa", len(want), what),
+                failed_attempts=_attempt_list(body, "fa", len(failed), what),
+                unknown_attempts=_attempt_list(body, "ua", len(unknown), what),
             )
         if "decode_engine_id" not in body:
             return Notification(kind=kind, request_ids=ids)
@@ -587,6 +648,7 @@ def decode_notification(message: bytes) -> Notification | None:
         return Notification(
             kind=kind,
             request_ids=ids,
+            request_attempts=_attempt_list(body, "ra", len(ids), what),
             registration=reg,
             producer=RankKey(0, reg.decode_tp_rank),
             incarnation=reg.decode_incarnation,

@@ -196,6 +196,8 @@ class _Request:
     """More than ``MAX_SEEN`` of them: every later registration of the key is refused."""
     told: dict[tuple[str, int], float] = attrs.field(factory=dict)
     """(D engine, D rank) -> when P answered its heartbeat that this key failed for it."""
+    told_attempts: set[_Told] = attrs.field(factory=set)
+    """The D registration attempts P answered ``failed`` for this key (to a D naming them)."""
 
 
 @attrs.define(eq=False)
@@ -270,6 +272,32 @@ def _ident(reg: PushRegistration) -> _Ident:
     return (reg.decode_engine_id, reg.decode_incarnation, reg.decode_tp_rank, reg.request_id)
 
 
+_Told = tuple[str, str, int, int | None]
+"""A D registration attempt P answered ``failed``: (D engine, its incarnation, D rank, attempt)."""
+
+
+def _told(reg: PushRegistration) -> _Told:
+    return (reg.decode_engine_id, reg.decode_incarnation, reg.decode_tp_rank, reg.attempt)
+
+
+def _tell_failed(
+    told: dict[tuple[str, int], float],
+    told_attempts: set[_Told],
+    reg: PushRegistration,
+    attempt: int | None,
+    now: float,
+) -> None:
+    """P answers D rank ``reg`` (a heartbeat's coordinates) that a key failed: a D that named
+    the attempt it asked about (since 2.8) ends that one, which P then never writes; one that
+    named none ends every registration of the key older than the answer (``told``). Past
+    ``MAX_SEEN`` attempts one more is kept, which marks the overflow (every registration of
+    the key is then taken for an ended one's: ``_Tomb.overflow``)."""
+    if attempt is None:
+        told[(reg.decode_engine_id, reg.decode_tp_rank)] = now
+    elif len(told_attempts) <= MAX_SEEN:
+        told_attempts.add((reg.decode_engine_id, reg.decode_incarnation, reg.decode_tp_rank, attempt))
+
+
 @attrs.define(eq=False)
 class _Tomb:
     """What P remembers of a key's ended attempts (``registration_ttl_s`` after the last)."""
@@ -289,6 +317,11 @@ class _Tomb:
     told: dict[tuple[str, int], float] = attrs.field(factory=dict)
     """(D engine, D rank) -> when P last told it the key had ended (a heartbeat answer's
     ``failed``, which ends D's registrations of the key older than that answer)."""
+    told_attempts: set[_Told] = attrs.field(factory=set)
+    """The D registration attempts P answered ``failed`` for the key, each to a D that named it
+    in its heartbeat (since 2.8): D ended exactly those, so P never writes them (past
+    ``MAX_SEEN`` of them: ``overflow``). A D that names none ends every registration of the key
+    older than the answer (``told``)."""
     prefills: set[str] = attrs.field(factory=set)
     """P's request ids the ended attempts accounted for (finished or abandoned): a finish by one
     of them is refused; a finish by another prefill is a new attempt."""
@@ -307,7 +340,7 @@ class _Tomb:
         as P can tell); or when its grant does not prove D sent it after the end: not newer
         than the end, older than what P last told that D rank, absent, or not one P issued."""
         ident = _ident(reg)
-        if self.overflow or ident in self.seen:
+        if self.overflow or ident in self.seen or _told(reg) in self.told_attempts:
             return True
         grant = reg.grant
         asked = self.asked.get(ident)
@@ -935,7 +968,10 @@ class PrefillCore:
         if renewable and loaded and loaded.agents.get(rank) == agent:
             self.stats["grants_asked_after_end"] += 1
             tomb.asked[_ident(reg)] = now
-            return [Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, [key]))]
+            ask = wire.encode_heartbeat_answer(
+                self.s.rank, now, self.s.incarnation, [key], want_attempts=[reg.attempt]
+            )
+            return [Send(agent, ask)]
         if len(tomb.seen) < MAX_SEEN:  # that D rank now took part: its next request may retry
             tomb.seen.add(_ident(reg))
         else:
@@ -999,8 +1035,17 @@ class PrefillCore:
             return []
         if self._restarted(engine, reg):
             return self._decode_restarted(engine, reg, agent, note, now)
-        failed, want, unknown, settled = [], [], [], []
-        for key in note.request_ids:
+        failed: list[str] = []
+        want: list[str] = []
+        unknown: list[str] = []
+        settled: list[str] = []
+        failed_attempts: list[int | None] = []
+        want_attempts: list[int | None] = []
+        unknown_attempts: list[int | None] = []
+        # Since 2.8 D names the attempt of each key it asks about: P's answer names it back, and
+        # D acts on an entry only for that attempt (not on a later request of the key).
+        asked = note.request_attempts or (None,) * len(note.request_ids)
+        for key, attempt in zip(note.request_ids, asked, strict=True):
             request = self._requests.get(key)
             if request is None:
                 # Only what P positively knows ended badly for this D: an unknown key may be a
@@ -1008,11 +1053,15 @@ class PrefillCore:
                 tomb = self._tombstones.get(key)
                 if tomb is None:
                     unknown.append(key)
+                    unknown_attempts.append(attempt)
                 elif tomb.outcome == "failed" or tomb.engine_id != engine.engine_id:
                     failed.append(key)
+                    failed_attempts.append(attempt)
                     if not tomb.unsettled:  # no WRITE of any attempt of it ended unsettled
                         settled.append(key)
-                    tomb.told[(engine.engine_id, rank)] = now  # D ends older registrations
+                    _tell_failed(tomb.told, tomb.told_attempts, reg, attempt, now)
+                    if len(tomb.told_attempts) > MAX_SEEN:
+                        tomb.overflow, tomb.told_attempts = True, set()
                 continue
             if request.engine_id != engine.engine_id:
                 held = request.others.get(engine.engine_id, {}).get(rank)
@@ -1022,7 +1071,8 @@ class PrefillCore:
                     self._timers.arm(("stash", key), now + self.s.registration_ttl_s)
                 elif request.engine_id:  # bound to another D engine: this one was refused
                     failed.append(key)
-                    request.told[(engine.engine_id, rank)] = now
+                    failed_attempts.append(attempt)
+                    _tell_failed(request.told, request.told_attempts, reg, attempt, now)
                 continue
             self.stats["heartbeat_renewals"] += 1
             if request.blocks is not None:
@@ -1039,9 +1089,19 @@ class PrefillCore:
             stale = stale and entry is not None and self._loaded_from(engine, rank, entry)
             cut = entry is None and rank in request.cut  # dropped when its endpoint broke
             if stale or cut:
-                want.append(key)
+                want.append(key)  # the registration P holds; one it dropped: the one D named
+                want_attempts.append(entry.reg.attempt if stale and entry is not None else attempt)
         answer = wire.encode_heartbeat_answer(
-            self.s.rank, now, self.s.incarnation, want, failed, unknown, settled
+            self.s.rank,
+            now,
+            self.s.incarnation,
+            want,
+            failed,
+            unknown,
+            settled,
+            want_attempts=want_attempts,
+            failed_attempts=failed_attempts,
+            unknown_attempts=unknown_attempts,
         )
         return [Send(agent, answer)]
 
@@ -1949,26 +2009,33 @@ class PrefillCore:
 
     def _send_want(self, engine: _Decode, agent: str, now: float) -> list[Any]:
         """One want for every pending key still waiting for a grant from ``agent``."""
-        keys = []
+        keys: list[str] = []
+        attempts: list[int | None] = []  # the attempt of the registration waiting, per key
         for key in sorted(engine.want_pending.pop(agent, ())):
             request = self._requests.get(key)
-            entry_waits = request is not None and any(
-                entry.agent == agent
-                and request.dests is not None
-                and request.dests.get(rank) is not None
-                and request.dests[rank].state is _Dest.WAIT_FRESH
-                for rank, entry in request.regs.items()
-            )
-            if entry_waits:
-                keys.append(key)
+            if request is None or request.dests is None:
+                continue
+            for rank, entry in sorted(request.regs.items()):
+                dest = request.dests.get(rank)
+                if entry.agent == agent and dest is not None and dest.state is _Dest.WAIT_FRESH:
+                    keys.append(key)
+                    attempts.append(entry.reg.attempt)
+                    break
         if not keys:
             return []
         engine.last_want[agent] = now
         return [  # several messages past one's key limit (the encoder would cut the rest)
-            Send(agent, wire.encode_heartbeat_answer(self.s.rank, now, self.s.incarnation, chunk))
-            for chunk in (
-                keys[i : i + WANT_KEYS_PER_MESSAGE] for i in range(0, len(keys), WANT_KEYS_PER_MESSAGE)
+            Send(
+                agent,
+                wire.encode_heartbeat_answer(
+                    self.s.rank,
+                    now,
+                    self.s.incarnation,
+                    keys[i : i + WANT_KEYS_PER_MESSAGE],
+                    want_attempts=attempts[i : i + WANT_KEYS_PER_MESSAGE],
+                ),
             )
+            for i in range(0, len(keys), WANT_KEYS_PER_MESSAGE)
         ]
 
     def confirm_post(self, key: str, rank: int, now: float) -> bool:
@@ -2151,11 +2218,15 @@ class PrefillCore:
         past = request.past
         if past is not None:  # what the key's earlier attempts saw stays answered
             tomb.seen, tomb.told, tomb.prefills = past.seen, past.told, past.prefills
+            tomb.told_attempts = past.told_attempts
             tomb.overflow = past.overflow
             tomb.unsettled |= past.unsettled  # their late messages are answered unsettled still
         tomb.seen |= request.seen
         for where, when in request.told.items():
             tomb.told[where] = max(when, tomb.told.get(where, when))
+        tomb.told_attempts |= request.told_attempts
+        if len(tomb.told_attempts) > MAX_SEEN:
+            tomb.overflow, tomb.told_attempts = True, set()
         if request.request_id:
             tomb.prefills.add(request.request_id)
         tomb.unfinished = not request.request_id  # ended before any prefill of it ended here

@@ -55,6 +55,7 @@ from kvpush.core.types import (
 )
 from kvpush.core.wire import RESERVED_REQUEST_IDS
 from kvpush.core.worker import (
+    ANSWER_ATTEMPTS_KEY,
     BLOCK_PAIRING,
     BLOCK_PAIRING_KEY,
     PROCESS_KEY,
@@ -585,6 +586,11 @@ class PushReceiver(RankWorker):
                 engine.ranks[r].agent
                 for r in wanted
                 if engine.ranks[r].meta.extensions.get(RESULT_ATTEMPTS_KEY) is True
+            ),
+            answer_attempts=frozenset(
+                engine.ranks[r].agent
+                for r in wanted
+                if engine.ranks[r].meta.extensions.get(ANSWER_ATTEMPTS_KEY) is True
             ),
             ended={
                 engine.ranks[r].agent: dict(ended)

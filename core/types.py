@@ -669,6 +669,16 @@ class Notification:
     attempt: int | None = None
     """P → D DONE, FAIL, CANCEL_ACK: the registration attempt it answers, echoed from D's
     PUSH_REG or CANCEL (since 2.7). None: not stated (an earlier release, or D stated none)."""
+    request_attempts: tuple[int | None, ...] | None = None
+    """D → P heartbeat: the registration attempt of each key of ``request_ids`` (since 2.8).
+    None: not stated (an earlier release)."""
+    want_attempts: tuple[int | None, ...] | None = None
+    """P → D heartbeat answer: the registration attempt each entry of ``want`` speaks of (since
+    2.8; None in it: none known). None: not stated (an earlier release)."""
+    failed_attempts: tuple[int | None, ...] | None = None
+    """P → D heartbeat answer: the attempt each entry of ``failed_keys`` speaks of (as above)."""
+    unknown_attempts: tuple[int | None, ...] | None = None
+    """P → D heartbeat answer: the attempt each entry of ``unknown_keys`` speaks of (as above)."""
 
 
 @frozen(kw_only=True)

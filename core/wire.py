@@ -310,6 +310,7 @@ def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
     from kvpush.core.ended_workers import MAX_PER_AGENT as MAX_ENDED
     from kvpush.core.packing import staging_area
     from kvpush.core.worker import (
+        ANSWER_ATTEMPTS_KEY,
         BLOCK_PAIRING_KEY,
         PROCESS_KEY,
         RESULT_ATTEMPTS_KEY,
@@ -333,9 +334,10 @@ def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
         raise WireError(
             f"{what}: extension {WRITES_ABORTABLE_KEY!r} must be a bool, got {str(abortable)[:80]!r}"
         )
-    echoes = extensions.get(RESULT_ATTEMPTS_KEY)
-    if echoes is not None and not isinstance(echoes, bool):
-        raise WireError(f"{what}: extension {RESULT_ATTEMPTS_KEY!r} must be a bool, got {str(echoes)[:80]!r}")
+    for key in (RESULT_ATTEMPTS_KEY, ANSWER_ATTEMPTS_KEY):
+        echoes = extensions.get(key)
+        if echoes is not None and not isinstance(echoes, bool):
+            raise WireError(f"{what}: extension {key!r} must be a bool, got {str(echoes)[:80]!r}")
     pairing = extensions.get(BLOCK_PAIRING_KEY)
     if pairing is not None and not (isinstance(pairing, str) and len(pairing) <= 32):
         raise WireError(

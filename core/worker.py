@@ -421,6 +421,7 @@ class RankWorker:
             WRITES_ABORTABLE_KEY: bool(getattr(self.transport, "writes_abortable", True)),
             BLOCK_PAIRING_KEY: BLOCK_PAIRING,
             RESULT_ATTEMPTS_KEY: True,
+            ANSWER_ATTEMPTS_KEY: True,
             PROCESS_KEY: this_process(),
             **staging,
         }
@@ -1014,3 +1015,8 @@ RESULT_ATTEMPTS_KEY = "result_attempts"
 echoes the registration attempt of D's PUSH_REG or CANCEL (notification format 2.7): D then
 refuses a result of it that names none. A P that does not state it is an older release, whose
 results D takes without one (as before)."""
+ANSWER_ATTEMPTS_KEY = "answer_attempts"
+"""Metadata extension where a P rank states (True) that each entry of its heartbeat answers'
+``want``, ``failed`` and ``unknown`` names the registration attempt it speaks of (notification
+format 2.8): D then acts on an entry only for the request of that attempt and refuses one naming
+none. A P that does not state it is an older release, whose entries D takes by key (as before)."""

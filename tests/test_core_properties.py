@@ -256,6 +256,8 @@ class CoreCluster(RuleBasedStateMachine):
         self.windows: tuple[tuple[int, int], ...] = SPLITS[1][0]
         """The layer split P's engine runs now (a restarted rank takes its stage's window)."""
         self.ready = False
+        self.answers = True
+        """P's ranks state ``answer_attempts`` (heartbeat answers bound to the attempt)."""
         self.scatter_error = ""
         """The next packed scatter on D fails with this error (a kernel or torch raising)."""
         self.fences: list[tuple[DProc, int]] = []
@@ -267,9 +269,12 @@ class CoreCluster(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ set-up
 
-    @initialize(topology=st.sampled_from(TOPOLOGIES))
-    def start(self, topology: tuple[int, int, int]) -> None:
+    @initialize(topology=st.sampled_from(TOPOLOGIES), answers=st.booleans())
+    def start(self, topology: tuple[int, int, int], answers: bool = True) -> None:
+        """``answers``: P's ranks state ``answer_attempts`` (as every P of this release does;
+        False: a P of 2.7 or earlier, whose heartbeat answers D takes by key)."""
         self.p_pp, self.p_tp, self.d_tp = topology
+        self.answers = answers
         self.windows = SPLITS[self.p_pp][0]
         for pp in range(self.p_pp):
             for tp in range(self.p_tp):
@@ -883,6 +888,7 @@ class CoreCluster(RuleBasedStateMachine):
             writes_abortable=not self.kernel_copies,
             processes={p.agent: {"inc": p.process or p.inc} for p in live.values()},
             shares={r: self._share(p) for r, p in live.items()},
+            answer_attempts=frozenset(p.agent for p in live.values() if self.answers),
             ended={
                 p.agent: ended
                 for p in live.values()

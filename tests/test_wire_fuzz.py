@@ -117,6 +117,15 @@ def producers(draw: st.DrawFn) -> tuple[RankKey, int]:
 
 
 keys = st.lists(names, max_size=4)
+attempt_ids = st.none() | st.integers(1, (1 << 63) - 1)
+
+
+@st.composite
+def entry_attempts(draw: st.DrawFn, entries: list[str]) -> list[int | None] | None:
+    """Not stated, or one attempt (or None) per entry of a heartbeat list (since 2.8)."""
+    if draw(st.booleans()):
+        return None
+    return draw(st.lists(attempt_ids, min_size=len(entries), max_size=len(entries)))
 
 
 @st.composite
@@ -138,11 +147,20 @@ def valid_messages(draw: st.DrawFn) -> bytes:
     if kind == 5:
         return notes.encode_heartbeat(draw(keys))
     if kind == 6:
-        reg = draw(registrations(blocks=False))
-        return notes.encode_heartbeat(draw(keys), reg, reg.decode_tp_rank)
+        reg, ids = draw(registrations(blocks=False)), draw(keys)
+        return notes.encode_heartbeat(ids, reg, reg.decode_tp_rank, attempts=draw(entry_attempts(ids)))
     if kind == 7:
+        want, failed, unknown = draw(st.tuples(keys, keys, keys))
         return notes.encode_heartbeat_answer(
-            producer, draw(clock), draw(st.text(max_size=8)), *draw(st.tuples(keys, keys, keys))
+            producer,
+            draw(clock),
+            draw(st.text(max_size=8)),
+            want,
+            failed,
+            unknown,
+            want_attempts=draw(entry_attempts(want)),
+            failed_attempts=draw(entry_attempts(failed)),
+            unknown_attempts=draw(entry_attempts(unknown)),
         )
     if kind == 8:
         return notes.encode_goodbye(producer, draw(names), draw(st.booleans()))
@@ -172,6 +190,14 @@ def assert_sane(note: Notification | None) -> None:
     assert isinstance(note.reason, str) and len(note.reason) <= notes.MAX_REASON
     for keys_ in (note.request_ids, note.want, note.failed_keys, note.unknown_keys):
         assert len(keys_) <= notes.MAX_KEYS and all(_id(k) and k for k in keys_)
+    for keys_, attempts in (
+        (note.request_ids, note.request_attempts),
+        (note.want, note.want_attempts),
+        (note.failed_keys, note.failed_attempts),
+        (note.unknown_keys, note.unknown_attempts),
+    ):  # one attempt (or None) per entry, each a valid attempt id (since 2.8)
+        assert attempts is None or len(attempts) == len(keys_)
+        assert all(a is None or (type(a) is int and 1 <= a <= notes.MAX_ATTEMPT) for a in attempts or ())
     if note.producer is not None:
         assert type(note.producer) is RankKey
         assert all(type(r) is int and 0 <= r < notes.MAX_PARALLEL for r in note.producer)
@@ -235,7 +261,18 @@ def test_a_kvpush_prefix_before_any_msgpack_value(prefix: bytes, value: Any) -> 
 def test_a_valid_body_with_fields_replaced_removed_or_added(message: bytes, data: st.DataObject) -> None:
     prefix = next(p for p in sorted(PREFIXES, key=len, reverse=True) if message.startswith(p))
     body = msgpack.unpackb(message[len(prefix) :], raw=False)
-    fields = [*sorted(body), "pk", "stamp", "pf", "staging", "d_request_id", "decode_engine_id", "x"]
+    fields = [
+        *sorted(body),
+        "pk",
+        "stamp",
+        "pf",
+        "staging",
+        "d_request_id",
+        "decode_engine_id",
+        "ra",
+        "fa",
+        "x",
+    ]
     for _ in range(data.draw(st.integers(1, 3))):
         name = data.draw(st.sampled_from(fields))
         if data.draw(st.booleans()):
@@ -335,7 +372,7 @@ def test_goodbye_round_trips(
 
 
 @FUZZ
-@given(names, registrations(blocks=False), keys, producers(), clock, st.tuples(keys, keys, keys))
+@given(names, registrations(blocks=False), keys, producers(), clock, st.tuples(keys, keys, keys), st.data())
 def test_cancel_heartbeat_answer_and_hello_round_trip(
     key: str,
     reg: PushRegistration,
@@ -343,6 +380,7 @@ def test_cancel_heartbeat_answer_and_hello_round_trip(
     producer: tuple[RankKey, int],
     stamp: float,
     lists: tuple[list[str], list[str], list[str]],
+    data: st.DataObject,
 ) -> None:
     rank = reg.decode_tp_rank
     bare = decode(notes.encode_cancel(key))
@@ -354,15 +392,31 @@ def test_cancel_heartbeat_answer_and_hello_round_trip(
     cancel = decode(notes.encode_cancel(key, reg, rank))
     assert cancel is not None and cancel.registration is not None
     assert (cancel.registration.request_id, cancel.registration.decode_tp_rank) == (reg.request_id, rank)
-    heartbeat = decode(notes.encode_heartbeat(ids, reg, rank))
+    asked = data.draw(entry_attempts(ids))
+    heartbeat = decode(notes.encode_heartbeat(ids, reg, rank, attempts=asked))
     assert (
         heartbeat is not None
         and heartbeat.request_ids == tuple(ids)
         and heartbeat.producer == RankKey(0, rank)
+        and heartbeat.request_attempts == (None if asked is None else tuple(asked))
     )
-    answer = decode(notes.encode_heartbeat_answer(producer[0], stamp, "inc", *lists))
+    named = [data.draw(entry_attempts(k)) for k in lists]
+    answer = decode(
+        notes.encode_heartbeat_answer(
+            producer[0],
+            stamp,
+            "inc",
+            *lists,
+            want_attempts=named[0],
+            failed_attempts=named[1],
+            unknown_attempts=named[2],
+        )
+    )
     assert answer is not None and answer.stamp == stamp and answer.producer == producer[0]
     assert (answer.want, answer.failed_keys, answer.unknown_keys) == tuple(tuple(k) for k in lists)
+    assert (answer.want_attempts, answer.failed_attempts, answer.unknown_attempts) == tuple(
+        None if a is None else tuple(a) for a in named
+    )
     hello = decode(notes.encode_hello(reg, rank))
     assert hello is not None and hello.kind is NotificationKind.HELLO
     assert hello.registration is not None and hello.registration.decode_engine_id == reg.decode_engine_id
