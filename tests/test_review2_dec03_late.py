@@ -1,0 +1,81 @@
+"""Review of 2026-12-03 (late morning): the attempt-bound answers and the early cancels.
+
+Findings (each test failed first):
+
+(1) A D request that ended before it registered is cancelled by every D rank (each rank's
+    core sends its own CANCEL). The first to reach P ends the finished prefill; another rank's
+    CANCEL of the same D request, arriving after that attempt ended (the normal order with
+    D TP >= 2, or one rank's handshake running later), was remembered against the key and
+    ended the *next* attempt under the key (a retry) at its finish: a request failed by a
+    cancel it did not send.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from test_probe_early_cancel import _acks, _cancel_rank, _register_rank, _two_rank_core
+from test_retry_after_abort import _posts, _reports
+
+
+def test_another_ranks_late_cancel_of_an_ended_attempt_does_not_end_the_retry() -> None:
+    """D TP-2: d-1 ended before registering; rank 0's CANCEL ends p-1 (x-1, bound to D).
+    Rank 1's CANCEL of d-1 arrives after that: acknowledged, nothing more. The retry under
+    x-1 (p-2, for D's new request d-2) is then pushed, not ended at its finish."""
+    core = _two_rank_core()
+    core.finished("x-1", "p-1", ((5,),), "D", 100.0)
+    assert _reports(_cancel_rank(core, 0, 100.1, attempt=3)) == [("p-1", "failed")]
+    late = _cancel_rank(core, 1, 100.15, attempt=3)
+    assert len(_acks(late)) == 1 and _reports(late) == [], late
+    out: list[Any] = core.finished("x-1", "p-2", ((6,),), "D", 101.0)
+    assert _reports(out) == [], out
+    for rank in (0, 1):
+        out += _register_rank(core, rank, 101.1, request_id="d-2", grant=100.9, attempt=4)
+    assert sorted(p.dst for p in _posts(out)) == [0, 1] and _reports(out) == [], out
+
+
+def test_another_ranks_late_cancel_reaching_the_retry_does_not_end_it() -> None:
+    """As above, but rank 1's CANCEL of d-1 arrives once the retry p-2 finished (d-2 not
+    registered yet): the retry goes on."""
+    core = _two_rank_core()
+    core.finished("x-1", "p-1", ((5,),), "D", 100.0)
+    assert _reports(_cancel_rank(core, 0, 100.1, attempt=3)) == [("p-1", "failed")]
+    out: list[Any] = core.finished("x-1", "p-2", ((6,),), "D", 101.0)
+    late = _cancel_rank(core, 1, 101.05, attempt=3)
+    assert len(_acks(late)) == 1 and _reports(late) == [], late
+    for rank in (0, 1):
+        out += _register_rank(core, rank, 101.1, request_id="d-2", grant=100.9, attempt=4)
+    assert sorted(p.dst for p in _posts(out)) == [0, 1] and _reports(out) == [], out
+
+
+def test_a_late_cancel_from_a_rank_p_has_not_loaded_does_not_end_the_retry() -> None:
+    """As above, with rank 1 not loaded by P when its CANCEL of d-1 comes (after the retry
+    finished): the retry goes on, and the ack goes out once P loads rank 1."""
+    from test_protocol_safety import _registration
+    from test_retry_after_abort import _note
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.prefill_core import PrefillCore, PrefillSettings
+    from kvpush.core.types import RankKey, ReadSpec
+
+    def plan(blocks: Any, reg: Any) -> list[ReadSpec]:
+        return [
+            ReadSpec(dst_tp_rank=r, local_block_ids=blocks, remote_block_ids=reg.block_ids) for r in (0, 1)
+        ]
+
+    core = PrefillCore(
+        PrefillSettings(engine_id="P", incarnation="p1", rank=RankKey(0, 0), tp_size=1), plan=plan
+    )
+    reg0 = _registration(decode_tp_rank=0, decode_tp_size=2, decode_incarnation="d1-0")
+    core.notification("D-agent-0", _note(wire.encode_hello(reg0, 0)), 100.0)
+    core.connected("D", 0, "D-agent-0", "d1-0", 2, "", 100.0)
+    core.finished("x-1", "p-1", ((5,),), "D", 100.0)
+    assert _reports(_cancel_rank(core, 0, 100.1, attempt=3)) == [("p-1", "failed")]
+    out: list[Any] = core.finished("x-1", "p-2", ((6,),), "D", 101.0)
+    late = _cancel_rank(core, 1, 101.05, attempt=3)
+    assert _acks(late) == [] and _reports(late) == [], late
+    connected = core.connected("D", 1, "D-agent-1", "d1-1", 2, "", 101.06)
+    assert [a.request_id for a in _acks(connected)] == ["d-1"] and _reports(connected) == [], connected
+    for rank in (0, 1):
+        out += _register_rank(core, rank, 101.1, request_id="d-2", grant=100.9, attempt=4)
+    assert sorted(p.dst for p in _posts(out)) == [0, 1] and _reports(out) == [], out
