@@ -8,6 +8,12 @@ Findings (each test failed first):
     D TP >= 2, or one rank's handshake running later), was remembered against the key and
     ended the *next* attempt under the key (a retry) at its finish: a request failed by a
     cancel it did not send.
+(2) D (2.8) sent the CANCEL of a request that never registered to every P, also to one of an
+    earlier release (2.7), which never held that registration and judged it as the cancel of
+    the key: with another D request of the key held on another rank (a new request under the
+    key), that P failed the key and the new request with it. D now sends such a CANCEL only to
+    a P that states ``unregistered_cancels`` in its handshake (every P of this release); an
+    older P keeps its lease, as before.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from typing import Any
 
 from test_probe_early_cancel import _acks, _cancel_rank, _register_rank, _two_rank_core
 from test_retry_after_abort import _posts, _reports
+
+from kvpush.core.actions import Release, Send
 
 
 def test_another_ranks_late_cancel_of_an_ended_attempt_does_not_end_the_retry() -> None:
@@ -79,3 +87,45 @@ def test_a_late_cancel_from_a_rank_p_has_not_loaded_does_not_end_the_retry() -> 
     for rank in (0, 1):
         out += _register_rank(core, rank, 101.1, request_id="d-2", grant=100.9, attempt=4)
     assert sorted(p.dst for p in _posts(out)) == [0, 1] and _reports(out) == [], out
+
+
+def _untold_cancels(*, states: bool) -> list[Any]:
+    """d-1 is cancelled while D's handshake with P runs; the CANCELs D sends once it is done,
+    to a P that states ``unregistered_cancels`` or not."""
+    import attrs
+    from test_handshake_refusal import P0, P_AGENT, _decode, _info, _request
+    from test_retry_after_abort import _note
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.types import NotificationKind
+
+    core = _decode()
+    core.add(_request("d-1", "x-1"), 0.0)
+    core.cancel("d-1", 0.1)
+    info = attrs.evolve(
+        _info(),
+        echo_attempts=frozenset({P_AGENT}),
+        unregistered_cancels=frozenset({P_AGENT}) if states else frozenset(),
+    )
+    out = core.connected("P", info, "", 0.2)
+    out += core.notification(P_AGENT, _note(wire.encode_heartbeat_answer(P0, 0.21, "p1")), 0.21)
+    notes = [_note(a.message) for a in out if isinstance(a, Send)]
+    # Once ready: x-2 ended here (d-2 registered, cancelled, acknowledged), so d-3 waits for a
+    # fresh stamp before registering; its cancel then is told at once, or not at all.
+    (reg,) = [
+        _note(a.message).registration for a in core.add(_request("d-2", "x-2"), 0.3) if isinstance(a, Send)
+    ]
+    core.cancel("d-2", 0.31)
+    ack = wire.encode_cancel_ack("d-2", P0, False, False, "p1", attempt=reg.attempt)
+    assert [a.request_id for a in core.notification(P_AGENT, _note(ack), 0.32) if isinstance(a, Release)] == [
+        "d-2"
+    ]
+    waits = [_note(a.message).kind for a in core.add(_request("d-3", "x-2"), 0.4) if isinstance(a, Send)]
+    assert waits == [NotificationKind.HEARTBEAT], waits  # asks for a fresh stamp, not registered
+    notes += [_note(a.message) for a in core.cancel("d-3", 0.41) if isinstance(a, Send)]
+    return [n.registration.request_id for n in notes if n.kind is NotificationKind.CANCEL]
+
+
+def test_d_tells_a_cancel_before_registering_only_to_a_p_that_states_it_handles_one() -> None:
+    assert _untold_cancels(states=True) == ["d-1", "d-3"]
+    assert _untold_cancels(states=False) == []
