@@ -1095,7 +1095,17 @@ class DecodeCore:
             # of the id it answers) settles the owed cancel first: the live request then settles
             # only on a second ack, so an ack of the earlier request never releases blocks P may
             # still write.
-            return self._on_owed_ack(agent, note, now)
+            out = self._on_owed_ack(agent, note, now)
+            producer = note.producer
+            closing = receive.phase is _Phase.CLOSING
+            if note.attempt is None and closing and producer is not None and producer in receive.expected:
+                # Which of the two cancels it answers cannot be told: what it says of this rank's
+                # WRITEs (one ended unsettled, one was in flight) is kept for the live request
+                # too, which then fences before release whatever the other ack says.
+                receive.write_in_flight |= note.write_in_flight
+                if note.unsettled:
+                    receive.unsettled.add(producer)
+            return out
         if receive is None:
             if note.kind is NotificationKind.CANCEL_ACK and self._unanswered:
                 return self._on_owed_ack(agent, note, now)

@@ -129,3 +129,29 @@ def _untold_cancels(*, states: bool) -> list[Any]:
 def test_d_tells_a_cancel_before_registering_only_to_a_p_that_states_it_handles_one() -> None:
     assert _untold_cancels(states=True) == ["d-1", "d-3"]
     assert _untold_cancels(states=False) == []
+
+
+def test_an_unsettled_ack_taken_for_the_owed_one_still_fences_the_live_request() -> None:
+    """A P that echoes no attempts (2.6 and earlier): r (x-1) was released on a fence, its
+    cancel owed; the engine gave r again (x-2), which P wrote, and cancelled it. P's ack of the
+    live cancel says a WRITE to this rank ended unsettled (bytes may still land) and comes
+    first; naming no attempt, D takes it for the owed cancel's. The owed cancel's ack (nothing
+    unsettled) then settles the live r: D must fence before giving back r's blocks, not
+    release them at once."""
+    from test_handshake_refusal import P0, P_AGENT
+    from test_probe_early_cancel import _add_ready, _owed_core
+    from test_retry_after_abort import _note
+
+    from kvpush.core import notifications as wire
+    from kvpush.core.actions import Fence
+
+    core, _ = _owed_core(echoes=False)
+    _add_ready(core, "r", "x-2", 70.0, echoes=False)
+    core.cancel("r", 70.1)
+    unsettled = wire.encode_cancel_ack("r", P0, False, True, "p1")
+    out = core.notification(P_AGENT, _note(unsettled), 70.2)
+    assert not [a for a in out if isinstance(a, Release)], out
+    settled = wire.encode_cancel_ack("r", P0, False, False, "p1")
+    out = core.notification(P_AGENT, _note(settled), 70.3)
+    assert not [a for a in out if isinstance(a, Release)], out
+    assert [a for a in out if isinstance(a, Fence)], out
