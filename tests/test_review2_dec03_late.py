@@ -155,3 +155,24 @@ def test_an_unsettled_ack_taken_for_the_owed_one_still_fences_the_live_request()
     out = core.notification(P_AGENT, _note(settled), 70.3)
     assert not [a for a in out if isinstance(a, Release)], out
     assert [a for a in out if isinstance(a, Fence)], out
+
+
+def test_a_duplicate_cancel_from_a_rank_p_has_not_loaded_does_not_end_the_retry() -> None:
+    """D TP-1, rank 0 not loaded by P: its CANCEL of d-1 (never registered) ends p-1; a copy
+    of that CANCEL (the network duplicated it) arriving after p-1 ended is acknowledged and
+    does not end the retry p-2 at its finish."""
+    from test_probe_early_cancel import _cancel
+
+    from kvpush.core.prefill_core import PrefillCore, PrefillSettings
+    from kvpush.core.types import RankKey, ReadSpec
+
+    def plan(blocks: Any, reg: Any) -> list[ReadSpec]:
+        return [ReadSpec(dst_tp_rank=0, local_block_ids=blocks, remote_block_ids=reg.block_ids)]
+
+    core = PrefillCore(
+        PrefillSettings(engine_id="P", incarnation="p1", rank=RankKey(0, 0), tp_size=1), plan=plan
+    )
+    core.finished("x-1", "p-1", ((5,),), "D", 100.0)
+    assert _reports(_cancel(core, 100.1, attempt=3)) == [("p-1", "failed")]
+    assert _reports(_cancel(core, 100.2, attempt=3)) == []
+    assert _reports(core.finished("x-1", "p-2", ((6,),), "D", 101.0)) == []
