@@ -137,6 +137,10 @@ class ProducerInfo:
     """The producer agents that stated (``answer_attempts``) that each entry of their heartbeat
     answers names the attempt it speaks of: D acts on one only for that attempt's request, and
     refuses one naming none."""
+    unregistered_cancels: frozenset[str] = frozenset()
+    """The producer agents that stated (``unregistered_cancels``) that they take the CANCEL of a
+    registration they never held as that D request's alone: only they are told of a request
+    that ended before it registered (an older P judged it as the cancel of the key)."""
 
 
 class _EngineState(enum.Enum):
@@ -1091,7 +1095,17 @@ class DecodeCore:
             # of the id it answers) settles the owed cancel first: the live request then settles
             # only on a second ack, so an ack of the earlier request never releases blocks P may
             # still write.
-            return self._on_owed_ack(agent, note, now)
+            out = self._on_owed_ack(agent, note, now)
+            producer = note.producer
+            closing = receive.phase is _Phase.CLOSING
+            if note.attempt is None and closing and producer is not None and producer in receive.expected:
+                # Which of the two cancels it answers cannot be told: what it says of this rank's
+                # WRITEs (one ended unsettled, one was in flight) is kept for the live request
+                # too, which then fences before release whatever the other ack says.
+                receive.write_in_flight |= note.write_in_flight
+                if note.unsettled:
+                    receive.unsettled.add(producer)
+            return out
         if receive is None:
             if note.kind is NotificationKind.CANCEL_ACK and self._unanswered:
                 return self._on_owed_ack(agent, note, now)
@@ -1305,15 +1319,16 @@ class DecodeCore:
     def _tell_unregistered(self, rid: str, receive: _Receive, engine: _Producer) -> list[Any]:
         """``rid`` ends before it registered: nothing of P's can land in its blocks (P writes
         only on a PUSH_REG), but P may hold a finished prefill for it until its lease. Its
-        CANCEL goes to every producer of the engine now if it is ready, else once it is
-        (``_Producer.untold``). Not to an engine known at another address than the request
-        names (another P engine under that id)."""
+        CANCEL goes to every producer of the engine stating ``unregistered_cancels`` now if it
+        is ready, else once it is (``_Producer.untold``); an older P keeps its lease. Not to an
+        engine known at another address than the request names (another P engine under that
+        id)."""
         params = receive.meta.params
         if (engine.host, engine.port) != (params.remote_host, params.remote_port):
             return []
         message = wire.encode_cancel(receive.key, self._coordinates(rid, receive), self.s.tp_rank)
         if engine.state is _EngineState.READY and engine.info is not None:
-            return [Send(agent, message) for agent in sorted(set(engine.info.agents.values()))]
+            return [Send(agent, message) for agent in _told_unregistered(engine.info)]
         engine.untold[rid] = message
         while len(engine.untold) > MAX_UNTOLD_CANCELS:
             engine.untold.popitem(last=False)
@@ -2192,7 +2207,7 @@ class DecodeCore:
         out: list[Any] = []
         untold, engine.untold = engine.untold, OrderedDict()
         if engine.info is not None:  # cancels of requests that never registered, first
-            agents = sorted(set(engine.info.agents.values()))
+            agents = _told_unregistered(engine.info)
             out += [Send(agent, message) for message in untold.values() for agent in agents]
         for rid in sorted(engine.requests):
             if self._requests[rid].rereg:
@@ -2480,6 +2495,12 @@ class DecodeCore:
             num_tokens=receive.meta.num_tokens if receive is not None else None,
             attempt=receive.attempt if receive is not None else None,
         )
+
+
+def _told_unregistered(info: ProducerInfo) -> list[str]:
+    """The producer agents told of a request that ended before it registered: those stating
+    ``unregistered_cancels`` (an older P would take that CANCEL for the cancel of the key)."""
+    return sorted(set(info.agents.values()) & info.unregistered_cancels)
 
 
 def _names(attempts: set[int] | None, receive: _Receive) -> bool:

@@ -272,6 +272,12 @@ def _ident(reg: PushRegistration) -> _Ident:
     return (reg.decode_engine_id, reg.decode_incarnation, reg.decode_tp_rank, reg.request_id)
 
 
+def _saw_request(seen: set[_Ident], reg: PushRegistration) -> bool:
+    """Did ``seen`` take in ``reg``'s D request on any of its engine's ranks? (Each D rank
+    sends its own PUSH_REG and CANCEL, under its own incarnation.)"""
+    return any(s[0] == reg.decode_engine_id and s[3] == reg.request_id for s in seen)
+
+
 _Told = tuple[str, str, int, int | None]
 """A D registration attempt P answered ``failed``: (D engine, its incarnation, D rank, attempt)."""
 
@@ -1155,9 +1161,12 @@ class PrefillCore:
         )
         past = request.past if request is not None else None
         unheld = not self._held_once(request, tomb, reg)  # before this CANCEL is remembered
-        if past is not None and _ident(reg) in past.seen and _ident(reg) not in request.seen:
-            # The CANCEL of an ended attempt's registration (resent, duplicated, late) reaching
-            # a retry under the same key: acknowledged, the retry left alone.
+        if past is not None and _saw_request(past.seen, reg) and not _saw_request(request.seen, reg):
+            # The CANCEL of an ended attempt's registration (resent, duplicated, late; or that
+            # D request's CANCEL from another of its ranks) reaching a retry under the same
+            # key: acknowledged, the retry left alone (its rank took part in the ended attempt).
+            if len(past.seen) < MAX_SEEN:
+                past.seen.add(_ident(reg))
             return [Send(agent, ack)]
         if tomb is not None and len(tomb.seen) < MAX_SEEN:
             tomb.seen.add(_ident(reg))  # a late PUSH_REG of it meets the tombstone
@@ -1297,6 +1306,22 @@ class PrefillCore:
         rank = reg.decode_tp_rank
         out: list[Any] = []
         held = False
+        unheld = not self._held_once(request, tomb, reg)  # before this CANCEL is remembered
+        took_part = [tomb.seen] if tomb is not None else []  # as a loaded rank's CANCEL
+        if (
+            request is not None
+            and past is not None
+            and _saw_request(past.seen, reg)
+            and not _saw_request(request.seen, reg)
+        ):
+            # That of an ended attempt's D request (another rank's, late) reaching a retry
+            # under the key: the retry is left alone (the ack still waits for the rank).
+            request, took_part = None, [past.seen]
+        elif request is not None:
+            took_part.append(request.seen)
+        for seen in took_part:
+            if len(seen) < MAX_SEEN:
+                seen.add(_ident(reg))
         if request is not None:
             # Its PUSH_REG may have arrived first (P connecting to the rank since): it must
             # never be written once acknowledged. Ended as a cancel of a loaded rank ends it.
@@ -1312,7 +1337,7 @@ class PrefillCore:
                     request.cancelled = True
                     why = f"cancelled by D rank {rank} before P loaded it"
                     out += self._fail_request(request, why, now)
-        if not held and not self._held_once(request, tomb, reg):  # as for a loaded rank's
+        if not held and unheld:  # as for a loaded rank's
             self._remember_unregistered(key, reg, now)
             if request is not None:
                 out += self._cancelled_unregistered(request, now)
@@ -1329,7 +1354,7 @@ class PrefillCore:
         ident = _ident(reg)
         past = request.past if request is not None else None
         return any(
-            ended is not None and (ended.overflow or ident in ended.seen) for ended in (tomb, past)
+            ended is not None and (ended.overflow or _saw_request(ended.seen, reg)) for ended in (tomb, past)
         ) or (request is not None and (request.gone_overflow or ident in request.seen))
 
     def _remember_unregistered(self, key: str, reg: PushRegistration, now: float) -> None:

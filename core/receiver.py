@@ -60,6 +60,7 @@ from kvpush.core.worker import (
     BLOCK_PAIRING_KEY,
     PROCESS_KEY,
     RESULT_ATTEMPTS_KEY,
+    UNREGISTERED_CANCELS_KEY,
     WRITE_DEADLINE_KEY,
     WRITES_ABORTABLE_KEY,
     RankWorker,
@@ -591,6 +592,11 @@ class PushReceiver(RankWorker):
                 engine.ranks[r].agent
                 for r in wanted
                 if engine.ranks[r].meta.extensions.get(ANSWER_ATTEMPTS_KEY) is True
+            ),
+            unregistered_cancels=frozenset(
+                engine.ranks[r].agent
+                for r in wanted
+                if engine.ranks[r].meta.extensions.get(UNREGISTERED_CANCELS_KEY) is True
             ),
             ended={
                 engine.ranks[r].agent: dict(ended)

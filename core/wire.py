@@ -314,6 +314,7 @@ def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
         BLOCK_PAIRING_KEY,
         PROCESS_KEY,
         RESULT_ATTEMPTS_KEY,
+        UNREGISTERED_CANCELS_KEY,
         WINDOW_BLOCKS_KEY,
         WRITE_DEADLINE_KEY,
         WRITES_ABORTABLE_KEY,
@@ -334,7 +335,7 @@ def _check_extensions(extensions: Mapping[str, Any], what: str) -> None:
         raise WireError(
             f"{what}: extension {WRITES_ABORTABLE_KEY!r} must be a bool, got {str(abortable)[:80]!r}"
         )
-    for key in (RESULT_ATTEMPTS_KEY, ANSWER_ATTEMPTS_KEY):
+    for key in (RESULT_ATTEMPTS_KEY, ANSWER_ATTEMPTS_KEY, UNREGISTERED_CANCELS_KEY):
         echoes = extensions.get(key)
         if echoes is not None and not isinstance(echoes, bool):
             raise WireError(f"{what}: extension {key!r} must be a bool, got {str(echoes)[:80]!r}")

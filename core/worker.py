@@ -422,6 +422,7 @@ class RankWorker:
             BLOCK_PAIRING_KEY: BLOCK_PAIRING,
             RESULT_ATTEMPTS_KEY: True,
             ANSWER_ATTEMPTS_KEY: True,
+            UNREGISTERED_CANCELS_KEY: True,
             PROCESS_KEY: this_process(),
             **staging,
         }
@@ -1020,3 +1021,9 @@ ANSWER_ATTEMPTS_KEY = "answer_attempts"
 ``want``, ``failed`` and ``unknown`` names the registration attempt it speaks of (notification
 format 2.8): D then acts on an entry only for the request of that attempt and refuses one naming
 none. A P that does not state it is an older release, whose entries D takes by key (as before)."""
+UNREGISTERED_CANCELS_KEY = "unregistered_cancels"
+"""Metadata extension where a P rank states (True) that it takes D's CANCEL of a registration it
+never held (D's request ended before it registered) as that D request's alone: it ends a
+finished prefill only when nothing else is held for the key (notification format 2.8). D sends
+such a CANCEL only to a P that states it: an older release judged it as the cancel of the key,
+failing another D request of the key held on another rank; it keeps its lease instead."""

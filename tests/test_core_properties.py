@@ -257,7 +257,8 @@ class CoreCluster(RuleBasedStateMachine):
         """The layer split P's engine runs now (a restarted rank takes its stage's window)."""
         self.ready = False
         self.answers = True
-        """P's ranks state ``answer_attempts`` (heartbeat answers bound to the attempt)."""
+        """P's ranks state ``answer_attempts`` (heartbeat answers bound to the attempt) and
+        ``unregistered_cancels``."""
         self.scatter_error = ""
         """The next packed scatter on D fails with this error (a kernel or torch raising)."""
         self.fences: list[tuple[DProc, int]] = []
@@ -271,8 +272,9 @@ class CoreCluster(RuleBasedStateMachine):
 
     @initialize(topology=st.sampled_from(TOPOLOGIES), answers=st.booleans())
     def start(self, topology: tuple[int, int, int], answers: bool = True) -> None:
-        """``answers``: P's ranks state ``answer_attempts`` (as every P of this release does;
-        False: a P of 2.7 or earlier, whose heartbeat answers D takes by key)."""
+        """``answers``: P's ranks state ``answer_attempts`` and ``unregistered_cancels`` (as
+        every P of this release does; False: a P of 2.7 or earlier, whose heartbeat answers D
+        takes by key and which D tells no cancel of a request that never registered)."""
         self.p_pp, self.p_tp, self.d_tp = topology
         self.answers = answers
         self.windows = SPLITS[self.p_pp][0]
@@ -889,6 +891,7 @@ class CoreCluster(RuleBasedStateMachine):
             processes={p.agent: {"inc": p.process or p.inc} for p in live.values()},
             shares={r: self._share(p) for r, p in live.items()},
             answer_attempts=frozenset(p.agent for p in live.values() if self.answers),
+            unregistered_cancels=frozenset(p.agent for p in live.values() if self.answers),
             ended={
                 p.agent: ended
                 for p in live.values()

@@ -235,7 +235,9 @@ def _p_ready(core: Any, at: float) -> list[Any]:
     import attrs
     from test_handshake_refusal import P0, P_AGENT, _info
 
-    info = attrs.evolve(_info(), echo_attempts=frozenset({P_AGENT}))
+    info = attrs.evolve(
+        _info(), echo_attempts=frozenset({P_AGENT}), unregistered_cancels=frozenset({P_AGENT})
+    )
     out = core.connected("P", info, "", at)
     return out + core.notification(
         P_AGENT, _note(wire.encode_heartbeat_answer(P0, at + 0.01, "p1")), at + 0.01
