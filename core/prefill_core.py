@@ -1199,7 +1199,7 @@ class PrefillCore:
         if not request.bound and request.others:
             # Not bound, and other engines hold registrations the router may name: the first
             # registrant's cancel ends its own offer, not the key (another engine's push).
-            out = self._cancel_tentative(request, reg, now)
+            out = self._cancel_tentative(request, engine, reg, now)
             self._refused[(key, ident)] = now
             self._timers.arm(("refused", (key, ident)), now + self.s.registration_ttl_s)
             if unheld:  # its other ranks' registrations of it may stay: the finish decides
@@ -1224,7 +1224,7 @@ class PrefillCore:
         (the router may name that engine at the finish). Only that registration goes; the
         engine's other ranks' held registrations of the same D request are told (FAIL, nothing
         posted), as the cancel of a bound key tells every rank; their registrations of other D
-        requests stay."""
+        requests stay (see :meth:`_same_request_on_another_rank`)."""
         held = request.others.get(engine.engine_id)
         if not held or held.get(reg.decode_tp_rank) is None:
             return []
@@ -1234,8 +1234,7 @@ class PrefillCore:
         out: list[Any] = []
         why = f"cancelled by D rank {reg.decode_tp_rank} before P finished; P will not write it"
         for rank, entry in sorted(held.items()):
-            same = entry.reg.request_id == reg.request_id
-            if same and entry.reg.decode_incarnation == reg.decode_incarnation:
+            if self._same_request_on_another_rank(engine, reg, rank, entry):
                 del held[rank]
                 self._gone(request, entry.reg)
                 out += self._refuse(entry.reg, entry.agent, why, False, now)
@@ -1243,19 +1242,19 @@ class PrefillCore:
             del request.others[engine.engine_id]
         return out
 
-    def _cancel_tentative(self, request: _Request, reg: PushRegistration, now: float) -> list[Any]:
+    def _cancel_tentative(
+        self, request: _Request, engine: _Decode, reg: PushRegistration, now: float
+    ) -> list[Any]:
         """D cancelled ``reg``, a registration of the engine a not-yet-bound key tentatively
         belongs to (its first registrant), while other engines hold registrations of the key:
         that engine's registrations of the same D request go (its other ranks told FAIL,
-        nothing posted); when none of its registrations is left, the next engine holding some
-        takes its place (the router's finish may still name any of them)."""
+        nothing posted: :meth:`_same_request_on_another_rank`); when none of its registrations
+        is left, the next engine holding some takes its place (the router's finish may still
+        name any of them)."""
         why = f"cancelled by D rank {reg.decode_tp_rank} before P finished; P will not write it"
         out: list[Any] = self._gone(request, reg)
         for rank, entry in sorted(request.regs.items()):
-            same = entry.reg.request_id == reg.request_id
-            if rank == reg.decode_tp_rank or (
-                same and entry.reg.decode_incarnation == reg.decode_incarnation
-            ):
+            if rank == reg.decode_tp_rank or self._same_request_on_another_rank(engine, reg, rank, entry):
                 del request.regs[rank]
                 self._gone(request, entry.reg)
                 if rank != reg.decode_tp_rank:
@@ -1264,6 +1263,27 @@ class PrefillCore:
             request.engine_id = next(iter(request.others))
             request.regs = request.others.pop(request.engine_id)
         return out
+
+    @classmethod
+    def _same_request_on_another_rank(
+        cls, engine: _Decode, cancelled: PushRegistration, rank: int, entry: _Reg
+    ) -> bool:
+        """Is ``entry``, held for D rank ``rank``, a registration of the D request ``cancelled``
+        names, on another rank of its engine? Every D rank is a process of its own with its own
+        incarnation, so each registration is judged against the start P loaded for *its own*
+        rank (the incarnation that rank's handshake named), never against another rank's:
+        ``cancelled`` only when it came from the start P loaded for its rank (a CANCEL of a
+        start P has not loaded may name another D request of the id); ``entry`` when it came
+        from the start P loaded for ``rank``, or, that rank not loaded yet, whichever start it
+        states: its FAIL is then owed to that start alone (:meth:`_refuse`), sent only once P
+        loads that very start."""
+        return (
+            rank != cancelled.decode_tp_rank
+            and entry.reg.request_id == cancelled.request_id
+            and cancelled.decode_tp_rank in engine.agents
+            and engine.incarnations.get(cancelled.decode_tp_rank) == cancelled.decode_incarnation
+            and (rank not in engine.agents or cls._loaded_from(engine, rank, entry))
+        )
 
     def _cancel_of_unloaded_rank(
         self, agent: str, note: Notification, reg: PushRegistration, key: str, now: float
@@ -1306,7 +1326,7 @@ class PrefillCore:
             if current is not None and _ident(current.reg) == _ident(reg):
                 held = True
                 if not request.bound and request.others:
-                    out += self._cancel_tentative(request, reg, now)
+                    out += self._cancel_tentative(request, engine, reg, now)
                 else:
                     del request.regs[rank]
                     request.cancelled = True
