@@ -189,6 +189,38 @@ def test_a_rank_not_loaded_yet_is_told_once_p_loads_that_start() -> None:
         assert _posts(core.finished("x-1", "p-1", ((5,),), "D", 100.3)) == []
 
 
+def test_the_routers_finish_naming_an_engine_that_cancelled_its_held_request_ends_at_once() -> None:
+    """D cancelled d-1 (held for it, on each rank) before P finished; the router's finish then
+    names D. Nothing of D is left to write: the finish is reported failed at once (it waited
+    for the lease, ``lease_s``), X told FAIL, nothing posted; a single rank's cancel (rank 1
+    told FAIL at it) ends it too. Whether D was the key's first registrant or not."""
+    for setup in (_x_first_then_d, _d_first_then_x):
+        for cancelling in ((0, 1), (0,), (1,)):
+            core = setup()
+            for rank in cancelling:
+                _cancel(core, f"D{rank}", 100.2, **_d(rank))
+            finish = core.finished("x-1", "p-1", ((5,),), "D", 100.3)
+            where = (setup.__name__, cancelling, finish)
+            assert _reports(finish) == [("p-1", "failed")], where
+            (report,) = [a for a in finish if isinstance(a, Report)]
+            assert "cancelled by D rank" in report.reason and "before P finished" in report.reason, where
+            assert _posts(finish) == [] and _told(finish, NotificationKind.FAILED) == [
+                ("X-agent", "x-req")
+            ], where
+            assert core.state_sizes()["requests"] == 0 and core.handle_timer(100.3 + core.s.lease_s) == []
+
+
+def test_a_held_cancel_does_not_end_a_new_request_of_the_engine() -> None:
+    """D cancelled d-1 (held) and registered d-2 under the key on both ranks (the request added
+    again): the router's finish naming D pushes d-2."""
+    core = _x_first_then_d()
+    for rank in (0, 1):
+        _cancel(core, f"D{rank}", 100.2, **_d(rank))
+        _register(core, f"D{rank}", 100.25, **_d(rank, request_id="d-2", block_ids=[[6]], grant=100.2))
+    finish = core.finished("x-1", "p-1", ((5,),), "D", 100.3)
+    assert sorted(_posts(finish)) == [("D", 0, "d-2"), ("D", 1, "d-2")] and _reports(finish) == [], finish
+
+
 # ---------------------------------------------------------------------------------------------
 # what the cancel must leave alone
 # ---------------------------------------------------------------------------------------------
@@ -209,6 +241,39 @@ def test_another_d_request_of_the_other_rank_is_left_alone() -> None:
     _register(core, "D0", 100.25, **_d(0, request_id="d-2", block_ids=[[6]], grant=100.2))
     posts = _posts(core.finished("x-1", "p-1", ((5,),), "D", 100.3))
     assert sorted(posts) == [("D", 0, "d-2"), ("D", 1, "d-2")]
+
+
+def test_a_cancel_of_an_earlier_attempt_leaves_the_held_registration_alone() -> None:
+    """D's ranks hold d-1 of attempt 9 (the engine gave d-1 again once D forgot it); a late
+    CANCEL of d-1's earlier attempt 3 from rank 0 is acknowledged and changes nothing: neither
+    rank's attempt 9 is dropped or told, and the router's finish naming D pushes both ranks.
+    (Rank 0's held registration used to be dropped unanswered, and the push waited for the
+    lease.) The same while P has not loaded the ranks (the finish waits for the handshakes)."""
+    for setup in (_x_first_then_d, _d_first_then_x):
+        core = _core()
+        if setup is _x_first_then_d:
+            _load_x(core, 100.0)
+            _register(core, "X-agent", 100.05, **X)
+        for rank in (0, 1):
+            _load_d(core, rank, 100.0)
+            _register(core, f"D{rank}", 100.1, **_d(rank, attempt=9))
+        if setup is _d_first_then_x:
+            _load_x(core, 100.0)
+            _register(core, "X-agent", 100.15, **X)
+        out = _cancel(core, "D0", 100.2, **_d(0, attempt=3))
+        assert _told(out, NotificationKind.CANCEL_ACK) == [("D0", "d-1")], (setup.__name__, out)
+        assert _told(out, NotificationKind.FAILED) == [], (setup.__name__, out)
+        posts = _posts(core.finished("x-1", "p-1", ((5,),), "D", 100.3))
+        assert sorted(posts) == [("D", 0, "d-1"), ("D", 1, "d-1")], (setup.__name__, posts)
+    core = _core()
+    for rank in (0, 1):
+        _register(core, f"D{rank}", 100.1, **_d(rank, attempt=9))  # P connects to both ranks
+    core.finished("x-1", "p-1", ((5,),), "", 100.15)
+    out = _cancel(core, "D0", 100.2, **_d(0, attempt=3))
+    assert _reports(out) == [], "a cancel of another attempt ended the push of the registration held"
+    out = _load_d(core, 0, 100.25) + _load_d(core, 1, 100.25)
+    assert _told(out, NotificationKind.CANCEL_ACK) == [("D0", "d-1")], out  # owed until rank 0 loaded
+    assert sorted(_posts(out)) == [("D", 0, "d-1"), ("D", 1, "d-1")], out
 
 
 def test_a_cancel_from_a_start_p_has_not_loaded_for_its_rank_tells_no_other_rank() -> None:
