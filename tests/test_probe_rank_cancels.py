@@ -343,6 +343,7 @@ def test_over_real_nixl_a_cancel_on_one_d_rank_tells_the_other_rank_and_x_is_pus
         try:
             x.start()
             server.publish(parallel.rank, x.handshake_payload())
+            assert cluster.receivers[0].incarnation != cluster.receivers[1].incarnation
             cluster.add("d-1", [[3]], "x-1")
             wait_until(lambda: _held(sender) == 2, what="both D ranks' PUSH_REG of d-1 held on P")
             params = TransferParams.from_dict(cluster.params("x-1"))
@@ -353,6 +354,7 @@ def test_over_real_nixl_a_cancel_on_one_d_rank_tells_the_other_rank_and_x_is_pus
             reason = cluster.wait_decode("d-1", ranks=[1], timeout_s=10)[1]
             assert reason is not None and "cancelled by D rank 0" in reason, reason
             assert time.monotonic() - started < 5, "rank 1 learned of the cancel only at a bound"
+            cluster.wait_released("d-1", ranks=[0, 1])
             cluster.finish("p-1", [[5]], "x-1")
             got = x.wait_finished(10)
             assert got.done == ("x-req",), got
@@ -371,8 +373,9 @@ def test_over_real_nixl_a_cancel_on_one_d_rank_tells_the_other_rank_and_x_is_pus
 
 def _held(sender: Any) -> int:
     """Registrations P's core holds (bound, tentative or held for an engine), read on its writer."""
-    requests = sender.call_on_writer(lambda: list(sender.core._requests.values()))
-    return sum(len(r.regs) + sum(map(len, r.others.values())) for r in requests)
+    return sender.call_on_writer(
+        lambda: sum(len(r.regs) + sum(map(len, r.others.values())) for r in sender.core._requests.values())
+    )
 
 
 def torch_equal(a: Any, b: Any) -> bool:
