@@ -434,11 +434,13 @@ class PrefillCore:
         self._warned = RateLimit(per_s=10)
         self._refused: dict[tuple[str, _Ident], float] = {}
         """(key, D registration) D cancelled before P knew the key: its late PUSH_REG is refused."""
-        self._unregistered: dict[str, dict[_Ident, None]] = {}
-        """Key -> D registrations D cancelled that P never held, in arrival order (D's request
-        ended before it registered; at most ``MAX_SEEN`` per key, each key ``registration_ttl_s``
-        after its last): a finished prefill of the key that nothing else is held for ends at
-        once instead of waiting for its lease (:meth:`_cancelled_unregistered`)."""
+        self._unregistered: dict[str, dict[_Ident, bool]] = {}
+        """Key -> D registrations D cancelled that P does not hold, in arrival order: never held
+        (D's request ended before it registered), or held for an engine while the key was not
+        bound (:meth:`_remember_held_cancel`); at most ``MAX_SEEN`` per key, each key
+        ``registration_ttl_s`` after its last. A finished prefill of the key that nothing else is
+        held for ends at once instead of waiting for its lease (:meth:`_cancelled_unregistered`).
+        Each maps to whether P held it."""
         self._connecting: dict[tuple[str, int], str] = {}
         """Address -> the one engine id being handshaken there."""
         self._address_backoff: dict[tuple[str, int], _Backoff] = {}
@@ -1208,7 +1210,7 @@ class PrefillCore:
         if not request.bound and request.others:
             # Not bound, and other engines hold registrations the router may name: the first
             # registrant's cancel ends its own offer, not the key (another engine's push).
-            out = self._cancel_tentative(request, reg, now)
+            out = self._cancel_tentative(request, engine, reg, now)
             self._refused[(key, ident)] = now
             self._timers.arm(("refused", (key, ident)), now + self.s.registration_ttl_s)
             if unheld:  # its other ranks' registrations of it may stay: the finish decides
@@ -1233,18 +1235,19 @@ class PrefillCore:
         (the router may name that engine at the finish). Only that registration goes; the
         engine's other ranks' held registrations of the same D request are told (FAIL, nothing
         posted), as the cancel of a bound key tells every rank; their registrations of other D
-        requests stay."""
+        requests stay (see :meth:`_same_request_on_another_rank`)."""
         held = request.others.get(engine.engine_id)
         if not held or held.get(reg.decode_tp_rank) is None:
             return []
-        if _ident(held[reg.decode_tp_rank].reg) != _ident(reg):
-            return []  # that rank holds another registration now: left alone
+        named = held[reg.decode_tp_rank].reg
+        if _ident(named) != _ident(reg) or _other_attempt(named, reg):
+            return []  # that rank holds another registration (or attempt) now: left alone
         del held[reg.decode_tp_rank]
+        self._remember_held_cancel(request, engine, reg, now)
         out: list[Any] = []
         why = f"cancelled by D rank {reg.decode_tp_rank} before P finished; P will not write it"
         for rank, entry in sorted(held.items()):
-            same = entry.reg.request_id == reg.request_id
-            if same and entry.reg.decode_incarnation == reg.decode_incarnation:
+            if self._same_request_on_another_rank(engine, reg, rank, entry):
                 del held[rank]
                 self._gone(request, entry.reg)
                 out += self._refuse(entry.reg, entry.agent, why, False, now)
@@ -1252,19 +1255,22 @@ class PrefillCore:
             del request.others[engine.engine_id]
         return out
 
-    def _cancel_tentative(self, request: _Request, reg: PushRegistration, now: float) -> list[Any]:
+    def _cancel_tentative(
+        self, request: _Request, engine: _Decode, reg: PushRegistration, now: float
+    ) -> list[Any]:
         """D cancelled ``reg``, a registration of the engine a not-yet-bound key tentatively
         belongs to (its first registrant), while other engines hold registrations of the key:
         that engine's registrations of the same D request go (its other ranks told FAIL,
-        nothing posted); when none of its registrations is left, the next engine holding some
-        takes its place (the router's finish may still name any of them)."""
+        nothing posted: :meth:`_same_request_on_another_rank`); when none of its registrations
+        is left, the next engine holding some takes its place (the router's finish may still
+        name any of them)."""
         why = f"cancelled by D rank {reg.decode_tp_rank} before P finished; P will not write it"
         out: list[Any] = self._gone(request, reg)
+        current = request.regs.get(reg.decode_tp_rank)
+        if current is not None and _ident(current.reg) == _ident(reg):
+            self._remember_held_cancel(request, engine, reg, now)
         for rank, entry in sorted(request.regs.items()):
-            same = entry.reg.request_id == reg.request_id
-            if rank == reg.decode_tp_rank or (
-                same and entry.reg.decode_incarnation == reg.decode_incarnation
-            ):
+            if rank == reg.decode_tp_rank or self._same_request_on_another_rank(engine, reg, rank, entry):
                 del request.regs[rank]
                 self._gone(request, entry.reg)
                 if rank != reg.decode_tp_rank:
@@ -1273,6 +1279,43 @@ class PrefillCore:
             request.engine_id = next(iter(request.others))
             request.regs = request.others.pop(request.engine_id)
         return out
+
+    def _remember_held_cancel(
+        self, request: _Request, engine: _Decode, reg: PushRegistration, now: float
+    ) -> None:
+        """D cancelled ``reg``, held for its engine while the key was not bound: remembered as a
+        cancel of a registration P does not hold (``_unregistered``), so that a finish the router
+        binds to that engine ends at once when P holds nothing else of it
+        (:meth:`_cancelled_unregistered`; it waited for the lease). Only a CANCEL from the
+        start P loaded for its rank (a fact of that rank's handshake) counts."""
+        if self._loaded_start(engine, reg):
+            self._remember_unregistered(request.key, reg, now, held=True)
+
+    @staticmethod
+    def _loaded_start(engine: _Decode, reg: PushRegistration) -> bool:
+        """Did ``reg`` come from the start (incarnation) P loaded for its D rank?"""
+        rank = reg.decode_tp_rank
+        return rank in engine.agents and engine.incarnations.get(rank) == reg.decode_incarnation
+
+    @classmethod
+    def _same_request_on_another_rank(
+        cls, engine: _Decode, cancelled: PushRegistration, rank: int, entry: _Reg
+    ) -> bool:
+        """Is ``entry``, held for D rank ``rank``, a registration of the D request ``cancelled``
+        names, on another rank of its engine? Every D rank is a process of its own with its own
+        incarnation, so each registration is judged against the start P loaded for *its own*
+        rank (the incarnation that rank's handshake named), never against another rank's:
+        ``cancelled`` only when it came from the start P loaded for its rank (a CANCEL of a
+        start P has not loaded may name another D request of the id); ``entry`` when it came
+        from the start P loaded for ``rank``, or, that rank not loaded yet, whichever start it
+        states: its FAIL is then owed to that start alone (:meth:`_refuse`), sent only once P
+        loads that very start."""
+        return (
+            rank != cancelled.decode_tp_rank
+            and entry.reg.request_id == cancelled.request_id
+            and cls._loaded_start(engine, cancelled)
+            and (rank not in engine.agents or cls._loaded_from(engine, rank, entry))
+        )
 
     def _cancel_of_unloaded_rank(
         self, agent: str, note: Notification, reg: PushRegistration, key: str, now: float
@@ -1328,10 +1371,14 @@ class PrefillCore:
             self._gone(request, reg)
             out += self._cancel_held(request, engine, reg, now)
             current = request.regs.get(rank)
-            if current is not None and _ident(current.reg) == _ident(reg):
+            if (
+                current is not None
+                and _ident(current.reg) == _ident(reg)
+                and not _other_attempt(current.reg, reg)
+            ):
                 held = True
                 if not request.bound and request.others:
-                    out += self._cancel_tentative(request, reg, now)
+                    out += self._cancel_tentative(request, engine, reg, now)
                 else:
                     del request.regs[rank]
                     request.cancelled = True
@@ -1357,11 +1404,14 @@ class PrefillCore:
             ended is not None and (ended.overflow or _saw_request(ended.seen, reg)) for ended in (tomb, past)
         ) or (request is not None and (request.gone_overflow or ident in request.seen))
 
-    def _remember_unregistered(self, key: str, reg: PushRegistration, now: float) -> None:
-        """D cancelled ``reg``, a registration of ``key`` P never held (see ``_unregistered``)."""
+    def _remember_unregistered(
+        self, key: str, reg: PushRegistration, now: float, *, held: bool = False
+    ) -> None:
+        """D cancelled ``reg``, a registration of ``key`` P does not hold (``held``: held until
+        this cancel, for a key not bound yet; see ``_unregistered``)."""
         cancels = self._unregistered.setdefault(key, {})
         if len(cancels) < MAX_SEEN:
-            cancels.setdefault(_ident(reg), None)
+            cancels[_ident(reg)] = cancels.get(_ident(reg), False) or held
         self._timers.arm(("unregistered", key), now + self.s.registration_ttl_s)
 
     def _cancelled_unregistered(self, request: _Request, now: float) -> list[Any]:
@@ -1371,7 +1421,8 @@ class PrefillCore:
         (a new request under the key: its push goes on). Registrations of the cancelled D
         request (other ranks that registered first) are told FAIL. Without this, P held the
         blocks until its lease (``lease_s``): D's request ended before it sent any PUSH_REG
-        (its handshake ran)."""
+        (its handshake ran). The same for a D request whose registrations P held for its
+        engine while the key was not bound, cancelled since (:meth:`_remember_held_cancel`)."""
         cancels = self._unregistered.get(request.key)
         if not cancels or request.blocks is None or request.failure or not request.bound:
             return []
@@ -1384,7 +1435,8 @@ class PrefillCore:
         self._timers.disarm(("unregistered", request.key))
         request.engine_id, request.cancelled = engine_id, True
         _, _, rank, rid = mine[0]
-        why = f"cancelled by D rank {rank} before it registered (D request {rid!r})"
+        when = "before P finished" if cancels[mine[0]] else "before it registered"
+        why = f"cancelled by D rank {rank} {when} (D request {rid!r})"
         return self._fail_request(request, why, now)
 
     # ------------------------------------------------------------------ handshakes

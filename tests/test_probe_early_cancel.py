@@ -485,8 +485,9 @@ def test_the_owed_ack_of_an_id_the_engine_gave_again_over_real_workers(small_id_
 
 def test_a_cancel_before_registering_of_a_tentative_engine_ends_the_finish_naming_it() -> None:
     """x-1 not bound yet: D's rank 1 registered d-1 first (the key's tentative engine), engine
-    E registered too; D's rank 0 cancels d-1 before it registered. The router's finish naming D
-    ends at once (rank 1's d-1 and E's e-1 told FAIL); one naming E pushes E."""
+    E registered too; D's rank 0 cancels d-1 before it registered: rank 1's d-1 is told FAIL at
+    the cancel (each D rank its own process and incarnation). The router's finish naming D
+    ends at once (E's e-1 told FAIL); one naming E pushes E."""
     for router, pushed in (("D", False), ("E", True)):
         core = _two_rank_core()
         _register_rank(core, 1, 100.0, grant=100.0)
@@ -499,11 +500,13 @@ def test_a_cancel_before_registering_of_a_tentative_engine_ends_the_finish_namin
         core.notification("E-agent", _note(wire.encode_hello(_registration(**other), 0)), 100.0)
         core.connected("E", 0, "E-agent", "e1", 1, "", 100.0)
         core.notification("E-agent", _note(wire.encode_push_reg(_registration(**other, grant=100.0))), 100.01)
-        assert len(_acks(_cancel_rank(core, 0, 100.02))) == 1
+        cancel = _cancel_rank(core, 0, 100.02)
+        assert len(_acks(cancel)) == 1
+        assert [n.request_id for n in _sent(cancel) if n.kind is NotificationKind.FAILED] == ["d-1"]
         out = core.finished("x-1", "p-1", ((5,),), router, 100.1)
         if pushed:
             assert [p.registration.request_id for p in _posts(out)] == ["e-1"], out
         else:
             assert _reports(out) == [("p-1", "failed")] and _posts(out) == [], out
             fails = sorted(n.request_id for n in _sent(out) if n.kind is NotificationKind.FAILED)
-            assert fails == ["d-1", "e-1"], out  # E's too: the key is D's, never E's
+            assert fails == ["e-1"], out  # E's too: the key is D's, never E's
