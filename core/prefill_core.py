@@ -1178,10 +1178,11 @@ class PrefillCore:
             request.seen.add(_ident(reg))
         ident = _ident(reg)
         current = request.regs.get(rank) if request is not None else None
-        if current is not None and _ident(current.reg) == ident and _other_attempt(current.reg, reg):
+        if request is not None and self._holds_another_attempt(request, reg):
             # The rank holds a later attempt of the same D request id (the engine gave the id
-            # again once D forgot it): this CANCEL is of the earlier attempt, which P never
-            # held. Acknowledged; the held registration is left alone.
+            # again once D forgot it), for the key's engine or held for one the router may
+            # name: this CANCEL is of the earlier attempt, which P never held. Acknowledged;
+            # the held registration is left alone, and so are its later PUSH_REGs (its renewals).
             return [Send(agent, ack)]
         mine = request is not None and request.engine_id == engine.engine_id
         others_held = False
@@ -1327,8 +1328,13 @@ class PrefillCore:
         copies no fence stops until every producer acknowledged, so a dropped cancel held its
         blocks for ever."""
         request, tomb = self._requests.get(key), self._tombstones.get(key)
-        self._refused[(key, _ident(reg))] = now
-        self._timers.arm(("refused", (key, _ident(reg))), now + self.s.registration_ttl_s)
+        # A later attempt of the same D request id held for the rank: this CANCEL is of an
+        # earlier one, which P never held. Only its ack is owed; the held registration and its
+        # later PUSH_REGs (its renewals: P asks for one once it loads the rank) are left alone.
+        earlier = request is not None and self._holds_another_attempt(request, reg)
+        if not earlier:
+            self._refused[(key, _ident(reg))] = now
+            self._timers.arm(("refused", (key, _ident(reg))), now + self.s.registration_ttl_s)
         past = request.past if request is not None else None
         unsettled = bool(tomb is not None and tomb.unsettled) or bool(past is not None and past.unsettled)
         unsettled = unsettled or any(
@@ -1349,9 +1355,11 @@ class PrefillCore:
         rank = reg.decode_tp_rank
         out: list[Any] = []
         held = False
-        unheld = not self._held_once(request, tomb, reg)  # before this CANCEL is remembered
+        unheld = not earlier and not self._held_once(request, tomb, reg)  # before it is remembered
         took_part = [tomb.seen] if tomb is not None else []  # as a loaded rank's CANCEL
-        if (
+        if earlier:
+            request, took_part = None, []
+        elif (
             request is not None
             and past is not None
             and _saw_request(past.seen, reg)
@@ -1393,6 +1401,17 @@ class PrefillCore:
             return out
         engine.owed.setdefault(rank, []).append((agent, reg.decode_incarnation, ack))
         return out if self._closing else out + self._connect(engine, rank, now, reg.decode_incarnation)
+
+    @staticmethod
+    def _holds_another_attempt(request: _Request, reg: PushRegistration) -> bool:
+        """Does ``request`` hold, for ``reg``'s D rank, a registration of the same D start and
+        request id but another attempt (the key's engine's, or one held for an engine the
+        router may name)? Then ``reg`` (a CANCEL) is of an earlier D request given that id."""
+        rank = reg.decode_tp_rank
+        for entry in (request.regs.get(rank), request.others.get(reg.decode_engine_id, {}).get(rank)):
+            if entry is not None and _ident(entry.reg) == _ident(reg) and _other_attempt(entry.reg, reg):
+                return True
+        return False
 
     @staticmethod
     def _held_once(request: _Request | None, tomb: _Tomb | None, reg: PushRegistration) -> bool:
