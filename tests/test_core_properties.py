@@ -171,6 +171,10 @@ class DReq:
     chunks: dict[str, int] = attrs.field(factory=dict)
     pieces: dict[str, frozenset[tuple[int, int]]] = attrs.field(factory=dict)
     """Producer incarnation -> the (layer, P TP rank) pieces its WRITEs cover."""
+    attempt: int | None = None
+    """The registration attempt D's core gave it (a D id used again is another attempt)."""
+    seq: int = -1
+    """The machine's request it belongs to (``Request.seq``), where a D id is used again."""
 
 
 @attrs.define(eq=False)
@@ -217,6 +221,8 @@ class Write:
     aborted: bool = False
     attempt: str = ""
     """The P request id (the attempt of the key) the WRITE belongs to."""
+    d_attempt: int | None = None
+    """The D registration attempt it was planned for (its PUSH_REG's)."""
 
 
 @attrs.define(eq=False)
@@ -602,6 +608,8 @@ class CoreCluster(RuleBasedStateMachine):
         d.next_packed = req.packed
         self._run_d(d, d.core.add(meta, self.now(d)))
         d.next_packed = False
+        receive = d.core._requests.get(req.rid)
+        d.requests[req.rid].attempt = receive.attempt if receive is not None else None
         holder = [o for o, rid in d.staging.items() if rid == req.rid]
         d.requests[req.rid].staging = holder[0] if holder else -1
 
@@ -712,8 +720,11 @@ class CoreCluster(RuleBasedStateMachine):
                 staging=reg.staging_offset,
                 chunk=c,
                 chunks=n,
-                notif=wire.encode_done(reg.request_id, p.rank, self.p_tp, manifest, p.inc),
+                notif=wire.encode_done(
+                    reg.request_id, p.rank, self.p_tp, manifest, p.inc, attempt=reg.attempt
+                ),
                 attempt=attempt,
+                d_attempt=reg.attempt,
             )
             handles.append(handle)
         self._run_p(
@@ -753,6 +764,8 @@ class CoreCluster(RuleBasedStateMachine):
             raise Violation(f"{where}: D's request {w.d_rid} is for key {req.key}")
         if req.released or req.freed:
             raise Violation(f"{where}: lands after D {'released' if req.released else 'freed'} its blocks")
+        if w.d_attempt is not None and req.attempt is not None and w.d_attempt != req.attempt:
+            raise Violation(f"{where}: planned for attempt {w.d_attempt}, D offers attempt {req.attempt}")
         if w.staging >= 0:
             if d.staging.get(w.staging) != w.d_rid:
                 raise Violation(f"{where}: staging offset {w.staging} is not reserved for it (any more)")

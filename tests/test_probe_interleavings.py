@@ -15,7 +15,10 @@ clock and checks) with:
 - the drivers evicting idle remote engines (``forget_engine``, any ``engine_ttl_s``), P's engine
   aborting a finished prefill, a post refused before any byte went out, a P send raising to a
   live D agent, D ranks restarting more often and a restarted D rank using an earlier
-  process's request id again.
+  process's request id again;
+- the D engine giving a request id again once its ranks forgot it (another registration
+  attempt of the same D start: late CANCELs and PUSH_REGs of the earlier attempt meet the
+  later one), every WRITE checked against the attempt D offers now.
 
 Checked after every step, in addition to ``CoreCluster``'s checks (bytes land only in blocks D
 offers the request now; done only once every piece landed whole; one report per request; drain
@@ -210,7 +213,8 @@ class KeyReuseCluster(CoreCluster):
     def _add(self, d: DProc, req: Request) -> None:
         if _engine_of(d) != self.engine_of.get(req.rid, "D"):
             return  # another D engine's request
-        if len(d.free) < req.nblocks or req.rid in d.requests:
+        earlier = d.requests.get(req.rid)
+        if len(d.free) < req.nblocks or (earlier is not None and not self._forgotten(d, earlier, req)):
             return
         blocks = tuple(d.free.pop() for _ in range(req.nblocks))
         for b in blocks:
@@ -222,12 +226,44 @@ class KeyReuseCluster(CoreCluster):
         meta = RequestMetadata(
             request_id=req.rid, block_ids=(blocks,), params=TransferParams.from_dict(params)
         )
-        d.requests[req.rid] = DReq(req.rid, req.key, blocks)
+        d.requests[req.rid] = DReq(req.rid, req.key, blocks, seq=req.seq)
         d.next_packed = req.packed
         self._run_d(d, d.core.add(meta, self.now(d)))
         d.next_packed = False
+        receive = d.core._requests.get(req.rid)
+        d.requests[req.rid].attempt = receive.attempt if receive is not None else None
         holder = [o for o, rid in d.staging.items() if rid == req.rid]
         d.requests[req.rid].staging = holder[0] if holder else -1
+
+    @staticmethod
+    def _forgotten(d: DProc, earlier: DReq, req: Request) -> bool:
+        """May D rank ``d`` be given ``req`` under the id of its ``earlier`` request? Once that
+        one ended, its blocks went back, and the rank's core forgot the id."""
+        return earlier.seq < req.seq and earlier.freed and not d.core.holds(req.rid)
+
+    @precondition(lambda self: self.requests and self.live_d())
+    @rule(i=IDX, same_key=st.booleans(), prefill_first=st.booleans())
+    def reuse_id_in_process(self, i: int, same_key: bool, prefill_first: bool) -> None:
+        """The D engine gives an id again once its ranks forgot it (the receiver aliases a
+        reused id only while it remembers it: ``ID_MEMORY`` ids), under the same key or
+        another: each rank's core takes it as a new attempt of the same start. Late CANCELs,
+        PUSH_REGs and results of the earlier attempt meet the later one (on P, in a request
+        held for an engine or bound, through loaded and unloaded D ranks)."""
+        old = self.requests[i % len(self.requests)]
+        ds = self.live_on(self.engine_of[old.rid])
+        given = [d for d in ds if old.rid in d.requests]
+        if not given or any(d.core.holds(old.rid) or not d.requests[old.rid].freed for d in given):
+            return  # still held (or its blocks still out) on a rank: not forgotten
+        n = next(self.seq)
+        event("a D id used again by the same process")
+        req = attrs.evolve(old, seq=n, key=old.key if same_key else f"k{n}")
+        self.requests.append(req)
+        self._pid(req)
+        if prefill_first and self.live_p():
+            self.prefill_finished(i=len(self.requests) - 1, j=0, one_rank=False, bind=False, boom=False)
+        for d in ds:
+            if req.seq > d.born:
+                self._add(d, req)
 
     @precondition(lambda self: self.requests and self.live_d())
     @rule(i=IDX, j=IDX)
