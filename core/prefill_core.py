@@ -1406,7 +1406,8 @@ class PrefillCore:
     def _holds_another_attempt(request: _Request, reg: PushRegistration) -> bool:
         """Does ``request`` hold, for ``reg``'s D rank, a registration of the same D start and
         request id but another attempt (the key's engine's, or one held for an engine the
-        router may name)? Then ``reg`` (a CANCEL) is of an earlier D request given that id."""
+        router may name)? Then ``reg`` (a CANCEL) is of another D request given that id (the
+        engine gives an id again once D forgot it), never of the registration held."""
         rank = reg.decode_tp_rank
         for entry in (request.regs.get(rank), request.others.get(reg.decode_engine_id, {}).get(rank)):
             if entry is not None and _ident(entry.reg) == _ident(reg) and _other_attempt(entry.reg, reg):
