@@ -197,13 +197,14 @@ def logical(
 
 
 def mismatches(pools: Pools, *wants: dict[str, list[torch.Tensor]]) -> list[str]:
-    """Every slot of every D buffer that differs from each of ``wants`` (empty: byte-exact)."""
+    """Every slot of every D buffer holding an element that differs from that element in each
+    of ``wants`` (empty: byte-exact; with several ``wants``, each element from one of them)."""
     out = []
     for name, pair in pools.buffers.items():
         for comp, buf in enumerate(pair):
             got = bits(buf)
-            differs = [(got != want[name][comp]).flatten(1).any(1) for want in wants]
-            bad = torch.stack(differs).all(0).nonzero().flatten().tolist()
+            differs = torch.stack([got != want[name][comp] for want in wants]).all(0)
+            bad = differs.flatten(1).any(1).nonzero().flatten().tolist()
             if bad:
                 out.append(f"{name} {'kv'[comp] if len(pair) == 2 else 'latent'} slots {bad[:12]}")
     return out
@@ -370,7 +371,11 @@ def push_and_check(
     d, p = engines.wait()
     assert set(d.values()) == {None} and set(p.values()) == {None}, (d, p)
     for tp, pools in engines.d_pools.items():
-        if pools.model.attention == "mla":  # any P rank of a fan-in may write the latent
+        if pools.model.attention == "mla":
+            # The k P ranks of a fan-in all write the whole latent (plugins/mla_replication.py):
+            # the prompt's slots are the same on each (checked exactly by `logical` below), but
+            # the unused slots of a partly used last page hold each P rank's own noise, and two
+            # WRITEs landing together leave them mixed, element by element (seen once in CI).
             wants = [
                 expected(before[tp], pools, p_pools, p_pages, d_pages) for p_pools in engines.p_pools.values()
             ]
