@@ -573,21 +573,33 @@ def _abortable(transport: Any, posted: list[PackedWrite]) -> bool:
 
 
 def _settle_quietly(transport: Any, posted: list[PackedWrite], timeout_s: float) -> bool:
-    """Wait (bounded) for chunks already posted, then release them (error path only).
-    Returns whether every one of them completed (none in flight or failed when released)."""
+    """Wait (bounded) for chunks already posted, then release every one of them (error path
+    only). Returns whether every one of them completed (none in flight or failed when
+    released). A poll or release that raises is contained: that chunk counts as not complete
+    (its bytes may still land), and the chunks after it are still settled and released."""
     from kvpush.core.transport import TransferState
 
     deadline = time.monotonic() + timeout_s
     complete = True
     for write in posted:
-        state = transport.poll(write.handle)
-        while state is TransferState.PENDING and time.monotonic() < deadline:
-            time.sleep(0.0005)
+        try:
             state = transport.poll(write.handle)
+            while state is TransferState.PENDING and time.monotonic() < deadline:
+                time.sleep(0.0005)
+                state = transport.poll(write.handle)
+        except Exception as err:
+            logger.warning("polling a posted chunk of a failed packed WRITE raised %r", err)
+            state = TransferState.FAILED
         complete = complete and state is TransferState.DONE
-        transport.release(write.handle)
-        transport.release_list(write.local_list)
-        transport.release_list(write.remote_list)
+        for release, handle in (
+            (transport.release, write.handle),
+            (transport.release_list, write.local_list),
+            (transport.release_list, write.remote_list),
+        ):
+            try:
+                release(handle)
+            except Exception as err:
+                logger.warning("releasing a chunk of a failed packed WRITE raised %r", err)
     return complete
 
 

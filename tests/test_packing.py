@@ -3,6 +3,8 @@ NIXL), PP, MLA fan-out, heterogeneous TP, pool exhaustion falling back without d
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -212,3 +214,49 @@ def test_packed_multiprocess_nixl_verifies_every_byte(layout: str, pp: int, ptp:
     # for every destination whatever order the registrations arrive in.
     assert row["packed_fallbacks"] == 0
     assert row["packed_destinations"] == cfg.requests * pp * max(ptp, dtp)
+
+
+class _RaisingPollTransport:
+    """Pure logic: a transport whose poll of one handle raises (as a plugin transport's may;
+    the ``faulty`` transport injects it), recording what was released."""
+
+    def __init__(self, raising: set[int], release_raises: bool = False) -> None:
+        self.raising, self.release_raises = raising, release_raises
+        self.released: list[int] = []
+        self.lists_released: list[int] = []
+
+    def poll(self, handle: int) -> Any:
+        from kvpush.core.transport import TransferState
+
+        if handle in self.raising:
+            raise RuntimeError(f"poll of {handle} raised")
+        return TransferState.DONE
+
+    def release(self, handle: int) -> None:
+        self.released.append(handle)
+        if self.release_raises:
+            raise RuntimeError(f"release of {handle} raised")
+
+    def release_list(self, handle: int) -> None:
+        self.lists_released.append(handle)
+
+
+@pytest.mark.parametrize("release_raises", [False, True])
+def test_settling_chunks_after_a_failed_chunk_releases_every_one_even_when_a_poll_raises(
+    release_raises: bool,
+) -> None:
+    """A packed push whose later chunk could not be posted settles the chunks posted before it,
+    then releases them and its staging. A poll raising there (a transport's own error) ended the
+    settling: the chunks after it were never released and the staging never freed (a leaked
+    handle, found by the packed soak in CI: ``leaked_handles=1``). Every chunk is released now,
+    and a chunk whose poll raised counts as not complete (its bytes may still land: D fences)."""
+    from kvpush.core.packing import PackedGroup, PackedWrite, _settle_quietly
+
+    group = PackedGroup(offset=0, remaining=3)
+    posted = [PackedWrite(h, 10 + h, 20 + h, group) for h in (1, 2, 3)]
+    transport = _RaisingPollTransport({2}, release_raises)
+    assert _settle_quietly(transport, posted, 0.05) is False
+    assert transport.released == [1, 2, 3]
+    assert sorted(transport.lists_released) == [11, 12, 13, 21, 22, 23]
+    transport = _RaisingPollTransport(set(), release_raises)
+    assert _settle_quietly(transport, posted, 0.05) is True
