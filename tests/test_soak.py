@@ -36,9 +36,9 @@ def test_soak_with_aborts_and_faults_writes_nothing_into_freed_blocks_and_leaks_
     # code before that day's changes): D rank 1's handshake was dropped and begun again at each
     # fence of the P engine (one every ~1 s under the faults) so its request never registered,
     # and the request, failed at 7.4 s, stayed held while D refused P's CANCEL_ACKs as "from a
-    # later P incarnation" until 21.7 s (open: docs/reliability.md, "Found by the local CI run of 2026-12-03");
-    # the slack is 20 s until that is understood. A failure prints the slowest request's ranks'
-    # log trail at the end of the run (the ``diagnosis`` fixture).
+    # later P incarnation" until 21.7 s (open: docs/reliability.md, "Found by the local CI run
+    # of 2026-12-03"); the slack is 20 s until that is understood. A failure prints the slowest
+    # request's ranks' log trail at the end of the run (the ``diagnosis`` fixture).
     bound = 6.0 + 0.5 + 2 * 1.5 + 20.0
     if not report["max_wait_s"] < bound:  # the slowest request's outcomes and its ranks' log trail
         diagnosis(json.dumps(report["slowest"], indent=1))
