@@ -185,3 +185,27 @@ def test_a_restarted_peers_old_listeners_are_still_fenced() -> None:
     finally:
         local.close()
         other.close()
+
+
+def test_admitting_a_peer_no_listener_refuses_rebuilds_no_filter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every load of a peer admits its listeners; a peer never refused (nearly every handshake)
+    must not reread the socket table and re-attach the listeners' filters (~10 ms a handshake,
+    the CPU gate's notif-only handshake 2 -> 14.5 ms). A refused one, an allow-only listener or
+    one refusing more than EXACT_REFUSALS addresses still goes through the update."""
+    calls: list[str] = []
+    monkeypatch.setattr(tcp_fence, "_update", lambda *a, **k: calls.append("update") or [])
+    monkeypatch.setattr(tcp_fence, "_refusals", {})
+    monkeypatch.setattr(tcp_fence, "_allowed", {})
+    peer, own = [("10.0.0.2", 4000)], [("10.0.0.1", 5000)]
+    tcp_fence.admit(peer, own, loaded=peer)
+    assert calls == []
+    tcp_fence._refusals[7] = {("10.0.0.2", 4000)}
+    tcp_fence.admit(peer, own, loaded=peer)
+    assert calls == ["update"]
+    tcp_fence._refusals[7] = {("10.0.0.9", n) for n in range(tcp_fence.EXACT_REFUSALS + 1)}
+    tcp_fence.admit(peer, own, loaded=peer)
+    assert calls == ["update"] * 2
+    tcp_fence._refusals.clear()
+    tcp_fence._allowed[7] = {("10.0.0.3", 4000)}
+    tcp_fence.admit(peer, own, loaded=peer)
+    assert calls == ["update"] * 3

@@ -586,8 +586,24 @@ def admit(
     still be retransmitting a refused connection request on one of those (its endpoint waits
     for the acknowledgement), and that endpoint is the one its new traffic uses."""
     peer, _ = refusable(peer_listeners)
+    if not _lifts_anything(peer):
+        return  # no listener refuses these addresses, none is or may turn allow-only: no change
     if peer or loaded is None:  # None: a peer whose listeners are unknown is loaded (refuse exactly)
         _update(list(own_listeners), remove=peer, accepted=True, loaded=loaded)
+
+
+def _lifts_anything(peer: set[tuple[str, int]]) -> bool:
+    """Whether :func:`admit` of ``peer`` may change a filter of this process: a listener
+    refuses one of its addresses, one is allow-only (every load may change what it takes), or
+    one refuses more than ``EXACT_REFUSALS`` addresses (an update may turn it allow-only).
+    Checked before the socket table is read: a load of a peer never refused (nearly every
+    handshake) costs no filter rebuild on the listener and its accepted connections."""
+    with _refusals_lock:
+        if _allowed:
+            return True
+        return any(
+            len(refused) > EXACT_REFUSALS or not refused.isdisjoint(peer) for refused in _refusals.values()
+        )
 
 
 def refused(own_listeners: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
